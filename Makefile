@@ -1,0 +1,39 @@
+# splitserve: two commands from a fresh clone: `make setup` (or any target below) and `make serve`.
+PYTHON ?= python3
+VENV   := .venv
+VPY    := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+MODELS := models
+PYTEST_ARGS ?=
+
+.PHONY: setup serve test bench-engine gpu-check clean
+
+setup: $(STAMP)
+
+# Reinstall when the project's dependencies change. torch is pinned in pyproject.toml
+# (torch==2.13.0): any range would let pip fetch a multi-GB CUDA build.
+$(STAMP): pyproject.toml
+	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
+	$(VPY) -m pip install -q --upgrade pip
+	$(VPY) -m pip install -q -e ".[test]"
+	touch $(STAMP)
+
+$(MODELS)/tiny/config.json: | $(STAMP)
+	$(VENV)/bin/splitserve make-model --preset tiny --out $(MODELS)/tiny --overwrite
+
+# Until the serving path lands, the main job is the offline engine demo on the tiny preset.
+serve: setup $(MODELS)/tiny/config.json
+	$(VENV)/bin/splitserve generate --model $(MODELS)/tiny --max-tokens 32
+
+test: setup
+	$(VPY) -m pytest $(PYTEST_ARGS)
+
+bench-engine: setup
+	$(VPY) scripts/bench_engine.py $(BENCH_ARGS)
+
+# Rehearses the GPU checks on the CPU; on a GPU machine run scripts/gpu_check.sh directly.
+gpu-check: setup
+	PYTHON=$(VPY) scripts/gpu_check.sh --device cpu
+
+clean:
+	rm -rf $(VENV) $(MODELS) build *.egg-info

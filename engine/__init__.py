@@ -1,0 +1,29 @@
+"""The model engine shared by every worker: model, paged KV cache, block manager, sampler, offline LLM.
+
+Exports are loaded lazily so that torch-free modules (block hashing, block manager, sampling
+parameters, tokenizer, detokenizer, stop strings) can be imported by the router without torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "LLM": "engine.llm",
+    "EngineConfig": "engine.llm",
+    "RequestOutput": "engine.llm",
+    "SamplingParams": "engine.sampling_params",
+    "SamplingParamsError": "engine.sampling_params",
+    "ModelConfig": "engine.model_config",
+    "BlockManager": "engine.block_manager",
+    "Tokenizer": "engine.tokenizer",
+}
+
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'engine' has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)

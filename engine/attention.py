@@ -1,0 +1,123 @@
+"""Attention over the paged KV cache, for a flattened batch mixing decodes and prefill chunks.
+
+A forward pass sees T tokens flattened into one dimension: first one token per decoding request,
+then every prefill chunk, one request after another. ``AttentionMetadata`` says where each request's
+tokens are and which cache blocks hold its context; it is built once per step on the host and
+shared by every layer.
+
+- Decodes (one query each) are batched: their blocks are gathered into ``[kv_heads, B, L, d]``,
+  padded to the longest context and masked, then two batched matmuls.
+- Prefill chunks go one request at a time through ``scaled_dot_product_attention``: against their own
+  fresh keys when nothing precedes the chunk (plain causal), else against the gathered context
+  (cached prefix or earlier chunks) with a causal mask shifted by what precedes the chunk.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from engine.kv_cache import write_kv
+
+
+@dataclass
+class PrefillChunk:
+    start: int  # first token of the chunk in the flattened batch
+    end: int
+    num_computed: int  # tokens of this request already in the cache before the chunk
+    block_table: torch.Tensor  # [blocks covering num_computed + chunk length] int64
+
+    @property
+    def context_len(self) -> int:
+        return self.num_computed + self.end - self.start
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] int64: cache slot of every token
+    num_decodes: int = 0
+    decode_blocks: torch.Tensor | None = None  # [num_decodes * max_blocks] int64, padded
+    decode_context_lens: list[int] = field(default_factory=list)
+    prefills: list[PrefillChunk] = field(default_factory=list)
+    # Additive masks for the padded decode batch, one per sliding window (None = full attention);
+    # built lazily, shared by every layer with the same window.
+    _decode_masks: dict[int | None, torch.Tensor | None] = field(default_factory=dict)
+
+    def decode_mask(self, window: int | None, block_size: int, device: torch.device) -> torch.Tensor | None:
+        if window not in self._decode_masks:
+            self._decode_masks[window] = _decode_mask(self.decode_context_lens, window, block_size, device)
+        return self._decode_masks[window]
+
+
+def _decode_mask(lens: list[int], window: int | None, block_size: int, device: torch.device) -> torch.Tensor | None:
+    padded = -(-max(lens) // block_size) * block_size
+    if window is None and all(n == padded for n in lens):
+        return None
+    pos = torch.arange(padded)
+    ctx = torch.tensor(lens)[:, None]
+    allowed = pos[None, :] < ctx
+    if window is not None:
+        allowed &= pos[None, :] > ctx - 1 - window
+    mask = torch.zeros(len(lens), padded).masked_fill_(~allowed, float("-inf"))
+    return mask[None, :, None, :].to(device)  # [1, B, 1, L] broadcast over [kv_heads, B, group, L]
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    window: int | None,
+) -> torch.Tensor:
+    """q [T, heads, d], k/v [T, kv_heads, d] -> [T, heads, d]; also stores k/v in the cache."""
+    write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+    out = torch.empty_like(q)
+    if meta.num_decodes:
+        out[: meta.num_decodes] = _decode(q[: meta.num_decodes], k_cache, v_cache, meta, scale, window)
+    for chunk in meta.prefills:
+        out[chunk.start : chunk.end] = _prefill(q, k, v, k_cache, v_cache, chunk, scale, window)
+    return out
+
+
+def _decode(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, window: int | None) -> torch.Tensor:
+    batch, heads, head_dim = q.shape
+    kv_heads, _, block_size, _ = k_cache.shape
+    group = heads // kv_heads
+    keys = k_cache.index_select(1, meta.decode_blocks).view(kv_heads, batch, -1, head_dim)
+    values = v_cache.index_select(1, meta.decode_blocks).view(kv_heads, batch, -1, head_dim)
+    query = q.view(batch, kv_heads, group, head_dim).transpose(0, 1)  # [kv_heads, B, group, d]
+    scores = torch.matmul(query, keys.transpose(-1, -2)).float() * scale  # [kv_heads, B, group, L]
+    mask = meta.decode_mask(window, block_size, q.device)
+    if mask is not None:
+        scores = scores + mask
+    probs = scores.softmax(dim=-1).to(q.dtype)
+    out = torch.matmul(probs, values)  # [kv_heads, B, group, d]
+    return out.transpose(0, 1).reshape(batch, heads, head_dim)
+
+
+def _prefill(q, k, v, k_cache, v_cache, chunk: PrefillChunk, scale: float, window: int | None) -> torch.Tensor:
+    query = q[chunk.start : chunk.end].transpose(0, 1).unsqueeze(0)  # [1, heads, Tq, d]
+    if chunk.num_computed == 0:
+        keys = k[chunk.start : chunk.end].transpose(0, 1).unsqueeze(0)
+        values = v[chunk.start : chunk.end].transpose(0, 1).unsqueeze(0)
+    else:
+        kv_heads, _, _, head_dim = k_cache.shape
+        n = chunk.context_len
+        keys = k_cache.index_select(1, chunk.block_table).view(kv_heads, -1, head_dim)[:, :n].unsqueeze(0)
+        values = v_cache.index_select(1, chunk.block_table).view(kv_heads, -1, head_dim)[:, :n].unsqueeze(0)
+    num_q, num_k = query.shape[2], keys.shape[2]
+    if window is None and num_q == num_k:
+        out = F.scaled_dot_product_attention(query, keys, values, is_causal=True, scale=scale, enable_gqa=True)
+    else:
+        qpos = torch.arange(num_k - num_q, num_k, device=q.device)[:, None]
+        kpos = torch.arange(num_k, device=q.device)[None, :]
+        allowed = kpos <= qpos
+        if window is not None:
+            allowed &= kpos > qpos - window
+        out = F.scaled_dot_product_attention(query, keys, values, attn_mask=allowed, scale=scale, enable_gqa=True)
+    return out.squeeze(0).transpose(0, 1)  # [Tq, heads, d]

@@ -1,0 +1,238 @@
+"""The offline engine: ``LLM(model_dir).generate(prompts, sampling)`` with continuous batching.
+
+One step reads like the loop it is::
+
+    output = scheduler.schedule()          # what to run (data only)
+    sampled = runner.execute(output)       # run it on the device
+    advanced = scheduler.update(output, sampled)   # apply tokens, finish requests
+    -> detokenize, match stop strings, report
+
+Used by tests, benchmarks and the colocated serving mode; the disaggregated workers reuse its parts.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.block_manager import BlockManager
+from engine.detokenizer import IncrementalDetokenizer
+from engine.kv_cache import KVCache, KVCacheSpec
+from engine.loader import build_model, parse_dtype
+from engine.model_config import ModelConfig
+from engine.model_runner import ModelRunner
+from engine.request import FinishReason, Request
+from engine.sampler import Sampler
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler, SchedulerConfig
+from engine.stop_strings import StopStringMatcher
+from engine.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model_dir: str
+    dtype: str = "auto"  # bfloat16 | float16 | float32 | auto (the checkpoint's)
+    device: str = "cpu"  # cpu | cuda | cuda:N
+    block_size: int = 16
+    num_blocks: int | None = None  # default: as many as kv_cache_bytes holds
+    kv_cache_bytes: int = 512 << 20
+    enable_prefix_caching: bool = True
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    prefill_chunk_size: int | None = None
+    max_model_len: int | None = None  # default: the model's max_position_embeddings
+    num_threads: int | None = None  # torch intra-op threads (CPU); None leaves torch's default
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError(f"block_size: must be >= 1, got {self.block_size}")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ValueError(f"num_blocks: must be >= 1, got {self.num_blocks}")
+        if self.kv_cache_bytes < 1:
+            raise ValueError(f"kv_cache_bytes: must be >= 1, got {self.kv_cache_bytes}")
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]  # output tokens so far
+    text: str  # output text so far (stop strings and held-back partial text excluded)
+    finished: bool = False
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+class _Stream:
+    """Per-request text state: incremental detokenizer plus stop-string matcher."""
+
+    def __init__(self, tokenizer: Tokenizer, request: Request) -> None:
+        sp = request.sampling
+        self.detok = IncrementalDetokenizer(tokenizer, request.prompt_token_ids, sp.skip_special_tokens)
+        self.stops = StopStringMatcher(sp.stop, sp.include_stop_str_in_output)
+        self.text = ""
+
+
+class LLM:
+    def __init__(self, model_dir: str, **options) -> None:
+        self.config = EngineConfig(model_dir=str(model_dir), **options)
+        cfg = self.config
+        if cfg.num_threads:
+            torch.set_num_threads(cfg.num_threads)
+        self.model_config = ModelConfig.from_model_dir(model_dir)
+        self.tokenizer = Tokenizer.from_model_dir(model_dir)
+        self.dtype = parse_dtype(cfg.dtype, self.model_config.checkpoint_dtype)
+        self.device = torch.device(cfg.device)
+        self.model, self.weights_checksum = build_model(self.model_config, model_dir, self.dtype, self.device)
+        num_blocks = cfg.num_blocks or max(
+            1, cfg.kv_cache_bytes // KVCacheSpec.for_model(self.model_config, 1, cfg.block_size, self.dtype).bytes_per_block
+        )
+        self.kv_cache = KVCache(KVCacheSpec.for_model(self.model_config, num_blocks, cfg.block_size, self.dtype), self.device)
+        self.blocks = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
+        eos = self.tokenizer.eos_token_ids or self.model_config.eos_token_ids
+        scheduler_config = SchedulerConfig(
+            max_num_seqs=cfg.max_num_seqs,
+            max_num_batched_tokens=cfg.max_num_batched_tokens,
+            prefill_chunk_size=cfg.prefill_chunk_size,
+            max_model_len=cfg.max_model_len or self.model_config.max_position_embeddings,
+        )
+        self.scheduler = Scheduler(scheduler_config, self.blocks, eos)
+        self.runner = ModelRunner(self.model, self.kv_cache, self.blocks, Sampler(eos))
+        self._streams: dict[str, _Stream] = {}
+        self._ids = itertools.count()
+
+    # ---- requests -----------------------------------------------------------------------------
+
+    def add_request(
+        self, prompt: str | Sequence[int], sampling: SamplingParams | None = None, request_id: str | None = None
+    ) -> str:
+        sampling = sampling or SamplingParams()
+        token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"token_ids: {bad} is outside the vocabulary [0, {vocab})")
+        sampling.validate(vocab)
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        request = Request(request_id, token_ids, sampling)
+        self.scheduler.add(request)
+        self._streams[request_id] = _Stream(self.tokenizer, request)
+        return request_id
+
+    def abort(self, request_id: str) -> None:
+        self.scheduler.finish(request_id, FinishReason.ABORT)
+        self._streams.pop(request_id, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    # ---- the loop -----------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one batch; returns an output for every request that advanced."""
+        output = self.scheduler.schedule()
+        now = time.monotonic()
+        for item in output.scheduled:
+            if item.request.first_scheduled_time is None:
+                item.request.first_scheduled_time = now
+        sampled = self.runner.execute(output)
+        advanced = self.scheduler.update(output, sampled)
+        now = time.monotonic()
+        results = []
+        for request in advanced:
+            if request.first_token_time is None:
+                request.first_token_time = now
+            results.append(self._emit(request, now))
+        return results
+
+    def _emit(self, request: Request, now: float) -> RequestOutput:
+        stream = self._streams[request.request_id]
+        text = stream.detok.add_tokens(request.token_ids[-1:])
+        if request.is_finished:
+            text += stream.detok.flush()
+        delta, stop = stream.stops.feed(text)
+        if stop is None and request.is_finished:
+            delta += stream.stops.flush()
+            stop = stream.stops.matched
+        if stop is not None:
+            # A stop string ends the request, and outranks a length limit reached on the same token.
+            self.scheduler.finish(request.request_id, FinishReason.STOP, stop)
+            request.finish_reason, request.stop_reason = FinishReason.STOP, stop
+        stream.text += delta
+        if request.is_finished:
+            del self._streams[request.request_id]
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt_token_ids=request.prompt_token_ids,
+            token_ids=request.output_token_ids,
+            text=stream.text,
+            finished=request.is_finished,
+            finish_reason=request.finish_reason.value if request.finish_reason else None,
+            stop_reason=request.stop_reason,
+            num_cached_tokens=request.num_cached_tokens,
+            metrics={
+                "arrival_time": request.arrival_time,
+                "first_scheduled_time": request.first_scheduled_time or now,
+                "first_token_time": request.first_token_time or now,
+                "last_token_time": now,
+            },
+        )
+
+    def generate(
+        self,
+        prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
+        sampling: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Run prompts (text or token ids) to completion, batched continuously; outputs in input order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = list(sampling) if isinstance(sampling, Sequence) else [sampling] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"sampling: {len(params)} parameter sets for {len(prompts)} prompts")
+        ids: list[str] = []
+        done: dict[str, RequestOutput] = {}
+        try:
+            for prompt, sp in zip(prompts, params):
+                ids.append(self.add_request(prompt, sp))
+            while len(done) < len(ids):
+                for out in self.step():
+                    if out.finished:
+                        done[out.request_id] = out
+        finally:
+            for rid in ids:
+                if rid not in done:
+                    self.abort(rid)
+        return [done[rid] for rid in ids]
+
+    def prompt_logits(self, token_ids: Sequence[int]) -> torch.Tensor:
+        """float32 logits [len(token_ids), vocab] at every position of a prompt (no prefix reuse)."""
+        token_ids = [int(t) for t in token_ids]
+        rid = f"score-{next(self._ids)}"
+        if not self.blocks.allocate(rid, len(token_ids)):
+            raise RuntimeError(f"not enough free KV blocks to score {len(token_ids)} tokens")
+        try:
+            return self.runner.score(token_ids, self.blocks.block_table(rid))
+        finally:
+            self.blocks.free(rid)
+
+    # ---- status -------------------------------------------------------------------------------
+
+    def kv_status(self) -> dict[str, int]:
+        """Block figures read from the allocator: total, in use, cached (evictable), free."""
+        b = self.blocks
+        return {
+            "total": b.num_blocks,
+            "in_use": b.num_used_blocks,
+            "cached": b.num_cached_blocks,
+            "free": b.num_free_blocks - b.num_cached_blocks,
+        }
+
+    def check_integrity(self) -> None:
+        self.blocks.check_integrity()

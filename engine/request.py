@@ -1,0 +1,75 @@
+"""A request inside one engine: its tokens and counters; everything else is derived.
+
+Lifecycle::
+
+    WAITING ──scheduled──▶ RUNNING ──stop / length / abort──▶ FINISHED
+       ▲                      │
+       └─────preempted────────┘   (blocks freed, KV recomputed later; prefix-cached blocks make
+                                   the recompute cheap)
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from engine.rng import random_seed
+from engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens or the model's context length
+    ABORT = "abort"  # cancelled by the caller
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    arrival_time: float = field(default_factory=time.monotonic)
+    seed: int = -1  # effective seed: sampling.seed, or a random one
+    token_ids: list[int] = field(init=False)  # prompt followed by output
+    num_computed_tokens: int = 0  # tokens whose K/V are in this engine's cache
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
+    num_preemptions: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+
+    def __post_init__(self) -> None:
+        if not self.prompt_token_ids:
+            raise ValueError("prompt_token_ids: must not be empty")
+        self.token_ids = list(self.prompt_token_ids)
+        if self.seed < 0:
+            self.seed = self.sampling.seed if self.sampling.seed is not None else random_seed()
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_token_ids) :]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED

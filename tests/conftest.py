@@ -1,0 +1,73 @@
+"""Shared fixtures: random-weight checkpoints written once per test session.
+
+`--device` selects where engine tests run (cpu by default; `scripts/gpu_check.sh` passes cuda).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+TEST_VOCAB = 2048
+_COMMON = {"vocab_size": TEST_VOCAB, "hidden_size": 128, "intermediate_size": 384, "max_position_embeddings": 4096,
+           "rms_norm_eps": 1e-6, "hidden_act": "silu"}  # fmt: skip
+
+# One small config per supported architecture, each exercising what is special about it.
+ARCH_CONFIGS: dict[str, dict] = {
+    # Qwen2: qkv bias, tied embeddings, a sliding-window layer above max_window_layers.
+    "qwen2": {**_COMMON, "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "tie_word_embeddings": True,
+              "rope_theta": 1000000.0, "use_sliding_window": True, "sliding_window": 24, "max_window_layers": 1},
+    # Llama 3: llama3 rope scaling, multi-query attention, untied head.
+    "llama": {**_COMMON, "architectures": ["LlamaForCausalLM"], "model_type": "llama", "num_hidden_layers": 3,
+              "num_attention_heads": 4, "num_key_value_heads": 1, "tie_word_embeddings": False,
+              "rope_theta": 500000.0, "attention_bias": False, "mlp_bias": False,
+              "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                               "high_freq_factor": 4.0, "original_max_position_embeddings": 64}},
+    # Mistral: sliding window on every layer, explicit head_dim different from hidden / heads.
+    "mistral": {**_COMMON, "architectures": ["MistralForCausalLM"], "model_type": "mistral",
+                "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 48,
+                "tie_word_embeddings": False, "rope_theta": 1000000.0, "sliding_window": 24},
+}  # fmt: skip
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--device", default="cpu", help="device for engine tests: cpu or cuda")
+
+
+@pytest.fixture(scope="session")
+def device(request: pytest.FixtureRequest) -> str:
+    return request.config.getoption("--device")
+
+
+@pytest.fixture(scope="session")
+def test_tokenizer():
+    from splitserve.make_model import train_tokenizer
+
+    return train_tokenizer(TEST_VOCAB)
+
+
+@pytest.fixture(scope="session")
+def arch_model_dirs(tmp_path_factory: pytest.TempPathFactory, test_tokenizer) -> dict[str, Path]:
+    """fp32 checkpoints of every supported architecture, sharing one tokenizer."""
+    from splitserve.make_model import write_random_checkpoint
+
+    root = tmp_path_factory.mktemp("arch-models")
+    return {
+        name: write_random_checkpoint(root / name, cfg, dtype="float32", seed=7, tokenizer=test_tokenizer)
+        for name, cfg in ARCH_CONFIGS.items()
+    }
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The `tiny` preset, as `splitserve make-model` writes it, in fp32."""
+    from splitserve.make_model import make_model
+
+    return make_model("tiny", tmp_path_factory.mktemp("tiny") / "model", dtype="float32", seed=0)
