@@ -141,3 +141,35 @@ def test_decode_across_many_blocks_and_preemption(arch_model_dirs, hf_models, de
         ref, gaps = hf_greedy(hf_models[arch], prompt, NEW_TOKENS)
         assert assert_matches(out.token_ids, ref, gaps, f"prompt of {len(prompt)}") >= 32
     assert_no_blocks_in_use(llm)
+
+
+@pytest.mark.parametrize(
+    "rope_scaling",
+    [
+        {"rope_type": "linear", "factor": 4.0},
+        {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
+        {"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+         "original_max_position_embeddings": 32},
+    ],
+    ids=["linear", "yarn", "llama3-old-type-key"],
+)
+@pytest.mark.parametrize("config_format", ["legacy", "current"])
+def test_rope_scaling_variants_match_transformers(rope_scaling, config_format, tmp_path, test_tokenizer, device):
+    from transformers import AutoModelForCausalLM
+
+    from splitserve.make_model import write_random_checkpoint
+    from tests.conftest import ARCH_CONFIGS
+
+    cfg = {**ARCH_CONFIGS["llama"], "rope_scaling": rope_scaling}
+    path = write_random_checkpoint(tmp_path / "m", cfg, dtype="float32", seed=3, tokenizer=test_tokenizer,
+                                   config_format=config_format)  # fmt: skip
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    llm = make_llm(path, device)
+    prompt = make_prompts(6, lengths=[90])[0]
+    with torch.inference_mode():
+        ref = hf(torch.tensor([prompt])).logits[0].float()
+    torch.testing.assert_close(llm.prompt_logits(prompt).cpu(), ref, atol=2e-4, rtol=2e-4)
+    out = llm.generate([prompt], SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True))[0]
+    tokens, gaps = hf_greedy(hf, prompt, NEW_TOKENS)
+    assert assert_matches(out.token_ids, tokens, gaps, f"{rope_scaling}") >= 32
+    assert_no_blocks_in_use(llm)

@@ -1,0 +1,284 @@
+#!/usr/bin/env python3
+"""Engine benchmark: splitserve's offline engine against transformers and the machine's own bounds.
+
+Everything is measured in one run on the same checkpoint (default: the qwen2.5-0.5b preset in bf16,
+written with `splitserve make-model` when missing), with fixed prompt lengths and thread counts:
+
+- prefill tok/s at batch 1 and 8 (prompts of --prompt-len tokens), splitserve and transformers;
+- decode tok/s: splitserve at batch 1, 8 and 32 with mixed prompt lengths under continuous batching
+  (time spent in pure decode steps only), transformers `generate` at batch 1, 8, 16 and 32 (static
+  batches: (T(N) - T(1)) / (N - 1) per step, as the field measures it);
+- two bounds for a decode step: (weight bytes + KV bytes read) / copy bandwidth, and the time of
+  `F.linear` on the model's own weight shapes at that batch size (the practical bound);
+- ratios: batch-1 decode vs transformers batch 1, batch-32 decode vs transformers' best static
+  batch, prefill vs transformers.
+
+Usage: python scripts/bench_engine.py [--json] [--model DIR] [--threads 2] [--device cpu|cuda]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from engine import LLM, ModelConfig, SamplingParams  # noqa: E402
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def best_time(fn, repeats: int, device: str) -> float:
+    times = []
+    for _ in range(repeats):
+        sync(device)
+        start = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+# ---- machine bounds ---------------------------------------------------------------------------
+
+
+def copy_bandwidth(device: str, nbytes: int = 1 << 30) -> float:
+    """Bytes moved (read + write) per second by a large tensor copy."""
+    src = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    t = best_time(lambda: dst.copy_(src), 5, device)
+    return 2 * nbytes / t
+
+
+def weight_shapes(cfg: ModelConfig) -> list[tuple[int, int]]:
+    """[out, in] of every matrix a decode step multiplies by, as splitserve fuses them."""
+    per_layer = [
+        (cfg.q_size + 2 * cfg.kv_size, cfg.hidden_size),
+        (cfg.hidden_size, cfg.q_size),
+        (2 * cfg.intermediate_size, cfg.hidden_size),
+        (cfg.hidden_size, cfg.intermediate_size),
+    ]
+    return per_layer * cfg.num_layers + [(cfg.vocab_size, cfg.hidden_size)]
+
+
+def linear_bound(cfg: ModelConfig, batch: int, dtype: torch.dtype, device: str) -> float:
+    """Seconds for F.linear over all of the model's weight shapes at m = batch (best of 5)."""
+    shapes = weight_shapes(cfg)
+    distinct = {s: torch.randn(s, dtype=dtype, device=device) * 0.02 for s in set(shapes)}
+    inputs = {k: torch.randn(batch, k, dtype=dtype, device=device) for k in {s[1] for s in shapes}}
+    total = 0.0
+    for shape, w in distinct.items():
+        x = inputs[shape[1]]
+        F.linear(x, w)
+        total += best_time(lambda: F.linear(x, w), 5, device) * shapes.count(shape)
+    return total
+
+
+# ---- splitserve -------------------------------------------------------------------------------
+
+
+def splitserve_prefill(llm: LLM, batch: int, prompt_len: int, repeats: int, device: str) -> float:
+    rng = random.Random(batch)
+    vocab = llm.model_config.vocab_size
+    prompts = [[rng.randrange(vocab) for _ in range(prompt_len)] for _ in range(batch)]
+    sp = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    llm.generate(prompts, sp)  # warm-up
+    t = best_time(lambda: llm.generate(prompts, sp), repeats, device)
+    return batch * prompt_len / t
+
+
+def splitserve_decode(llm: LLM, batch: int, prompt_len: int, new_tokens: int, device: str) -> dict:
+    """Mixed prompt lengths in [prompt_len / 2, 3 * prompt_len / 2], continuous batching, pure-decode steps timed."""
+    rng = random.Random(1000 + batch)
+    vocab = llm.model_config.vocab_size
+    lengths = [rng.randint(prompt_len // 2, 3 * prompt_len // 2) for _ in range(batch)]
+    prompts = [[rng.randrange(vocab) for _ in range(n)] for n in lengths]
+    sp = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    for p in prompts:
+        llm.add_request(p, sp)
+    decode_time, decode_tokens, steps, context = 0.0, 0, 0, 0
+    while llm.has_unfinished_requests():
+        running = [r for r in llm.scheduler.running if r.num_computed_tokens == r.num_tokens - 1]
+        pure_decode = not llm.scheduler.waiting and len(running) == len(llm.scheduler.running) == batch
+        ctx = sum(r.num_tokens for r in running)
+        sync(device)
+        start = time.perf_counter()
+        llm.step()
+        sync(device)
+        if pure_decode:
+            decode_time += time.perf_counter() - start
+            decode_tokens += batch
+            steps += 1
+            context += ctx
+    llm.check_integrity()
+    return {"tok_s": decode_tokens / decode_time, "ms_per_step": 1e3 * decode_time / steps,
+            "mean_context": context / steps / batch}  # fmt: skip
+
+
+# ---- transformers -----------------------------------------------------------------------------
+
+
+def hf_generate_times(model, batch: int, prompt_len: int, new_tokens: int, repeats: int, device: str) -> dict:
+    gen = torch.Generator().manual_seed(batch)
+    ids = torch.randint(0, model.config.vocab_size, (batch, prompt_len), generator=gen).to(device)
+    mask = torch.ones_like(ids)
+
+    def run(n: int) -> None:
+        with torch.inference_mode():
+            model.generate(input_ids=ids, attention_mask=mask, do_sample=False, min_new_tokens=n,
+                           max_new_tokens=n, eos_token_id=None, pad_token_id=0)  # fmt: skip
+
+    run(2)  # warm-up
+    t1 = best_time(lambda: run(1), repeats, device)
+    tn = best_time(lambda: run(new_tokens), 1, device)
+    step = (tn - t1) / (new_tokens - 1)
+    return {"prefill_tok_s": batch * prompt_len / t1, "decode_tok_s": batch / step, "ms_per_step": 1e3 * step}
+
+
+# ---- main -------------------------------------------------------------------------------------
+
+
+def ensure_model(path: Path, preset: str, dtype: str) -> Path:
+    if not (path / "config.json").is_file():
+        from splitserve.make_model import make_model
+
+        log(f"writing the {preset} preset to {path} ...")
+        make_model(preset, path, dtype=dtype, overwrite=True)
+    return path
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", type=Path, default=ROOT / "models" / "qwen2.5-0.5b")
+    ap.add_argument("--preset", default="qwen2.5-0.5b", help="written to --model when it is missing")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--decode-batches", default="1,8,32")
+    ap.add_argument("--hf-batches", default="1,8,16,32")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--skip-hf", action="store_true", help="measure splitserve and the bounds only")
+    ap.add_argument("--json", action="store_true", help="print one JSON object with every figure")
+    args = ap.parse_args()
+
+    torch.set_num_threads(args.threads)
+    dev = args.device
+    model_dir = ensure_model(args.model, args.preset, args.dtype)
+    cfg = ModelConfig.from_model_dir(model_dir)
+    dtype = getattr(torch, args.dtype)
+    decode_batches = [int(b) for b in args.decode_batches.split(",")]
+    hf_batches = [int(b) for b in args.hf_batches.split(",")]
+    result: dict = {"model": str(model_dir), "dtype": args.dtype, "device": dev, "threads": args.threads,
+                    "prompt_len": args.prompt_len, "new_tokens": args.new_tokens}  # fmt: skip
+
+    log("measuring bounds ...")
+    bw = copy_bandwidth(dev)
+    elem = torch.empty((), dtype=dtype).element_size()
+    weight_bytes = sum(o * i for o, i in weight_shapes(cfg)) * elem
+    kv_bytes_per_token = 2 * cfg.num_layers * cfg.kv_size * elem
+    result["copy_bandwidth_gb_s"] = bw / 1e9
+    result["weight_bytes"] = weight_bytes
+
+    log("splitserve ...")
+    llm = LLM(model_dir, dtype=args.dtype, device=dev, num_threads=args.threads, enable_prefix_caching=False,
+              max_num_seqs=max(decode_batches), max_num_batched_tokens=max(2048, 8 * args.prompt_len),
+              kv_cache_bytes=1 << 30)  # fmt: skip
+    ours = {"prefill_tok_s": {}, "decode": {}}
+    for b in (1, 8):
+        ours["prefill_tok_s"][b] = splitserve_prefill(llm, b, args.prompt_len, args.repeats, dev)
+    splitserve_decode(llm, 2, args.prompt_len, 8, dev)  # warm-up
+    for b in decode_batches:
+        d = splitserve_decode(llm, b, args.prompt_len, args.new_tokens, dev)
+        linear_s = linear_bound(cfg, b, dtype, dev)
+        bytes_s = (weight_bytes + d["mean_context"] * b * kv_bytes_per_token) / bw
+        d["linear_bound_ms"] = 1e3 * linear_s
+        d["bytes_bound_ms"] = 1e3 * bytes_s
+        d["fraction_of_linear_bound"] = linear_s / (d["ms_per_step"] / 1e3)
+        d["fraction_of_bytes_bound"] = bytes_s / (d["ms_per_step"] / 1e3)
+        ours["decode"][b] = d
+        log(f"  decode batch {b}: {d['tok_s']:.1f} tok/s ({d['ms_per_step']:.1f} ms/step)")
+    result["splitserve"] = ours
+    del llm
+    gc.collect()
+
+    if not args.skip_hf:
+        from transformers import AutoModelForCausalLM
+
+        log("transformers ...")
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="sdpa").to(dev).eval()
+        hf = {}
+        for b in hf_batches:
+            hf[b] = hf_generate_times(model, b, args.prompt_len, args.new_tokens, 2, dev)
+            log(f"  batch {b}: {hf[b]['decode_tok_s']:.1f} tok/s ({hf[b]['ms_per_step']:.1f} ms/step)")
+        result["transformers"] = hf
+        best_hf = max(v["decode_tok_s"] for v in hf.values())
+        result["ratios"] = {
+            "decode_batch1_vs_hf_batch1": ours["decode"][1]["tok_s"] / hf[1]["decode_tok_s"] if 1 in hf else None,
+            "decode_batch32_vs_hf_best": ours["decode"][max(decode_batches)]["tok_s"] / best_hf,
+            "prefill_batch1_vs_hf": ours["prefill_tok_s"][1] / hf[1]["prefill_tok_s"] if 1 in hf else None,
+            "prefill_batch8_vs_hf": ours["prefill_tok_s"][8] / hf[8]["prefill_tok_s"] if 8 in hf else None,
+        }
+        result["targets"] = {
+            "decode_batch1_vs_hf_batch1 >= 1.2": (result["ratios"]["decode_batch1_vs_hf_batch1"] or 0) >= 1.2,
+            "decode_batch32_vs_hf_best >= 2.0": result["ratios"]["decode_batch32_vs_hf_best"] >= 2.0,
+            "prefill_batch1_vs_hf >= 1.0": (result["ratios"]["prefill_batch1_vs_hf"] or 0) >= 1.0,
+        }
+
+    if args.json:
+        print(json.dumps(result, indent=None, default=float))
+    else:
+        print_table(result)
+    return 0
+
+
+def print_table(r: dict) -> None:
+    ours, hf = r["splitserve"], r.get("transformers", {})
+    print(f"model {r['model']} ({r['dtype']}, {r['device']}, {r['threads']} threads), prompts of "
+          f"{r['prompt_len']} tokens, {r['new_tokens']} new tokens; copy bandwidth {r['copy_bandwidth_gb_s']:.1f} GB/s")  # fmt: skip
+    print()
+    print("| | batch | splitserve | transformers | ratio |")
+    print("| --- | --- | --- | --- | --- |")
+    for b, v in ours["prefill_tok_s"].items():
+        h = hf.get(b, {}).get("prefill_tok_s")
+        print(f"| prefill tok/s | {b} | {v:.0f} | {h or float('nan'):.0f} | {v / h if h else float('nan'):.2f}x |")
+    for b in sorted(set(ours["decode"]) | set(hf)):
+        v = ours["decode"].get(b, {}).get("tok_s")
+        h = hf.get(b, {}).get("decode_tok_s")
+        cell = lambda x: f"{x:.1f}" if x else "-"  # noqa: E731
+        ratio = f"{v / h:.2f}x" if v and h else "-"
+        print(f"| decode tok/s | {b} | {cell(v)} | {cell(h)} | {ratio} |")
+    print()
+    print("| splitserve decode | batch | ms/step | linear bound ms | fraction | bytes bound ms | fraction |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for b, d in ours["decode"].items():
+        print(f"| | {b} | {d['ms_per_step']:.1f} | {d['linear_bound_ms']:.1f} | {d['fraction_of_linear_bound']:.2f} "
+              f"| {d['bytes_bound_ms']:.1f} | {d['fraction_of_bytes_bound']:.2f} |")  # fmt: skip
+    if "ratios" in r:
+        print()
+        for k, v in r["ratios"].items():
+            print(f"{k}: {v:.2f}" if v is not None else f"{k}: -")
+        for k, ok in r["targets"].items():
+            print(f"target {k}: {'met' if ok else 'NOT met'}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# The GPU checks, as one prepared script: the engine's parity tests against transformers and the engine
+# benchmark, on one device, in well under 8 minutes.
+#
+#   scripts/gpu_check.sh                 # on a GPU machine: --device cuda
+#   scripts/gpu_check.sh --device cpu    # CI's rehearsal (make test runs it)
+#
+# It uses whatever `python3` the machine has (override with PYTHON=...), with the tree on PYTHONPATH and
+# nothing installed: it needs torch, transformers, safetensors, tokenizers and pytest, and imports only
+# engine/, kv_transfer/ and the checkpoint writer (splitserve/make_model.py) from the tree. No Ray, no
+# network. Results go to $OUT when set (the device tool collects that folder), else to a temp folder.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+DEVICE=cuda
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --device) DEVICE="$2"; shift 2 ;;
+    --device=*) DEVICE="${1#*=}"; shift ;;
+    *) echo "usage: $0 [--device cuda|cpu]" >&2; exit 2 ;;
+  esac
+done
+
+PY=${PYTHON:-python3}
+RESULTS=${OUT:-$(mktemp -d)}
+WORK=$(mktemp -d)
+trap 'rm -rf "$WORK"' EXIT
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1
+export PYTHONDONTWRITEBYTECODE=1 TOKENIZERS_PARALLELISM=false
+
+echo "== environment"
+"$PY" - "$DEVICE" <<'PYEOF'
+import sys, torch, transformers
+device = sys.argv[1]
+print(f"python {sys.version.split()[0]}, torch {torch.__version__}, transformers {transformers.__version__}")
+if device.startswith("cuda"):
+    assert torch.cuda.is_available(), "--device cuda but torch sees no GPU"
+    print("gpu:", torch.cuda.get_device_name(0))
+PYEOF
+
+echo "== parity and engine tests on $DEVICE"
+timeout 300 "$PY" -m pytest tests/engine -q -p no:cacheprovider --device "$DEVICE" 2>&1 | tee "$RESULTS/gpu_check_tests.log"
+
+echo "== engine benchmark on $DEVICE"
+if [[ "$DEVICE" == cuda* ]]; then
+  timeout 240 "$PY" scripts/bench_engine.py --device "$DEVICE" --model "$WORK/qwen2.5-0.5b" --json \
+    > "$RESULTS/bench_engine.json"
+else
+  # The rehearsal: the same script end to end, on the tiny preset and small sizes.
+  timeout 240 "$PY" scripts/bench_engine.py --device cpu --preset tiny --dtype float32 --model "$WORK/tiny" \
+    --prompt-len 16 --new-tokens 8 --decode-batches 1,4 --hf-batches 1,4 --repeats 1 --json \
+    > "$RESULTS/bench_engine.json"
+fi
+"$PY" - "$RESULTS/bench_engine.json" <<'PYEOF'
+import json, sys
+r = json.load(open(sys.argv[1]))
+print(json.dumps({k: r[k] for k in ("device", "dtype", "ratios", "targets") if k in r}, indent=1))
+for b, d in r["splitserve"]["decode"].items():
+    print(f"splitserve decode batch {b}: {d['tok_s']:.1f} tok/s, {d['ms_per_step']:.2f} ms/step, "
+          f"{d['fraction_of_linear_bound']:.2f} of the F.linear bound")
+PYEOF
+echo "== gpu_check passed ($DEVICE); results in $RESULTS"
