@@ -25,8 +25,10 @@ $(MODELS)/tiny/config.json: | $(STAMP)
 serve: setup $(MODELS)/tiny/config.json
 	$(VENV)/bin/splitserve generate --model $(MODELS)/tiny --max-tokens 32
 
+# The suite, then the GPU checks rehearsed on the CPU so that scripts/gpu_check.sh cannot rot.
 test: setup
 	$(VPY) -m pytest $(PYTEST_ARGS)
+	PYTHON=$(VPY) scripts/gpu_check.sh --device cpu
 
 bench-engine: setup
 	$(VPY) scripts/bench_engine.py $(BENCH_ARGS)

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from engine.kv_cache import write_kv
+from engine.kv_cache import gather_context, write_kv
 
 
 @dataclass
@@ -36,7 +36,8 @@ class PrefillChunk:
 
 @dataclass
 class AttentionMetadata:
-    slot_mapping: torch.Tensor  # [T] int64: cache slot of every token
+    slot_blocks: torch.Tensor  # [T] int64: cache block of every token
+    slot_offsets: torch.Tensor  # [T] int64: offset within that block
     num_decodes: int = 0
     decode_blocks: torch.Tensor | None = None  # [num_decodes * max_blocks] int64, padded
     decode_context_lens: list[int] = field(default_factory=list)
@@ -68,28 +69,26 @@ def paged_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+    cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
     window: int | None,
 ) -> torch.Tensor:
-    """q [T, heads, d], k/v [T, kv_heads, d] -> [T, heads, d]; also stores k/v in the cache."""
-    write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+    """q [T, heads, d], k/v [T, kv_heads, d] -> [T, heads, d]; also stores k/v in the layer's cache."""
+    write_kv(cache, k, v, meta.slot_blocks, meta.slot_offsets)
     out = torch.empty_like(q)
     if meta.num_decodes:
-        out[: meta.num_decodes] = _decode(q[: meta.num_decodes], k_cache, v_cache, meta, scale, window)
+        out[: meta.num_decodes] = _decode(q[: meta.num_decodes], cache, meta, scale, window)
     for chunk in meta.prefills:
-        out[chunk.start : chunk.end] = _prefill(q, k, v, k_cache, v_cache, chunk, scale, window)
+        out[chunk.start : chunk.end] = _prefill(q, k, v, cache, chunk, scale, window)
     return out
 
 
-def _decode(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, window: int | None) -> torch.Tensor:
+def _decode(q, cache, meta: AttentionMetadata, scale: float, window: int | None) -> torch.Tensor:
     batch, heads, head_dim = q.shape
-    kv_heads, _, block_size, _ = k_cache.shape
+    _, _, kv_heads, block_size, _ = cache.shape
     group = heads // kv_heads
-    keys = k_cache.index_select(1, meta.decode_blocks).view(kv_heads, batch, -1, head_dim)
-    values = v_cache.index_select(1, meta.decode_blocks).view(kv_heads, batch, -1, head_dim)
+    keys, values = gather_context(cache, meta.decode_blocks, batch)  # [kv_heads, B, L, d]
     query = q.view(batch, kv_heads, group, head_dim).transpose(0, 1)  # [kv_heads, B, group, d]
     scores = torch.matmul(query, keys.transpose(-1, -2)).float() * scale  # [kv_heads, B, group, L]
     mask = meta.decode_mask(window, block_size, q.device)
@@ -100,16 +99,15 @@ def _decode(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, window: 
     return out.transpose(0, 1).reshape(batch, heads, head_dim)
 
 
-def _prefill(q, k, v, k_cache, v_cache, chunk: PrefillChunk, scale: float, window: int | None) -> torch.Tensor:
+def _prefill(q, k, v, cache, chunk: PrefillChunk, scale: float, window: int | None) -> torch.Tensor:
     query = q[chunk.start : chunk.end].transpose(0, 1).unsqueeze(0)  # [1, heads, Tq, d]
     if chunk.num_computed == 0:
         keys = k[chunk.start : chunk.end].transpose(0, 1).unsqueeze(0)
         values = v[chunk.start : chunk.end].transpose(0, 1).unsqueeze(0)
     else:
-        kv_heads, _, _, head_dim = k_cache.shape
-        n = chunk.context_len
-        keys = k_cache.index_select(1, chunk.block_table).view(kv_heads, -1, head_dim)[:, :n].unsqueeze(0)
-        values = v_cache.index_select(1, chunk.block_table).view(kv_heads, -1, head_dim)[:, :n].unsqueeze(0)
+        keys, values = gather_context(cache, chunk.block_table, 1)  # [kv_heads, 1, L, d]
+        keys = keys[:, :, : chunk.context_len].transpose(0, 1)
+        values = values[:, :, : chunk.context_len].transpose(0, 1)
     num_q, num_k = query.shape[2], keys.shape[2]
     if window is None and num_q == num_k:
         out = F.scaled_dot_product_attention(query, keys, values, is_causal=True, scale=scale, enable_gqa=True)

@@ -1,14 +1,15 @@
 """The paged KV cache: one preallocated tensor of fixed-size blocks shared by all requests.
 
-Layout: ``[num_layers, 2 (K, V), num_kv_heads, num_blocks, block_size, head_dim]``.
+Layout: ``[num_layers, num_blocks, 2 (K, V), num_kv_heads, block_size, head_dim]``.
 
-Heads sit outside blocks so that gathering a batch's blocks for decode attention
-(``index_select`` on the block dim) directly yields ``[kv_heads, batch, context, head_dim]``, the
-operand layout of a batched matmul, with no transpose copy. Token ``t`` of a request lives at
-*slot* ``block_table[t // block_size] * block_size + t % block_size``.
+Within a layer, one block's keys and values for every head are one contiguous run of memory
+(``2 * kv_heads * block_size * head_dim`` elements), so gathering a batch's scattered blocks for
+attention reads few, large runs: measured here, twice as fast as gathering K and V per head from
+separate regions. Token ``t`` of a request lives in block ``block_table[t // block_size]`` at offset
+``t % block_size``.
 
-A block's data is ``cache[:, :, :, block]`` (every layer, K and V, every head), which is what moves
-between workers; ``gather_blocks``/``scatter_blocks`` pack and unpack it.
+A block's data is ``cache[:, block]`` (every layer, K and V, every head), which is what moves between
+workers; ``gather_blocks``/``scatter_blocks`` pack and unpack it, optionally for a range of layers.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ class KVCacheSpec:
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return (self.num_layers, 2, self.num_kv_heads, self.num_blocks, self.block_size, self.head_dim)
+        return (self.num_layers, self.num_blocks, 2, self.num_kv_heads, self.block_size, self.head_dim)
 
 
 class KVCache:
@@ -49,23 +50,33 @@ class KVCache:
         self.device = torch.device(device)
         self.tensor = torch.zeros(spec.shape, dtype=spec.dtype, device=self.device)
 
-    def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(K, V) of one layer, each ``[kv_heads, num_blocks, block_size, head_dim]``."""
-        return self.tensor[layer, 0], self.tensor[layer, 1]
+    def layer(self, layer: int) -> torch.Tensor:
+        """One layer's cache: ``[num_blocks, 2, kv_heads, block_size, head_dim]``."""
+        return self.tensor[layer]
 
     def gather_blocks(self, block_ids: torch.Tensor, layers: slice = slice(None)) -> torch.Tensor:
-        """Copy the given blocks of the given layers out: ``[layers, 2, kv_heads, len(block_ids), bs, hd]``."""
-        return self.tensor[layers].index_select(3, block_ids.to(self.device))
+        """Copy the given blocks of the given layers out: ``[layers, len(block_ids), 2, kv_heads, bs, hd]``."""
+        return self.tensor[layers].index_select(1, block_ids.to(self.device))
 
     def scatter_blocks(self, block_ids: torch.Tensor, data: torch.Tensor, layers: slice = slice(None)) -> None:
         """Write ``data`` (as returned by ``gather_blocks``) into the given blocks."""
-        self.tensor[layers].index_copy_(3, block_ids.to(self.device), data.to(self.tensor.dtype))
+        self.tensor[layers].index_copy_(1, block_ids.to(self.device), data.to(self.tensor.dtype))
 
 
-def write_kv(
-    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
-) -> None:
-    """Store new keys/values ``[T, kv_heads, head_dim]`` at their slots in one layer's cache."""
-    heads, _, _, head_dim = k_cache.shape
-    k_cache.view(heads, -1, head_dim).index_copy_(1, slot_mapping, k.transpose(0, 1))
-    v_cache.view(heads, -1, head_dim).index_copy_(1, slot_mapping, v.transpose(0, 1))
+def write_kv(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks: torch.Tensor, offsets: torch.Tensor) -> None:
+    """Store new keys/values ``[T, kv_heads, head_dim]`` of one layer at (block, offset) per token."""
+    cache[blocks, 0, :, offsets] = k
+    cache[blocks, 1, :, offsets] = v
+
+
+def gather_context(cache: torch.Tensor, block_ids: torch.Tensor, num_seqs: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values of ``num_seqs`` equal-length block tables (flattened in ``block_ids``).
+
+    Returns two ``[kv_heads, num_seqs, blocks_per_seq * block_size, head_dim]`` tensors.
+    """
+    _, _, heads, block_size, head_dim = cache.shape
+    blocks = cache.index_select(0, block_ids)  # [S * nb, 2, kv_heads, bs, d]
+    blocks = blocks.view(num_seqs, -1, 2, heads, block_size, head_dim).permute(2, 3, 0, 1, 4, 5)
+    keys = blocks[0].reshape(heads, num_seqs, -1, head_dim)
+    values = blocks[1].reshape(heads, num_seqs, -1, head_dim)
+    return keys, values

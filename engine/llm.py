@@ -47,6 +47,7 @@ class EngineConfig:
     prefill_chunk_size: int | None = None
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     num_threads: int | None = None  # torch intra-op threads (CPU); None leaves torch's default
+    pack_weights: bool = True  # CPU: run linear layers from oneDNN's prepacked weight layout
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -90,7 +91,9 @@ class LLM:
         self.tokenizer = Tokenizer.from_model_dir(model_dir)
         self.dtype = parse_dtype(cfg.dtype, self.model_config.checkpoint_dtype)
         self.device = torch.device(cfg.device)
-        self.model, self.weights_checksum = build_model(self.model_config, model_dir, self.dtype, self.device)
+        self.model, self.weights_checksum = build_model(
+            self.model_config, model_dir, self.dtype, self.device, cfg.pack_weights
+        )
         num_blocks = cfg.num_blocks or max(
             1, cfg.kv_cache_bytes // KVCacheSpec.for_model(self.model_config, 1, cfg.block_size, self.dtype).bytes_per_block
         )

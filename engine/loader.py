@@ -140,13 +140,20 @@ def load_weights(model: CausalLM, model_dir: str | Path) -> str:
     return total.hexdigest()
 
 
-def build_model(cfg: ModelConfig, model_dir: str | Path, dtype: torch.dtype, device: torch.device) -> tuple[CausalLM, str]:
-    """Construct without random init (meta device), allocate on ``device``, load; returns (model, checksum)."""
+def build_model(
+    cfg: ModelConfig, model_dir: str | Path, dtype: torch.dtype, device: torch.device, pack_weights: bool = True
+) -> tuple[CausalLM, str]:
+    """Construct without random init (meta device), allocate on ``device``, load; returns (model, checksum).
+
+    ``pack_weights`` prepacks linear layers for oneDNN where it supports them (CPU).
+    """
     with torch.device("meta"):
         model = CausalLM(cfg)
     model = model.to(dtype).to_empty(device=device)
     checksum = load_weights(model, model_dir)
     model.init_rotary(device, dtype)
+    if pack_weights:
+        model.pack_weights()
     model.eval()
     model.requires_grad_(False)
     return model, checksum

@@ -19,6 +19,50 @@ from engine.model_config import ModelConfig
 from engine.rope import RotaryEmbedding, apply_rotary
 
 
+def can_pack(weight: torch.Tensor) -> bool:
+    """Whether oneDNN can run a linear layer with this weight from its prepacked (blocked) layout."""
+    if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    if weight.dtype == torch.bfloat16:
+        return torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    if weight.dtype == torch.float16:
+        return torch.ops.mkldnn._is_mkldnn_fp16_supported()
+    # float32: MKL's own kernel wins below ~256K weights (oneDNN's fixed cost is ~15 us a call here).
+    return weight.dtype == torch.float32 and weight.numel() >= 1 << 18
+
+
+class Linear(nn.Module):
+    """``y = x W^T + b`` with nn.Linear's parameter names.
+
+    On CPU, ``pack()`` moves W into oneDNN's blocked layout (an opaque tensor; the plain weight is
+    dropped). Measured here, packed bf16 matrix-vector products run about twice as fast as
+    ``F.linear`` on the same weights, and decode is bound by exactly these products.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, device: str | None = None) -> None:
+        super().__init__()
+        self.weight: nn.Parameter | None = nn.Parameter(torch.empty(out_features, in_features, device=device))
+        self.bias = nn.Parameter(torch.empty(out_features, device=device)) if bias else None
+        self.packed: torch.Tensor | None = None
+
+    @classmethod
+    def packed_from(cls, weight: torch.Tensor) -> Linear:
+        layer = cls(weight.shape[1], weight.shape[0], bias=False, device="meta")
+        layer.weight = None
+        layer.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
+        return layer
+
+    def pack(self) -> None:
+        if self.packed is None and can_pack(self.weight):
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach())
+            self.weight = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
@@ -41,25 +85,25 @@ class Attention(nn.Module):
         self.q_size, self.kv_size = cfg.q_size, cfg.kv_size
         self.scale = cfg.head_dim**-0.5
         self.window = cfg.sliding_windows[layer]
-        self.qkv_proj = nn.Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=cfg.o_bias)
+        self.qkv_proj = Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.qkv_bias)
+        self.o_proj = Linear(cfg.q_size, cfg.hidden_size, bias=cfg.o_bias)
 
     def forward(self, h, cos, sin, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         tokens = h.shape[0]
-        q, k, v = self.qkv_proj(h).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rotary(q.view(tokens, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rotary(k.view(tokens, self.num_kv_heads, self.head_dim), cos, sin)
-        v = v.view(tokens, self.num_kv_heads, self.head_dim)
-        k_cache, v_cache = kv_cache.layer(self.layer)
-        out = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale, self.window)
+        qkv = self.qkv_proj(h)
+        # One rotation for queries and keys together: [T, heads + kv_heads, head_dim].
+        qk = apply_rotary(qkv[:, : self.q_size + self.kv_size].view(tokens, -1, self.head_dim), cos, sin)
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        v = qkv[:, self.q_size + self.kv_size :].view(tokens, self.num_kv_heads, self.head_dim)
+        out = paged_attention(q, k, v, kv_cache.layer(self.layer), meta, self.scale, self.window)
         return self.o_proj(out.view(tokens, self.q_size))
 
 
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(h).chunk(2, dim=-1)
@@ -86,7 +130,7 @@ class CausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary: RotaryEmbedding | None = None  # set by ``init_rotary`` once the device is known
 
     def init_rotary(self, device: torch.device, dtype: torch.dtype) -> None:
@@ -108,7 +152,16 @@ class CausalLM(nn.Module):
             h = layer(h, cos, sin, kv_cache, meta)
         return h
 
+    def pack_weights(self) -> None:
+        """Prepack every linear layer for oneDNN where it can run them (CPU); a tied LM head gets a
+        packed copy of the embedding matrix, which the embedding lookup still needs in plain form."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.pack()
+        if self.lm_head is None and can_pack(self.embed_tokens.weight):
+            self.lm_head = Linear.packed_from(self.embed_tokens.weight)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Final norm and LM head on the selected rows only; float32 logits [rows, vocab]."""
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(self.norm(hidden), weight).float()
+        """Final norm and LM head on the selected rows only: logits [rows, vocab] in the model's dtype."""
+        hidden = self.norm(hidden)
+        return F.linear(hidden, self.embed_tokens.weight) if self.lm_head is None else self.lm_head(hidden)

@@ -48,9 +48,9 @@ class ModelRunner:
         """Logits [len(token_ids), vocab] at every prompt position (a full prefill into ``block_table``)."""
         bs = self.block_size
         n = len(token_ids)
-        slots = [block_table[p // bs] * bs + p % bs for p in range(n)]
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, device=self.device),
+            slot_blocks=torch.tensor([block_table[p // bs] for p in range(n)], device=self.device),
+            slot_offsets=torch.arange(n, device=self.device) % bs,
             prefills=[PrefillChunk(0, n, 0, None)] if n > 1 else [],
             num_decodes=1 if n == 1 else 0,
             decode_context_lens=[1] if n == 1 else [],
@@ -58,13 +58,14 @@ class ModelRunner:
         )
         positions = torch.arange(n, device=self.device)
         hidden = self.model(torch.tensor(token_ids, device=self.device), positions, n - 1, self.kv_cache, meta)
-        return self.model.compute_logits(hidden)
+        return self.model.compute_logits(hidden).float()
 
     def _prepare(self, items: list[ScheduledRequest]):
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
-        slots: list[int] = []
+        slot_blocks: list[int] = []
+        slot_offsets: list[int] = []
         sample_rows: list[tuple[int, ScheduledRequest]] = []
         decode_tables: list[list[int]] = []
         decode_lens: list[int] = []
@@ -76,7 +77,8 @@ class ModelRunner:
             offset = len(input_ids)
             input_ids.extend(request.token_ids[start:end])
             positions.extend(range(start, end))
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            slot_blocks.extend(table[p // bs] for p in range(start, end))
+            slot_offsets.extend(p % bs for p in range(start, end))
             if n == 1:
                 decode_tables.append(table[: -(-end // bs)])
                 decode_lens.append(end)
@@ -86,7 +88,8 @@ class ModelRunner:
             if item.samples:
                 sample_rows.append((offset + n - 1, item))
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, device=self.device),
+            slot_blocks=torch.tensor(slot_blocks, device=self.device),
+            slot_offsets=torch.tensor(slot_offsets, device=self.device),
             num_decodes=len(decode_tables),
             decode_context_lens=decode_lens,
             prefills=prefills,

@@ -22,7 +22,8 @@ class Sampler:
 
     @torch.no_grad()
     def __call__(self, logits: torch.Tensor, requests: Sequence[Request]) -> list[int]:
-        """logits [len(requests), vocab] float32 -> the next token of each request."""
+        """logits [len(requests), vocab] (any float dtype) -> the next token of each request."""
+        logits = logits.float()  # also the fast path: argmax over bf16 is several times slower here
         for row, request in enumerate(requests):
             if request.sampling.has_penalties:
                 self._apply_penalties(logits[row], request)
