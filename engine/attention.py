@@ -27,7 +27,7 @@ class PrefillChunk:
     start: int  # first token of the chunk in the flattened batch
     end: int
     num_computed: int  # tokens of this request already in the cache before the chunk
-    block_table: torch.Tensor  # [blocks covering num_computed + chunk length] int64
+    context_rows: torch.Tensor | None  # kv_cache.context_rows of the blocks covering the context; None if num_computed == 0
 
     @property
     def context_len(self) -> int:
@@ -39,7 +39,7 @@ class AttentionMetadata:
     slot_blocks: torch.Tensor  # [T] int64: cache block of every token
     slot_offsets: torch.Tensor  # [T] int64: offset within that block
     num_decodes: int = 0
-    decode_blocks: torch.Tensor | None = None  # [num_decodes * max_blocks] int64, padded
+    decode_rows: torch.Tensor | None = None  # kv_cache.context_rows of the padded decode block tables
     decode_context_lens: list[int] = field(default_factory=list)
     prefills: list[PrefillChunk] = field(default_factory=list)
     # Additive masks for the padded decode batch, one per sliding window (None = full attention);
@@ -76,19 +76,19 @@ def paged_attention(
 ) -> torch.Tensor:
     """q [T, heads, d], k/v [T, kv_heads, d] -> [T, heads, d]; also stores k/v in the layer's cache."""
     write_kv(cache, k, v, meta.slot_blocks, meta.slot_offsets)
-    out = torch.empty_like(q)
+    parts = []
     if meta.num_decodes:
-        out[: meta.num_decodes] = _decode(q[: meta.num_decodes], cache, meta, scale, window)
+        parts.append(_decode(q[: meta.num_decodes], cache, meta, scale, window))
     for chunk in meta.prefills:
-        out[chunk.start : chunk.end] = _prefill(q, k, v, cache, chunk, scale, window)
-    return out
+        parts.append(_prefill(q, k, v, cache, chunk, scale, window))
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def _decode(q, cache, meta: AttentionMetadata, scale: float, window: int | None) -> torch.Tensor:
     batch, heads, head_dim = q.shape
     _, _, kv_heads, block_size, _ = cache.shape
     group = heads // kv_heads
-    keys, values = gather_context(cache, meta.decode_blocks, batch)  # [kv_heads, B, L, d]
+    keys, values = gather_context(cache, meta.decode_rows, batch)  # [kv_heads, B, L, d]
     query = q.view(batch, kv_heads, group, head_dim).transpose(0, 1)  # [kv_heads, B, group, d]
     scores = torch.matmul(query, keys.transpose(-1, -2)).float() * scale  # [kv_heads, B, group, L]
     mask = meta.decode_mask(window, block_size, q.device)
@@ -105,7 +105,7 @@ def _prefill(q, k, v, cache, chunk: PrefillChunk, scale: float, window: int | No
         keys = k[chunk.start : chunk.end].transpose(0, 1).unsqueeze(0)
         values = v[chunk.start : chunk.end].transpose(0, 1).unsqueeze(0)
     else:
-        keys, values = gather_context(cache, chunk.block_table, 1)  # [kv_heads, 1, L, d]
+        keys, values = gather_context(cache, chunk.context_rows, 1)  # [kv_heads, 1, L, d]
         keys = keys[:, :, : chunk.context_len].transpose(0, 1)
         values = values[:, :, : chunk.context_len].transpose(0, 1)
     num_q, num_k = query.shape[2], keys.shape[2]

@@ -10,7 +10,7 @@ import torch
 
 from engine.attention import AttentionMetadata, PrefillChunk
 from engine.block_manager import BlockManager
-from engine.kv_cache import KVCache
+from engine.kv_cache import KVCache, context_rows
 from engine.model import CausalLM
 from engine.sampler import Sampler
 from engine.scheduler import ScheduledRequest, SchedulerOutput
@@ -54,11 +54,14 @@ class ModelRunner:
             prefills=[PrefillChunk(0, n, 0, None)] if n > 1 else [],
             num_decodes=1 if n == 1 else 0,
             decode_context_lens=[1] if n == 1 else [],
-            decode_blocks=torch.tensor(block_table[:1], device=self.device) if n == 1 else None,
+            decode_rows=self._rows(block_table[:1]) if n == 1 else None,
         )
         positions = torch.arange(n, device=self.device)
         hidden = self.model(torch.tensor(token_ids, device=self.device), positions, n - 1, self.kv_cache, meta)
         return self.model.compute_logits(hidden).float()
+
+    def _rows(self, block_ids: list[int]) -> torch.Tensor:
+        return context_rows(torch.tensor(block_ids, device=self.device), self.kv_cache.spec.num_kv_heads)
 
     def _prepare(self, items: list[ScheduledRequest]):
         bs = self.block_size
@@ -83,8 +86,8 @@ class ModelRunner:
                 decode_tables.append(table[: -(-end // bs)])
                 decode_lens.append(end)
             else:
-                block_table = torch.tensor(table[: -(-end // bs)], device=self.device) if start else None
-                prefills.append(PrefillChunk(offset, offset + n, start, block_table))
+                rows = self._rows(table[: -(-end // bs)]) if start else None
+                prefills.append(PrefillChunk(offset, offset + n, start, rows))
             if item.samples:
                 sample_rows.append((offset + n - 1, item))
         meta = AttentionMetadata(
@@ -97,7 +100,7 @@ class ModelRunner:
         if decode_tables:
             width = max(len(t) for t in decode_tables)
             padded = [t + [0] * (width - len(t)) for t in decode_tables]
-            meta.decode_blocks = torch.tensor(padded, device=self.device).view(-1)
+            meta.decode_rows = self._rows([b for t in padded for b in t])
         return (
             torch.tensor(input_ids, device=self.device),
             torch.tensor(positions, device=self.device),
