@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 MODELS := models
 PYTEST_ARGS ?=
 
-.PHONY: setup serve test bench-engine gpu-check clean
+.PHONY: setup serve test bench-engine bench-transfer proto gpu-check clean
 
 setup: $(STAMP)
 
@@ -32,6 +32,13 @@ test: setup
 
 bench-engine: setup
 	$(VPY) scripts/bench_engine.py $(BENCH_ARGS)
+
+bench-transfer: setup
+	$(VPY) -m kv_transfer.bench $(BENCH_ARGS)
+
+# Regenerate the gRPC stubs in splitserve/rpc from proto/ (a test fails when they drift).
+proto: setup
+	cd proto && ../$(VPY) -m grpc_tools.protoc -I. --python_out=.. --grpc_python_out=.. --pyi_out=.. $$(find . -name '*.proto')
 
 # Rehearses the GPU checks on the CPU; on a GPU machine run scripts/gpu_check.sh directly.
 gpu-check: setup

@@ -6,9 +6,9 @@
 #   scripts/gpu_check.sh --device cpu    # CI's rehearsal (make test runs it)
 #
 # It uses whatever `python3` the machine has (override with PYTHON=...), with the tree on PYTHONPATH and
-# nothing installed: it needs torch, transformers, safetensors, tokenizers and pytest, and imports only
-# engine/, kv_transfer/ and the checkpoint writer (splitserve/make_model.py) from the tree. No Ray, no
-# network. Results go to $OUT when set (the device tool collects that folder), else to a temp folder.
+# nothing installed: it needs torch, transformers, safetensors, tokenizers, msgpack, hypothesis and pytest,
+# and imports only engine/, kv_transfer/ (not its gRPC service) and the checkpoint writer
+# (splitserve/make_model.py) from the tree. No Ray, no network. Results go to $OUT when set (the device tool collects that folder), else to a temp folder.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -38,8 +38,12 @@ if device.startswith("cuda"):
     print("gpu:", torch.cuda.get_device_name(0))
 PYEOF
 
-echo "== parity and engine tests on $DEVICE"
-timeout 300 "$PY" -m pytest tests/engine -q -p no:cacheprovider --device "$DEVICE" 2>&1 | tee "$RESULTS/gpu_check_tests.log"
+echo "== parity, engine and KV-transfer tests on $DEVICE"
+# tests/kv_transfer/test_units.py runs real gloo pairs with the KV cache on $DEVICE: on CUDA that is the
+# path that stages payloads through pinned host memory (NCCL needs two GPUs; its pair logic is covered
+# there by a fake NCCL-like group).
+timeout 300 "$PY" -m pytest tests/engine tests/kv_transfer/test_units.py -q -p no:cacheprovider --device "$DEVICE" \
+  2>&1 | tee "$RESULTS/gpu_check_tests.log"
 
 echo "== engine benchmark on $DEVICE"
 if [[ "$DEVICE" == cuda* ]]; then

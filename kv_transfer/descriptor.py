@@ -1,0 +1,165 @@
+"""Layout fingerprints and payload descriptors, and their strict msgpack encoding. Torch-free.
+
+A descriptor announces one payload message on a pair's FIFO: which transfer, which layers and which
+of the transfer's blocks it carries, and exactly how many bytes follow on the process group.
+Decoding trusts nothing: a size limit, an exact key set, a type and range check per field, and no
+msgpack extension types (nothing is ever unpickled or constructed from the wire).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+import msgpack
+
+PROTOCOL_VERSION = 1
+DTYPES = ("bfloat16", "float16", "float32")
+_MAX_ID_CHARS = 256
+_MAX_SHAPE_DIMS = 8
+_MAX_COMMIT_BYTES = 16 << 10
+
+
+class DescriptorError(ValueError):
+    """A descriptor or fingerprint failed validation; the message names the field."""
+
+
+@dataclass(frozen=True)
+class LayoutFingerprint:
+    model: str
+    dtype: str
+    block_size: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    weights_checksum: str
+
+    def mismatches(self, other: LayoutFingerprint) -> list[str]:
+        """Names of the fields that differ, with both values, for an error message."""
+        return [
+            f"{f.name} ({getattr(self, f.name)!r} != {getattr(other, f.name)!r})"
+            for f in fields(self)
+            if getattr(self, f.name) != getattr(other, f.name)
+        ]
+
+    @property
+    def bytes_per_block_layer(self) -> int:
+        """Bytes of one block of one layer: K and V for every head."""
+        elem = {"bfloat16": 2, "float16": 2, "float32": 4}[self.dtype]
+        return 2 * self.num_kv_heads * self.block_size * self.head_dim * elem
+
+
+@dataclass(frozen=True)
+class PayloadDescriptor:
+    seq: int  # position in the pair's FIFO
+    transfer_id: str
+    layer_start: int
+    layer_end: int
+    block_start: int  # range within the transfer's block list
+    block_end: int
+    num_blocks: int  # blocks in the whole transfer
+    num_tokens: int  # tokens in the whole transfer
+    dtype: str
+    shape: tuple[int, ...]  # [layers, blocks, 2, kv_heads, block_size, head_dim]
+    nbytes: int
+    last: bool  # the transfer's final message
+    commit: dict | None = None  # opaque to kv_transfer; delivered to the receiver with the last message
+    version: int = PROTOCOL_VERSION
+
+    @property
+    def num_units(self) -> int:
+        """(layer, block) pairs this message fills."""
+        return (self.layer_end - self.layer_start) * (self.block_end - self.block_start)
+
+
+_WIRE_KEYS = frozenset(
+    ("v", "seq", "id", "layers", "blocks", "num_blocks", "num_tokens", "dtype", "shape", "nbytes", "last", "commit")
+)
+
+
+def encode_descriptor(d: PayloadDescriptor) -> bytes:
+    return msgpack.packb(
+        {
+            "v": d.version, "seq": d.seq, "id": d.transfer_id, "layers": [d.layer_start, d.layer_end],
+            "blocks": [d.block_start, d.block_end], "num_blocks": d.num_blocks, "num_tokens": d.num_tokens,
+            "dtype": d.dtype, "shape": list(d.shape), "nbytes": d.nbytes, "last": d.last, "commit": d.commit,
+        },  # fmt: skip
+        use_bin_type=True,
+    )
+
+
+def decode_descriptor(data: bytes, max_bytes: int = 64 << 10) -> PayloadDescriptor:
+    """Parse and validate one descriptor; DescriptorError names the first bad field."""
+    if not isinstance(data, (bytes, bytearray)):
+        raise DescriptorError("descriptor: must be bytes")
+    if len(data) > max_bytes:
+        raise DescriptorError(f"descriptor: {len(data)} bytes exceeds the limit of {max_bytes}")
+    try:
+        raw = msgpack.unpackb(
+            data, raw=False, strict_map_key=True, use_list=True, max_bin_len=_MAX_COMMIT_BYTES,
+            max_str_len=_MAX_COMMIT_BYTES, max_array_len=64, max_map_len=64, max_ext_len=0,
+            ext_hook=_refuse_ext,
+        )  # fmt: skip
+    except DescriptorError:
+        raise
+    except Exception as e:  # msgpack raises several unrelated types for bad input
+        raise DescriptorError(f"descriptor: not valid msgpack ({type(e).__name__}: {e})") from None
+    if not isinstance(raw, dict):
+        raise DescriptorError("descriptor: must be a map")
+    if set(raw) != set(_WIRE_KEYS):
+        missing, extra = sorted(set(_WIRE_KEYS) - set(raw)), sorted(set(raw) - set(_WIRE_KEYS))
+        raise DescriptorError(f"descriptor: missing keys {missing}, unknown keys {extra}")
+    version = _int(raw, "v", 0)
+    if version != PROTOCOL_VERSION:
+        raise DescriptorError(f"v: protocol version {version} is not {PROTOCOL_VERSION}")
+    layer_start, layer_end = _range(raw, "layers")
+    block_start, block_end = _range(raw, "blocks")
+    num_blocks = _int(raw, "num_blocks", 1)
+    if block_end > num_blocks:
+        raise DescriptorError(f"blocks: end {block_end} exceeds num_blocks {num_blocks}")
+    transfer_id = raw["id"]
+    if not isinstance(transfer_id, str) or not 0 < len(transfer_id) <= _MAX_ID_CHARS:
+        raise DescriptorError(f"id: must be a non-empty string of at most {_MAX_ID_CHARS} characters")
+    dtype = raw["dtype"]
+    if dtype not in DTYPES:
+        raise DescriptorError(f"dtype: {dtype!r} is not one of {DTYPES}")
+    shape = raw["shape"]
+    if not isinstance(shape, list) or not 0 < len(shape) <= _MAX_SHAPE_DIMS:
+        raise DescriptorError("shape: must be a list of 1 to 8 dimensions")
+    if not all(isinstance(s, int) and not isinstance(s, bool) and 0 < s < 2**40 for s in shape):
+        raise DescriptorError("shape: dimensions must be positive integers")
+    last = raw["last"]
+    if not isinstance(last, bool):
+        raise DescriptorError("last: must be a boolean")
+    commit = raw["commit"]
+    if commit is not None and not isinstance(commit, dict):
+        raise DescriptorError("commit: must be a map or nil")
+    return PayloadDescriptor(
+        seq=_int(raw, "seq", 0), transfer_id=transfer_id, layer_start=layer_start, layer_end=layer_end,
+        block_start=block_start, block_end=block_end, num_blocks=num_blocks, num_tokens=_int(raw, "num_tokens", 1),
+        dtype=dtype, shape=tuple(shape), nbytes=_int(raw, "nbytes", 1), last=last, commit=commit, version=version,
+    )  # fmt: skip
+
+
+def _refuse_ext(code: int, data: bytes) -> Any:
+    raise DescriptorError("descriptor: msgpack extension types are not accepted")
+
+
+def _int(raw: Mapping, key: str, low: int) -> int:
+    value = raw[key]
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value < 2**63:
+        raise DescriptorError(f"{key}: must be an integer >= {low}, got {value!r}")
+    return value
+
+
+def _range(raw: Mapping, key: str) -> tuple[int, int]:
+    value = raw[key]
+    if (
+        not isinstance(value, list)
+        or len(value) != 2
+        or not all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+        or not 0 <= value[0] < value[1] < 2**31
+    ):
+        raise DescriptorError(f"{key}: must be [start, end) with 0 <= start < end, got {value!r}")
+    return value[0], value[1]

@@ -1,0 +1,66 @@
+"""What the sender and the receiver share: the transfer table, fault points and deadline enforcement."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+
+from kv_transfer.config import Role, TransferConfig
+from kv_transfer.handles import TransferHandle, TransferState
+
+log = logging.getLogger("splitserve.kv_transfer")
+
+
+class Endpoint:
+    role: Role
+
+    def __init__(self, config: TransferConfig | None) -> None:
+        self.config = config or TransferConfig()
+        self._lock = threading.RLock()
+        self._transfers: dict[str, TransferHandle] = {}
+        self._pairs: dict = {}
+        self._messages_done = 0
+        self._closed = threading.Event()
+        threading.Thread(target=self._watch_deadlines, name=f"kv-{self.role}-deadlines", daemon=True).start()
+
+    def num_pairs(self) -> int:
+        return len(self._pairs)
+
+    def close(self) -> None:
+        self._closed.set()
+        for pair in list(self._pairs.values()):
+            self._break(pair, f"{self.role} closed")
+
+    def _break(self, pair, reason: str) -> None:
+        raise NotImplementedError
+
+    def _on_deadline(self, handle: TransferHandle, message: str) -> None:
+        """Tell the peer that a transfer failed on its deadline."""
+        raise NotImplementedError
+
+    def _after_message(self) -> None:
+        """Count a moved payload message and trigger the configured fault point, if any."""
+        with self._lock:
+            done = self._messages_done = self._messages_done + 1
+        fault = self.config.fault(self.role, done)
+        if fault is None:
+            return
+        log.warning("kv %s fault point: %s after %d messages", self.role, fault.action, done)
+        if fault.action == "die":
+            os._exit(17)
+        if fault.action == "pause":
+            time.sleep(fault.seconds)
+        elif fault.action == "drop":
+            for pair in list(self._pairs.values()):
+                self._break(pair, "fault point: connection dropped")
+
+    def _watch_deadlines(self) -> None:
+        while not self._closed.wait(0.05):
+            now = time.monotonic()
+            for handle in list(self._transfers.values()):
+                if not handle.terminal and now > handle.deadline:
+                    message = f"transfer deadline of {handle.deadline - handle.created:.1f}s passed"
+                    if handle._end(TransferState.FAILED, message):
+                        self._on_deadline(handle, message)

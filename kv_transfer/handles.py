@@ -1,0 +1,81 @@
+"""Transfer handles: the poll-able status a worker's loop reads instead of blocking on the network.
+
+States::
+
+    WAITING ──first payload──▶ TRANSFERRING ──all landed / acknowledged──▶ DONE
+       │                             │
+       └───────────┬─────────────────┘
+                   ▼
+          FAILED (error says why) | CANCELLED
+
+Terminal states never change again. The handle's lock is held by whoever writes into the KV cache on
+its behalf, so once ``cancel``/``fail`` returns, nothing touches the request's blocks any more and the
+owner may free them.
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+import time
+
+
+class TransferState(enum.Enum):
+    WAITING = "waiting"
+    TRANSFERRING = "transferring"
+    DONE = "done"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+    @property
+    def terminal(self) -> bool:
+        return self in (TransferState.DONE, TransferState.FAILED, TransferState.CANCELLED)
+
+
+class TransferHandle:
+    def __init__(self, transfer_id: str, block_ids: tuple[int, ...], timeout_s: float) -> None:
+        self.transfer_id = transfer_id
+        self.block_ids = block_ids
+        self.created = time.monotonic()
+        self.deadline = self.created + timeout_s
+        self.lock = threading.RLock()
+        self._state = TransferState.WAITING
+        self._error = ""
+        self._terminal = threading.Event()
+        self.finished_at: float | None = None
+
+    @property
+    def state(self) -> TransferState:
+        return self._state
+
+    @property
+    def error(self) -> str:
+        return self._error
+
+    @property
+    def terminal(self) -> bool:
+        return self._state.terminal
+
+    def wait(self, timeout_s: float | None = None) -> TransferState:
+        """Block until terminal (tests and benchmarks; workers poll ``state`` instead)."""
+        self._terminal.wait(timeout_s)
+        return self._state
+
+    def _start(self) -> None:
+        with self.lock:
+            if self._state is TransferState.WAITING:
+                self._state = TransferState.TRANSFERRING
+
+    def _end(self, state: TransferState, error: str = "") -> bool:
+        """Move to a terminal state; False (and no change) if it already is terminal."""
+        assert state.terminal
+        with self.lock:
+            if self._state.terminal:
+                return False
+            self._state, self._error = state, error
+            self.finished_at = time.monotonic()
+            self._terminal.set()
+            return True
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.transfer_id!r}, {self._state.value}{', ' + self._error if self._error else ''})"

@@ -1,0 +1,311 @@
+"""The decode side: lease-backed transfer expectations, pair sessions, and the FIFO receive lane.
+
+A decode worker leases blocks for a request, then calls ``expect(transfer_id, block_ids)``. Senders
+open pair sessions (``serve_pair``, one control stream and one thread each); each pair's lane thread
+posts receives strictly in descriptor order (one FIFO per pair, as NCCL requires), lands every
+payload in a staging buffer and scatters it into the leased blocks. Every payload that was described
+is received, even for a transfer that is no longer wanted (then it is dropped), so the FIFO never
+desynchronises; anything that could desynchronise it (a malformed descriptor, a transport error, a
+timeout) breaks the pair instead: its transfers fail, its group is aborted, the sender rebuilds.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Sequence
+
+import torch
+
+from engine.kv_cache import KVCache
+from kv_transfer.comm import (
+    Communicator, CommunicatorFactory, TransferError, bind_store, choose_backend, open_communicator,
+)  # fmt: skip
+from kv_transfer.config import TransferConfig
+from kv_transfer.control import (
+    Ack, AckStatus, Cancel, DescriptorBytes, Hello, PairClosed, PairRefused, ReceiverMessage, SenderMessage, Welcome,
+)  # fmt: skip
+from kv_transfer.descriptor import PROTOCOL_VERSION, DescriptorError, LayoutFingerprint, PayloadDescriptor, decode_descriptor
+from kv_transfer.endpoint import Endpoint
+from kv_transfer.handles import TransferHandle, TransferState
+
+log = logging.getLogger("splitserve.kv_transfer")
+
+
+class ReceiveHandle(TransferHandle):
+    """One expected transfer into leased blocks; DONE once every (layer, block) has landed."""
+
+    def __init__(self, transfer_id: str, block_ids: tuple[int, ...], timeout_s: float, device: torch.device) -> None:
+        super().__init__(transfer_id, block_ids, timeout_s)
+        self.dest = torch.tensor(block_ids, dtype=torch.long, device=device)
+        self.num_blocks: int | None = None  # set by the first descriptor
+        self.landed: bytearray | None = None  # one flag per (layer, block)
+        self.units_landed = 0
+        self.commit: dict | None = None
+        self.pair: _ReceiverPair | None = None
+
+    @property
+    def progress(self) -> float:
+        return self.units_landed / len(self.landed) if self.landed else 0.0
+
+
+class _ReceiverPair:
+    def __init__(self, hello: Hello, generation: int, prefix: str, send: Callable[[ReceiverMessage | PairClosed], None]) -> None:
+        self.hello, self.generation, self.prefix, self.send = hello, generation, prefix, send
+        self.name = f"{hello.sender_id}#{generation}"
+        self.queue: queue.Queue[PayloadDescriptor | None] = queue.Queue()
+        self.comm: Communicator | None = None
+        self.next_seq = 0
+        self.broken = threading.Event()
+        self.transfers: set[str] = set()
+        self.last_used = time.monotonic()
+
+
+class KVReceiver(Endpoint):
+    role = "receiver"
+
+    def __init__(
+        self, cache: KVCache, fingerprint: LayoutFingerprint, receiver_id: str, host: str = "127.0.0.1",
+        config: TransferConfig | None = None, store_port: int = 0,
+        communicator_factory: CommunicatorFactory = open_communicator,
+    ) -> None:  # fmt: skip
+        super().__init__(config)
+        self.cache, self.fingerprint, self.receiver_id, self.host = cache, fingerprint, receiver_id, host
+        self.incarnation = uuid.uuid4().hex
+        self.backend = choose_backend(cache.device, self.config.backend)
+        self.store, self.store_port = bind_store(host, store_port, self.config.pair_setup_timeout_s)
+        self._pairs: OrderedDict[str, _ReceiverPair] = OrderedDict()  # least recently used first
+        self._generations = itertools.count(1)
+        self._dtype = cache.spec.dtype
+        self._open_communicator = communicator_factory
+
+    # ---- the decode worker's side ---------------------------------------------------------------
+
+    def expect(self, transfer_id: str, block_ids: Sequence[int], timeout_s: float | None = None) -> ReceiveHandle:
+        """Accept a transfer into these leased blocks (in the sender's block order)."""
+        if not block_ids:
+            raise ValueError("block_ids: at least one destination block is needed")
+        handle = ReceiveHandle(transfer_id, tuple(block_ids), timeout_s or self.config.transfer_timeout_s, self.cache.device)
+        with self._lock:
+            if transfer_id in self._transfers:
+                raise ValueError(f"transfer_id: {transfer_id!r} is already expected")
+            self._transfers[transfer_id] = handle
+        return handle
+
+    def cancel(self, transfer_id: str, reason: str = "cancelled by the receiver") -> None:
+        """End a transfer; once this returns nothing writes into its blocks. Tells the sender to stop."""
+        handle = self._transfers.get(transfer_id)
+        if handle is not None and handle._end(TransferState.CANCELLED, reason):
+            self._notify(handle, AckStatus.CANCELLED, reason)
+
+    def release(self, transfer_id: str) -> None:
+        """Forget a transfer (cancelling it first if it is still live); the owner then frees its blocks."""
+        self.cancel(transfer_id)
+        with self._lock:
+            self._transfers.pop(transfer_id, None)
+
+    # ---- one pair session (run by the control service, one thread per pair) ---------------------
+
+    def serve_pair(self, inbound: Iterator[SenderMessage], send: Callable[[ReceiverMessage | PairClosed], None]) -> None:
+        """Run a sender's control stream until it ends; raises PairRefused to refuse or end it with an error.
+
+        ``send`` delivers a message to the sender; ``send(PairClosed(reason))`` ends the stream.
+        """
+        first = next(inbound, None)
+        if not isinstance(first, Hello):
+            raise PairRefused("INVALID_ARGUMENT", "the first message of a pair must be hello")
+        self._check_hello(first)
+        generation = next(self._generations)
+        prefix = f"kv/{first.sender_id}/{first.sender_incarnation}/{self.incarnation}/{generation}/"
+        pair = _ReceiverPair(first, generation, prefix, send)
+        self._register(pair)
+        threading.Thread(target=self._lane, args=(pair,), name=f"kv-recv-{pair.name}", daemon=True).start()
+        send(Welcome(PROTOCOL_VERSION, self.receiver_id, self.incarnation, generation, self.host, self.store_port,
+                     prefix, self.backend))  # fmt: skip
+        try:
+            for message in inbound:
+                pair.last_used = time.monotonic()
+                if isinstance(message, DescriptorBytes):
+                    self._on_descriptor(pair, message.data)
+                elif isinstance(message, Cancel):
+                    handle = self._transfers.get(message.transfer_id)
+                    if handle is not None and handle.pair in (None, pair):
+                        handle._end(TransferState.FAILED, f"sender gave up: {message.reason}")
+                else:
+                    raise PairRefused("INVALID_ARGUMENT", f"unexpected {type(message).__name__} on an open pair")
+                if pair.broken.is_set():
+                    break
+        except PairRefused as e:
+            self._break(pair, e.message, end_stream=False)  # the refusal itself ends the stream
+            raise
+        self._break(pair, "control stream ended")
+
+    def _check_hello(self, hello: Hello) -> None:
+        if hello.protocol_version != PROTOCOL_VERSION:
+            raise PairRefused("FAILED_PRECONDITION", f"protocol_version {hello.protocol_version} != {PROTOCOL_VERSION}")
+        if hello.receiver_incarnation and hello.receiver_incarnation != self.incarnation:
+            raise PairRefused("FAILED_PRECONDITION", "receiver_incarnation: this receiver restarted; fetch its endpoint again")
+        diff = hello.fingerprint.mismatches(self.fingerprint)
+        if diff:
+            raise PairRefused("FAILED_PRECONDITION", f"layout fingerprint mismatch: {'; '.join(diff)}")
+
+    def _on_descriptor(self, pair: _ReceiverPair, data: bytes) -> None:
+        try:
+            desc = decode_descriptor(data, self.config.max_descriptor_bytes)
+        except DescriptorError as e:
+            raise PairRefused("INVALID_ARGUMENT", f"malformed descriptor: {e}") from None
+        if desc.seq != pair.next_seq:
+            raise PairRefused("INVALID_ARGUMENT", f"seq: expected {pair.next_seq}, got {desc.seq}")
+        if desc.nbytes > self.config.max_message_bytes:
+            raise PairRefused("INVALID_ARGUMENT", f"nbytes: {desc.nbytes} exceeds max_message_bytes")
+        pair.next_seq += 1
+        handle = self._transfers.get(desc.transfer_id)
+        if handle is not None:
+            with handle.lock:
+                if handle.pair is None:  # from now on, this pair breaking fails the transfer
+                    handle.pair = pair
+                    pair.transfers.add(desc.transfer_id)
+        pair.queue.put(desc)
+
+    # ---- the lane: receives in FIFO order, then scatters ---------------------------------------
+
+    def _lane(self, pair: _ReceiverPair) -> None:
+        cfg = self.config
+        try:
+            pair.comm = self._open_communicator(self.backend, self.store, pair.prefix, 1, self.host, cfg.op_timeout_s,
+                                                self.cache.device)  # fmt: skip
+        except Exception as e:
+            self._break(pair, f"group setup failed: {e}")
+            return
+        if pair.broken.is_set():
+            pair.comm.abort()
+            return
+        staging = [torch.empty(0, dtype=torch.uint8, device=self.cache.device) for _ in range(2)]
+        landing: tuple | None = None  # received, not yet scattered
+        while True:
+            try:
+                desc = pair.queue.get_nowait()
+            except queue.Empty:
+                if landing is not None:  # nothing to overlap with: land now, then wait
+                    self._land(*landing)
+                    landing = None
+                desc = pair.queue.get()
+            if desc is None:
+                break
+            buf = staging[desc.seq % 2]
+            if buf.numel() < desc.nbytes:
+                buf = staging[desc.seq % 2] = torch.empty(desc.nbytes, dtype=torch.uint8, device=self.cache.device)
+            view = buf[: desc.nbytes]
+            try:
+                pending = pair.comm.irecv(view)
+                if landing is not None:  # overlaps the next receive
+                    self._land(*landing)
+                    landing = None
+                pending.wait(cfg.op_timeout_s)
+            except TransferError as e:
+                self._break(pair, f"receive failed: {e}")
+                return
+            landing = (pair, desc, view)
+            self._after_message()
+        if landing is not None:
+            self._land(*landing)
+
+    def _land(self, pair: _ReceiverPair, desc: PayloadDescriptor, data: torch.Tensor) -> None:
+        handle = self._transfers.get(desc.transfer_id)
+        if handle is None:
+            pair.send(Ack(desc.transfer_id, desc.seq, AckStatus.REFUSED, f"no lease for transfer {desc.transfer_id!r}"))
+            return
+        with handle.lock:
+            if handle.terminal:
+                return  # cancelled, failed or timed out: the payload is dropped
+            problem = self._validate(handle, desc, pair)
+            if problem:
+                handle._end(TransferState.FAILED, f"refused: {problem}")
+                pair.send(Ack(desc.transfer_id, desc.seq, AckStatus.REFUSED, problem))
+                return
+            handle._start()
+            kv = data.view(self._dtype).view(desc.shape)
+            dest = handle.dest[desc.block_start : desc.block_end]
+            self.cache.tensor[desc.layer_start : desc.layer_end].index_copy_(1, dest, kv)
+            for layer in range(desc.layer_start, desc.layer_end):
+                base = layer * handle.num_blocks
+                handle.landed[base + desc.block_start : base + desc.block_end] = b"\x01" * (desc.block_end - desc.block_start)
+            handle.units_landed += desc.num_units
+            if desc.last:
+                handle.commit = desc.commit
+            if handle.units_landed == len(handle.landed):
+                if self.cache.device.type == "cuda":
+                    torch.cuda.current_stream(self.cache.device).synchronize()
+                handle._end(TransferState.DONE)
+                pair.send(Ack(desc.transfer_id, desc.seq, AckStatus.DONE))
+
+    def _validate(self, handle: ReceiveHandle, desc: PayloadDescriptor, pair: _ReceiverPair) -> str:
+        fp = self.fingerprint
+        if handle.pair is not pair:
+            return "transfer is already arriving on another pair"
+        if desc.dtype != fp.dtype:
+            return f"dtype {desc.dtype} != {fp.dtype}"
+        if desc.layer_end > fp.num_layers:
+            return f"layers [{desc.layer_start}, {desc.layer_end}) exceed the model's {fp.num_layers}"
+        if desc.num_blocks > len(handle.block_ids):
+            return f"{desc.num_blocks} blocks do not fit the {len(handle.block_ids)} leased"
+        if -(-desc.num_tokens // fp.block_size) != desc.num_blocks:
+            return f"{desc.num_tokens} tokens do not fill {desc.num_blocks} blocks of {fp.block_size}"
+        if handle.num_blocks is None:
+            handle.num_blocks = desc.num_blocks
+            handle.landed = bytearray(fp.num_layers * desc.num_blocks)
+        elif handle.num_blocks != desc.num_blocks:
+            return f"num_blocks changed from {handle.num_blocks} to {desc.num_blocks}"
+        expected = (desc.layer_end - desc.layer_start, desc.block_end - desc.block_start, 2, fp.num_kv_heads,
+                    fp.block_size, fp.head_dim)  # fmt: skip
+        if desc.shape != expected:
+            return f"shape {list(desc.shape)} != {list(expected)}"
+        if desc.nbytes != desc.num_units * fp.bytes_per_block_layer:
+            return f"nbytes {desc.nbytes} does not match the shape"
+        for layer in range(desc.layer_start, desc.layer_end):
+            base = layer * handle.num_blocks
+            if any(handle.landed[base + desc.block_start : base + desc.block_end]):
+                return f"layer {layer} blocks [{desc.block_start}, {desc.block_end}) arrived twice"
+        return ""
+
+    # ---- pairs, faults, deadlines ---------------------------------------------------------------
+
+    def _register(self, pair: _ReceiverPair) -> None:
+        with self._lock:
+            self._pairs[pair.prefix] = pair
+            idle = [p for p in self._pairs.values() if p is not pair and not self._busy(p)]
+            for victim in idle[: max(0, len(self._pairs) - self.config.max_pairs)]:
+                self._break(victim, "closed to stay within max_pairs")
+
+    def _busy(self, pair: _ReceiverPair) -> bool:
+        return any(not h.terminal for t in pair.transfers if (h := self._transfers.get(t)) is not None)
+
+    def _break(self, pair: _ReceiverPair, reason: str, end_stream: bool = True) -> None:
+        with self._lock:
+            if pair.broken.is_set():
+                return
+            pair.broken.set()
+            self._pairs.pop(pair.prefix, None)
+        log.info("kv pair %s broken: %s", pair.name, reason)
+        if pair.comm is not None:
+            pair.comm.abort()
+        for transfer_id in list(pair.transfers):
+            handle = self._transfers.get(transfer_id)
+            if handle is not None:
+                handle._end(TransferState.FAILED, f"pair with {pair.hello.sender_id} broke: {reason}")
+        pair.queue.put(None)
+        if end_stream:
+            pair.send(PairClosed(reason))
+
+    def _notify(self, handle: ReceiveHandle, status: AckStatus, error: str) -> None:
+        pair = handle.pair
+        if pair is not None and not pair.broken.is_set():
+            pair.send(Ack(handle.transfer_id, 0, status, error))
+
+    def _on_deadline(self, handle: ReceiveHandle, message: str) -> None:
+        self._notify(handle, AckStatus.FAILED, message)

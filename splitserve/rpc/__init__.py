@@ -1,0 +1,1 @@
+"""Generated gRPC/protobuf stubs for the .proto files in proto/splitserve/rpc (regenerate with `make proto`)."""
