@@ -9,6 +9,8 @@ decodes. Logits are computed only for the rows that are sampled.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -143,13 +145,22 @@ class CausalLM(nn.Module):
         max_position: int,
         kv_cache: KVCache,
         meta: AttentionMetadata,
+        on_layer_done: Callable[[int], None] | None = None,
     ) -> torch.Tensor:
-        """Final hidden states [T, hidden]; writes every token's K/V into its cache slot."""
+        """Final hidden states [T, hidden]; writes every token's K/V into its cache slot.
+
+        ``on_layer_done(n)`` runs after layer n-1, when layers [0, n) of every token are in the cache:
+        the hook that lets a prefill worker ship finished layer groups while later layers compute.
+        """
         self.rotary.ensure(max_position + 1)
         cos, sin = self.rotary.cos_sin(positions)
         h = self.embed_tokens(input_ids)
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
             h = layer(h, cos, sin, kv_cache, meta)
+            if on_layer_done is not None:
+                if kv_cache.device.type == "cuda":
+                    torch.cuda.current_stream(kv_cache.device).synchronize()
+                on_layer_done(i + 1)
         return h
 
     def pack_weights(self) -> None:

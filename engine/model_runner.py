@@ -6,6 +6,8 @@ new token) go first in the flattened batch, then prefill chunks, as ``engine.att
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from engine.attention import AttentionMetadata, PrefillChunk
@@ -26,15 +28,17 @@ class ModelRunner:
         self.block_size = blocks.block_size
 
     @torch.inference_mode()
-    def execute(self, output: SchedulerOutput) -> dict[str, int]:
-        """Compute every scheduled token's K/V; returns the sampled token of each request that samples."""
+    def execute(self, output: SchedulerOutput, on_layer_done: Callable[[int], None] | None = None) -> dict[str, int]:
+        """Compute every scheduled token's K/V; returns the sampled token of each request that samples.
+
+        ``on_layer_done`` is passed to the model (see ``CausalLM.forward``)."""
         if output.is_empty:
             return {}
         items = [s for s in output.scheduled if s.num_new_tokens == 1]
         items += [s for s in output.scheduled if s.num_new_tokens > 1]
         input_ids, positions, meta, sample_rows = self._prepare(items)
         max_position = max(s.request.num_computed_tokens + s.num_new_tokens for s in items) - 1
-        hidden = self.model(input_ids, positions, max_position, self.kv_cache, meta)
+        hidden = self.model(input_ids, positions, max_position, self.kv_cache, meta, on_layer_done)
         if not sample_rows:
             return {}
         rows = torch.tensor([row for row, _ in sample_rows], device=self.device)
@@ -44,8 +48,10 @@ class ModelRunner:
         return {r.request_id: t for r, t in zip(requests, tokens)}
 
     @torch.inference_mode()
-    def score(self, token_ids: list[int], block_table: list[int]) -> torch.Tensor:
-        """Logits [len(token_ids), vocab] at every prompt position (a full prefill into ``block_table``)."""
+    def score(self, token_ids: list[int], block_table: list[int], all_positions: bool = True,
+              on_layer_done: Callable[[int], None] | None = None) -> torch.Tensor:  # fmt: skip
+        """A full prefill of ``token_ids`` into ``block_table``; float32 logits at every position
+        ([len(token_ids), vocab]) or, with ``all_positions=False``, at the last one ([1, vocab])."""
         bs = self.block_size
         n = len(token_ids)
         meta = AttentionMetadata(
@@ -57,8 +63,9 @@ class ModelRunner:
             decode_rows=self._rows(block_table[:1]) if n == 1 else None,
         )
         positions = torch.arange(n, device=self.device)
-        hidden = self.model(torch.tensor(token_ids, device=self.device), positions, n - 1, self.kv_cache, meta)
-        return self.model.compute_logits(hidden).float()
+        hidden = self.model(torch.tensor(token_ids, device=self.device), positions, n - 1, self.kv_cache, meta,
+                            on_layer_done)  # fmt: skip
+        return self.model.compute_logits(hidden if all_positions else hidden[-1:]).float()
 
     def _rows(self, block_ids: list[int]) -> torch.Tensor:
         return context_rows(torch.tensor(block_ids, device=self.device), self.kv_cache.spec.num_kv_heads)

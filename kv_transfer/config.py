@@ -40,7 +40,7 @@ class TransferConfig:
     op_timeout_s: float = 5.0  # one payload send or receive
     transfer_timeout_s: float = 60.0  # a whole transfer, from start/expect to done
     max_pairs: int = 64  # groups kept per endpoint; least recently used idle pairs are closed beyond it
-    max_message_bytes: int = 16 << 20  # payload messages are packed up to this size
+    max_message_bytes: int = 8 << 20  # payload messages are packed up to this size
     whole_request_bytes: int = 4 << 20  # below this a request goes in one message, not by layer group
     layer_group_size: int = 4  # layers per streamed group
     max_descriptor_bytes: int = 64 << 10

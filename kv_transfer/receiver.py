@@ -229,9 +229,8 @@ class KVReceiver(Endpoint):
                 pair.send(Ack(desc.transfer_id, desc.seq, AckStatus.REFUSED, problem))
                 return
             handle._start()
-            kv = data.view(self._dtype).view(desc.shape)
             dest = handle.dest[desc.block_start : desc.block_end]
-            self.cache.tensor[desc.layer_start : desc.layer_end].index_copy_(1, dest, kv)
+            self.cache.scatter_blocks(dest, data.view(self._dtype), range(desc.layer_start, desc.layer_end))
             for layer in range(desc.layer_start, desc.layer_end):
                 base = layer * handle.num_blocks
                 handle.landed[base + desc.block_start : base + desc.block_end] = b"\x01" * (desc.block_end - desc.block_start)

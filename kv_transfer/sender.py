@@ -15,7 +15,7 @@ import queue
 import threading
 import time
 import uuid
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -72,6 +72,9 @@ class _SenderPair:
         self.conn: ControlConnection | None = None
         self.comm: Communicator | None = None
         self.store = None  # the rendezvous client, kept alive as long as the group
+        self.staging = [torch.empty(0), torch.empty(0)]  # reused gather buffers, one per message in flight
+        self.flip = 0
+        self.queue_closed = False
         self.broken = threading.Event()
         self.transfers: set[str] = set()
         self.next_seq = 0
@@ -211,47 +214,59 @@ class KVSender(Endpoint):
         threading.Thread(target=self._read_acks, args=(pair,), name="kv-send-acks", daemon=True).start()
 
     def _lane(self, pair: _SenderPair) -> None:
+        """Post messages in FIFO order, keeping two on the wire: while one is being received, the next
+        one's descriptor is already with the receiver and its payload follows without a gap."""
         try:
             self._setup(pair)
         except Exception as e:
             self._break(pair, f"pair setup failed: {e}")
             return
-        carry: tuple[_Message, torch.Tensor] | None = None
+        in_flight: deque = deque()
+        ending = False
         while not pair.broken.is_set():
-            if carry is None:
-                message = pair.queue.get()
+            while len(in_flight) < len(pair.staging) and not ending:
+                message = self._next_message(pair, block=not in_flight)
                 if message is None:
+                    ending = not in_flight or pair.queue_closed
+                    break
+                data = self._gather(message, pair)
+                try:
+                    in_flight.append(self._post(pair, message, data))
+                except TransferError as e:
+                    self._break(pair, f"send failed: {e}")
                     return
-                if message.handle.terminal:
-                    continue
-                carry = (message, self._gather(message))
-            message, data = carry
-            carry = None
+            if not in_flight:
+                return
             try:
-                pending = self._post(pair, message, data)
-                carry = self._prefetch(pair)  # gather the next message while this one is on the wire
-                pending.wait(self.config.op_timeout_s)
+                in_flight.popleft().wait(self.config.op_timeout_s)
             except TransferError as e:
                 self._break(pair, f"send failed: {e}")
                 return
             self._after_message()
-        return
 
-    def _gather(self, message: _Message) -> torch.Tensor:
-        blocks = message.handle.src[message.block_start : message.block_end]
-        return self.cache.tensor[message.layer_start : message.layer_end].index_select(1, blocks)
-
-    def _prefetch(self, pair: _SenderPair) -> tuple[_Message, torch.Tensor] | None:
+    def _next_message(self, pair: _SenderPair, block: bool) -> _Message | None:
+        """The next message of a live transfer; None when the queue is empty (not blocking) or closed."""
         while True:
             try:
-                message = pair.queue.get_nowait()
+                message = pair.queue.get() if block else pair.queue.get_nowait()
             except queue.Empty:
                 return None
             if message is None:
-                pair.queue.put(None)
+                pair.queue_closed = True
                 return None
             if not message.handle.terminal:
-                return message, self._gather(message)
+                return message
+
+    def _gather(self, message: _Message, pair: _SenderPair) -> torch.Tensor:
+        """Copy the message's blocks into the pair's next staging buffer (two alternate: one may be on
+        the wire while the other fills)."""
+        blocks = message.handle.src[message.block_start : message.block_end]
+        layers = range(message.layer_start, message.layer_end)
+        elems = len(layers) * len(blocks) * self.cache._row_elems
+        pair.flip ^= 1
+        if pair.staging[pair.flip].numel() < elems:
+            pair.staging[pair.flip] = torch.empty(elems, dtype=self.cache.tensor.dtype, device=self.cache.device)
+        return self.cache.gather_blocks(blocks, layers, out=pair.staging[pair.flip])
 
     def _post(self, pair: _SenderPair, message: _Message, data: torch.Tensor):
         handle = message.handle
@@ -265,7 +280,7 @@ class KVSender(Endpoint):
         pair.next_seq += 1
         handle._start()
         pair.conn.send(DescriptorBytes(encode_descriptor(desc)))
-        return pair.comm.isend(data.view(-1).view(torch.uint8))
+        return pair.comm.isend(data.reshape(-1).view(torch.uint8))
 
     def _read_acks(self, pair: _SenderPair) -> None:
         while True:
