@@ -232,3 +232,47 @@ def test_plan_partitions_layers_times_blocks(num_blocks, num_layers, group, limi
     assert all((m.layer_end - m.layer_start) * (m.block_end - m.block_start) * per <= max(limit, per) for m in messages)
     assert [m.last for m in messages] == [False] * (len(messages) - 1) + [True]
     assert messages[-1].commit == {"x": 1}
+
+
+def test_pair_setup_has_a_deadline():
+    """A receiver that never answers the hello fails the transfer within pair_setup_timeout_s."""
+    import time
+
+    config = TransferConfig(pair_setup_timeout_s=0.5, op_timeout_s=1.0)
+    spec = KVCacheSpec(LAYERS, HEADS, HEAD_DIM, 16, BLOCK, torch.float32)
+    silent = lambda inbound, send: [None for _ in inbound]  # noqa: E731  (reads forever, answers nothing)
+    sender = KVSender(KVCache(spec, "cpu"), FP, "p", connect=lambda peer: LocalConnection(silent), config=config)
+    start = time.monotonic()
+    sh = sender.start("t", PeerAddress("ghost", "", "local"), [1], 3)
+    sender.finish(sh)
+    assert sh.wait(5) is TransferState.FAILED
+    assert "no welcome" in sh.error and time.monotonic() - start < 2.0
+    assert sender.num_pairs() == 0
+    sender.close()
+
+
+def test_pairs_beyond_the_cap_are_closed_least_recently_used_first():
+    config = TransferConfig(max_pairs=1, op_timeout_s=2.0)
+    spec = KVCacheSpec(LAYERS, HEADS, HEAD_DIM, 64, BLOCK, torch.float32)
+    src = KVCache(spec, "cpu")
+    src.tensor.copy_(torch.randn(src.tensor.shape))
+    receivers = {name: KVReceiver(KVCache(spec, "cpu"), FP, name, config=config) for name in ("a", "b")}
+    sender = KVSender(src, FP, "p", config=config,
+                      connect=lambda peer: LocalConnection(receivers[peer.receiver_id].serve_pair))  # fmt: skip
+
+    def move(name: str, tid: str) -> None:
+        receiver = receivers[name]
+        rh = receiver.expect(tid, [5, 6])
+        sh = sender.start(tid, PeerAddress(name, receiver.incarnation, "local"), [1, 2], 8)
+        sender.finish(sh)
+        assert sh.wait(10) is TransferState.DONE and rh.wait(10) is TransferState.DONE
+        assert torch.equal(receiver.cache.tensor[:, [5, 6]], src.tensor[:, [1, 2]])
+
+    move("a", "t1")
+    move("b", "t2")  # opening b closes the idle pair with a
+    assert sender.num_pairs() == 1
+    move("a", "t3")  # a's pair is rebuilt under a new generation
+    assert sender.num_pairs() == 1
+    sender.close()
+    for r in receivers.values():
+        r.close()
