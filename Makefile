@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 MODELS := models
 PYTEST_ARGS ?=
 
-.PHONY: setup serve test bench-engine bench-transfer proto gpu-check clean
+.PHONY: setup serve demo test bench-engine bench-transfer bench-serve proto gpu-check clean
 
 setup: $(STAMP)
 
@@ -21,8 +21,13 @@ $(STAMP): pyproject.toml
 $(MODELS)/tiny/config.json: | $(STAMP)
 	$(VENV)/bin/splitserve make-model --preset tiny --out $(MODELS)/tiny --overwrite
 
-# Until the serving path lands, the main job is the offline engine demo on the tiny preset.
-serve: setup $(MODELS)/tiny/config.json
+# The main job: router + 1 prefill + 1 decode worker on an embedded Ray, on the tiny demo model.
+# In another terminal: .venv/bin/splitserve generate --prompt "Hello"; Ctrl-C stops everything.
+serve: setup
+	$(VENV)/bin/splitserve serve $(SERVE_ARGS)
+
+# The offline engine on the tiny preset, without any server.
+demo: setup $(MODELS)/tiny/config.json
 	$(VENV)/bin/splitserve generate --model $(MODELS)/tiny --max-tokens 32
 
 # The suite, then the GPU checks rehearsed on the CPU so that scripts/gpu_check.sh cannot rot.

@@ -11,7 +11,8 @@ from typing import Any
 
 _EXPORTS = {
     "LLM": "engine.llm",
-    "EngineConfig": "engine.llm",
+    "EngineConfig": "engine.core",
+    "EngineCore": "engine.core",
     "RequestOutput": "engine.llm",
     "SamplingParams": "engine.sampling_params",
     "SamplingParamsError": "engine.sampling_params",

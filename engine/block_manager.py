@@ -172,6 +172,10 @@ class BlockManager:
             self._events.append(BlockEvent("cleared", removed))
         return len(dropped)
 
+    def cached_hashes(self) -> list[int]:
+        """Every block hash the prefix cache holds now (in use or evictable): a router's snapshot."""
+        return list(self._hash_to_block)
+
     def take_events(self) -> list[BlockEvent]:
         events, self._events = self._events, []
         return events

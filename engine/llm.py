@@ -19,43 +19,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.block_manager import BlockManager
+from engine.core import EngineConfig, EngineCore
 from engine.detokenizer import IncrementalDetokenizer
-from engine.kv_cache import KVCache, KVCacheSpec
-from engine.loader import build_model, parse_dtype
-from engine.model_config import ModelConfig
-from engine.model_runner import ModelRunner
 from engine.request import FinishReason, Request
-from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerConfig
 from engine.stop_strings import StopStringMatcher
 from engine.tokenizer import Tokenizer
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    model_dir: str
-    dtype: str = "auto"  # bfloat16 | float16 | float32 | auto (the checkpoint's)
-    device: str = "cpu"  # cpu | cuda | cuda:N
-    block_size: int = 16
-    num_blocks: int | None = None  # default: as many as kv_cache_bytes holds
-    kv_cache_bytes: int = 512 << 20
-    enable_prefix_caching: bool = True
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    prefill_chunk_size: int | None = None
-    max_model_len: int | None = None  # default: the model's max_position_embeddings
-    num_threads: int | None = None  # torch intra-op threads (CPU); None leaves torch's default
-    pack_weights: bool = True  # CPU: run linear layers from oneDNN's prepacked weight layout
-
-    def __post_init__(self) -> None:
-        if self.block_size < 1:
-            raise ValueError(f"block_size: must be >= 1, got {self.block_size}")
-        if self.num_blocks is not None and self.num_blocks < 1:
-            raise ValueError(f"num_blocks: must be >= 1, got {self.num_blocks}")
-        if self.kv_cache_bytes < 1:
-            raise ValueError(f"kv_cache_bytes: must be >= 1, got {self.kv_cache_bytes}")
 
 
 @dataclass
@@ -83,31 +52,14 @@ class _Stream:
 
 class LLM:
     def __init__(self, model_dir: str, **options) -> None:
-        self.config = EngineConfig(model_dir=str(model_dir), **options)
-        cfg = self.config
-        if cfg.num_threads:
-            torch.set_num_threads(cfg.num_threads)
-        self.model_config = ModelConfig.from_model_dir(model_dir)
-        self.tokenizer = Tokenizer.from_model_dir(model_dir)
-        self.dtype = parse_dtype(cfg.dtype, self.model_config.checkpoint_dtype)
-        self.device = torch.device(cfg.device)
-        self.model, self.weights_checksum = build_model(
-            self.model_config, model_dir, self.dtype, self.device, cfg.pack_weights
+        self.core = EngineCore(EngineConfig(model_dir=str(model_dir), **options))
+        core = self.core
+        self.config, self.model_config, self.tokenizer = core.config, core.model_config, core.tokenizer
+        self.dtype, self.device, self.model = core.dtype, core.device, core.model
+        self.weights_checksum, self.kv_cache, self.blocks, self.runner = (
+            core.weights_checksum, core.kv_cache, core.blocks, core.runner
         )
-        num_blocks = cfg.num_blocks or max(
-            1, cfg.kv_cache_bytes // KVCacheSpec.for_model(self.model_config, 1, cfg.block_size, self.dtype).bytes_per_block
-        )
-        self.kv_cache = KVCache(KVCacheSpec.for_model(self.model_config, num_blocks, cfg.block_size, self.dtype), self.device)
-        self.blocks = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
-        eos = self.tokenizer.eos_token_ids or self.model_config.eos_token_ids
-        scheduler_config = SchedulerConfig(
-            max_num_seqs=cfg.max_num_seqs,
-            max_num_batched_tokens=cfg.max_num_batched_tokens,
-            prefill_chunk_size=cfg.prefill_chunk_size,
-            max_model_len=cfg.max_model_len or self.model_config.max_position_embeddings,
-        )
-        self.scheduler = Scheduler(scheduler_config, self.blocks, eos)
-        self.runner = ModelRunner(self.model, self.kv_cache, self.blocks, Sampler(eos))
+        self.scheduler = core.make_scheduler()
         self._streams: dict[str, _Stream] = {}
         self._ids = itertools.count()
 
@@ -118,11 +70,7 @@ class LLM:
     ) -> str:
         sampling = sampling or SamplingParams()
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
-        vocab = self.model_config.vocab_size
-        bad = next((t for t in token_ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise ValueError(f"token_ids: {bad} is outside the vocabulary [0, {vocab})")
-        sampling.validate(vocab)
+        self.core.check_request(token_ids, sampling)
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         request = Request(request_id, token_ids, sampling)
         self.scheduler.add(request)

@@ -28,6 +28,7 @@ class FinishReason(str, enum.Enum):
     STOP = "stop"  # EOS, a stop token id or a stop string
     LENGTH = "length"  # max_tokens or the model's context length
     ABORT = "abort"  # cancelled by the caller
+    PREEMPTED = "preempted"  # out of blocks on a decode worker: handed back to be re-prefilled
 
 
 @dataclass(eq=False)
@@ -53,6 +54,14 @@ class Request:
         self.token_ids = list(self.prompt_token_ids)
         if self.seed < 0:
             self.seed = self.sampling.seed if self.sampling.seed is not None else random_seed()
+
+    @classmethod
+    def resume(cls, request_id: str, prompt_token_ids: list[int], output_token_ids: list[int],
+               sampling: SamplingParams, seed: int) -> Request:  # fmt: skip
+        """A request that already generated ``output_token_ids`` elsewhere (migration, re-prefill)."""
+        request = cls(request_id, prompt_token_ids, sampling, seed=seed)
+        request.token_ids.extend(output_token_ids)
+        return request
 
     @property
     def num_prompt_tokens(self) -> int:

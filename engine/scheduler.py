@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Literal
 
 from engine.block_manager import NO_HIT, BlockManager
 from engine.request import FinishReason, Request, RequestStatus
@@ -24,6 +25,12 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048  # tokens per step (decodes count one each)
     prefill_chunk_size: int | None = None  # prompt tokens of one request per step; None = budget
     max_model_len: int = 4096  # prompt + output tokens at most
+    # Disaggregated roles. A prefill worker hands each request off after its first token: the request
+    # leaves the scheduler but keeps its blocks (the owner frees them once the KV has moved). A decode
+    # worker hands preempted requests back to the router (to be re-prefilled elsewhere) instead of
+    # recomputing them locally.
+    hand_off_after_first_token: bool = False
+    preemption: Literal["recompute", "hand_back"] = "recompute"
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
@@ -127,12 +134,28 @@ class Scheduler:
         return n
 
     def _preempt(self, request: Request) -> None:
-        self.blocks.free(request.request_id)
-        request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
+        if self.config.preemption == "hand_back":
+            self.running.append(request)  # finish() expects it where it was
+            self.finish(request.request_id, FinishReason.PREEMPTED)
+            return
+        self.blocks.free(request.request_id)
+        request.num_computed_tokens = 0
         request.status = RequestStatus.WAITING
         self.waiting.appendleft(request)
+
+    def add_running(self, request: Request) -> None:
+        """Admit a request whose KV for all but its last token is already in its blocks (a decode
+        worker's request after the transfer); its next step decodes that last token."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id: {request.request_id!r} is already in the engine")
+        if not self.blocks.has_request(request.request_id):
+            raise ValueError(f"request {request.request_id!r} holds no blocks")
+        request.num_computed_tokens = request.num_tokens - 1
+        request.status = RequestStatus.RUNNING
+        self.requests[request.request_id] = request
+        self.running.append(request)
 
     def update(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
         """Apply one step's results; returns the requests that got a new token (finished ones too)."""
@@ -148,9 +171,20 @@ class Scheduler:
             request.token_ids.append(token)
             advanced.append(request)
             reason = self._stop_reason(request, token)
-            if reason is not None:
+            if self.config.hand_off_after_first_token:
+                self._hand_off(request, reason)
+            elif reason is not None:
                 self.finish(request.request_id, *reason)
         return advanced
+
+    def _hand_off(self, request: Request, reason: tuple[FinishReason, int | None] | None) -> None:
+        """The request leaves with its blocks still allocated; ``finish_reason`` says whether it is
+        complete (None: it continues elsewhere)."""
+        del self.requests[request.request_id]
+        self.running.remove(request)
+        request.status = RequestStatus.FINISHED
+        if reason is not None:
+            request.finish_reason, request.stop_reason = reason
 
     def _stop_reason(self, request: Request, token: int) -> tuple[FinishReason, int | None] | None:
         sp = request.sampling

@@ -28,6 +28,10 @@ class Endpoint:
     def num_pairs(self) -> int:
         return len(self._pairs)
 
+    def has_transfer(self, transfer_id: str) -> bool:
+        """Whether a transfer with this id is registered (live, or ended but not released)."""
+        return transfer_id in self._transfers
+
     def close(self) -> None:
         self._closed.set()
         for pair in list(self._pairs.values()):

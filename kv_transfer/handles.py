@@ -42,6 +42,7 @@ class TransferHandle:
         self._state = TransferState.WAITING
         self._error = ""
         self._terminal = threading.Event()
+        self._callbacks: list = []
         self.finished_at: float | None = None
 
     @property
@@ -61,6 +62,15 @@ class TransferHandle:
         self._terminal.wait(timeout_s)
         return self._state
 
+    def on_terminal(self, callback) -> None:
+        """Call ``callback(handle)`` once the handle is terminal (at once if it already is), from the
+        thread that ends it: keep it short, and never block in it."""
+        with self.lock:
+            if not self._state.terminal:
+                self._callbacks.append(callback)
+                return
+        callback(self)
+
     def _start(self) -> None:
         with self.lock:
             if self._state is TransferState.WAITING:
@@ -75,7 +85,10 @@ class TransferHandle:
             self._state, self._error = state, error
             self.finished_at = time.monotonic()
             self._terminal.set()
-            return True
+            callbacks, self._callbacks = self._callbacks, []
+        for callback in callbacks:
+            callback(self)
+        return True
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.transfer_id!r}, {self._state.value}{', ' + self._error if self._error else ''})"

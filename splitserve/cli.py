@@ -41,32 +41,74 @@ def _make_model(args: argparse.Namespace) -> int:
 
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("generate", help="run prompts through the offline engine (continuous batching)")
-    p.add_argument("--model", required=True, help="local Hugging Face model folder")
-    p.add_argument("--prompt", action="append", help="prompt text (repeatable); default: a few demo prompts")
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--min-p", type=float, default=0.0)
+    p = sub.add_parser("generate", help="stream a completion from a running server (or, with --model, the offline engine)")
+    p.add_argument("--addr", default="127.0.0.1:50051", help="the router's host:port")
+    p.add_argument("--model", help="run the offline engine on this local model folder instead of a server")
+    p.add_argument("--prompt", action="append", help="prompt text (repeatable with --model)")
+    p.add_argument("--token-ids", help="prompt as comma-separated token ids")
+    p.add_argument("--max-tokens", type=int, default=None)
+    p.add_argument("--temperature", type=float, default=None)
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--min-p", type=float, default=None)
     p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--stop", action="append", default=[])
-    p.add_argument("--json", action="store_true", help="print one JSON object per prompt")
+    p.add_argument("--ignore-eos", action="store_true", default=None)
+    p.add_argument("--stop", action="append", default=None)
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds for the whole call")
+    p.add_argument("--json", action="store_true", help="print one JSON object (last line of stdout)")
+    p.add_argument("--dtype", default="auto", help="with --model")
+    p.add_argument("--device", default="cpu", help="with --model")
+    p.add_argument("--threads", type=int, default=None, help="with --model")
     p.set_defaults(func=_generate)
 
 
+def _sampling_args(args: argparse.Namespace) -> dict:
+    return {"max_tokens": args.max_tokens, "temperature": args.temperature, "top_p": args.top_p,
+            "top_k": args.top_k, "min_p": args.min_p, "seed": args.seed, "ignore_eos": args.ignore_eos,
+            "stop": args.stop}  # fmt: skip
+
+
 def _generate(args: argparse.Namespace) -> int:
+    token_ids = [int(t) for t in args.token_ids.split(",")] if args.token_ids else None
+    if args.model:
+        return _generate_offline(args, token_ids)
+    import grpc
+
+    from splitserve.client import FINISH_REASONS, Client
+
+    if bool(args.prompt) == bool(token_ids) or (args.prompt and len(args.prompt) > 1):
+        raise ValueError("give exactly one --prompt or --token-ids")
+    with Client(args.addr, timeout_s=args.timeout) as client:
+        try:
+            if args.json:
+                result = client.generate(args.prompt[0] if args.prompt else None, token_ids=token_ids,
+                                         **_sampling_args(args))  # fmt: skip
+                print(json.dumps(result.to_json()))
+                return 0
+            start = time.monotonic()
+            for message in client.stream(args.prompt[0] if args.prompt else None, token_ids=token_ids,
+                                         **_sampling_args(args)):  # fmt: skip
+                sys.stdout.write(message.text)
+                sys.stdout.flush()
+                if message.finish_reason:
+                    u = message.usage
+                    print(f"\n[{FINISH_REASONS[message.finish_reason]}; {u.prompt_tokens} prompt, {u.completion_tokens} "
+                          f"completion, {u.cached_tokens} cached tokens; {time.monotonic() - start:.2f}s]",
+                          file=sys.stderr)  # fmt: skip
+        except grpc.RpcError as e:
+            print(f"splitserve generate: {e.code().name}: {e.details()}", file=sys.stderr)
+            return 1
+    return 0
+
+
+def _generate_offline(args: argparse.Namespace, token_ids: list[int] | None) -> int:
     from engine import LLM, SamplingParams
 
     llm = LLM(args.model, dtype=args.dtype, device=args.device, num_threads=args.threads)
-    sampling = SamplingParams(
-        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-        min_p=args.min_p, seed=args.seed, stop=tuple(args.stop),
-    )  # fmt: skip
-    prompts = args.prompt or list(DEFAULT_PROMPTS)
+    defaults = {"max_tokens": 32, "temperature": 0.0}
+    values = {k: v for k, v in _sampling_args(args).items() if v is not None}
+    sampling = SamplingParams(**{**defaults, **values, "stop": tuple(values.get("stop") or ())})
+    prompts = [token_ids] if token_ids else (args.prompt or list(DEFAULT_PROMPTS))
     start = time.perf_counter()
     outputs = llm.generate(prompts, sampling)
     elapsed = time.perf_counter() - start
@@ -83,11 +125,88 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_serve(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="start the router and its workers (on an embedded Ray unless --ray-address)")
+    p.add_argument("--config", help="deployment config (YAML); flags override it")
+    p.add_argument("--model", help="local model folder; default: the tiny demo checkpoint")
+    p.add_argument("--num-prefill", type=int, default=None)
+    p.add_argument("--num-decode", type=int, default=None)
+    p.add_argument("--host", default=None, help="address to bind and advertise (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=None, help="router port (default 50051)")
+    p.add_argument("--ray-address", default=None, help="join this Ray cluster (e.g. auto) instead of starting one")
+    p.add_argument("--dtype", default=None)
+    p.add_argument("--device", default=None)
+    p.set_defaults(func=_serve)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import logging
+    import signal
+    import threading
+
+    from splitserve.deploy_config import DeploymentConfig
+    from splitserve.launch import Deployment, use_loopback_ray
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    config = DeploymentConfig.from_file(args.config) if args.config else DeploymentConfig()
+    config = config.with_overrides(model=args.model, num_prefill=args.num_prefill, num_decode=args.num_decode,
+                                   host=args.host, port=args.port, ray_address=args.ray_address, dtype=args.dtype,
+                                   device=args.device)  # fmt: skip
+    if not config.ray_address:
+        use_loopback_ray()  # before Ray is imported
+    stop = threading.Event()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda *_: stop.set())
+    deployment = Deployment(config)
+    try:
+        address = deployment.start()
+        print(f"splitserve ready on {address}", flush=True)
+        stop.wait()
+    finally:
+        deployment.stop()
+    return 0
+
+
+def _add_status(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("status", help="workers, health, load and KV usage of a running server")
+    p.add_argument("--addr", default="127.0.0.1:50051")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_status)
+
+
+def _status(args: argparse.Namespace) -> int:
+    import grpc
+    from google.protobuf.json_format import MessageToDict
+
+    from splitserve.client import Client
+
+    with Client(args.addr) as client:
+        try:
+            status = client.status()
+        except grpc.RpcError as e:
+            print(f"splitserve status: {e.code().name}: {e.details()}", file=sys.stderr)
+            return 1
+    if args.json:
+        print(json.dumps(MessageToDict(status, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)))
+        return 0
+    print(f"model {status.model}; {status.running_requests} running, {status.queued_requests} queued")
+    header = ("role", "id", "node", "address", "health", "running", "waiting", "kv total", "kv in use", "kv cached")
+    rows = [(w.role, w.worker_id, w.node[:12], w.address, "ok" if w.healthy else "DOWN", str(w.running),
+             str(w.waiting), str(w.kv_blocks_total), str(w.kv_blocks_in_use), str(w.kv_blocks_cached))
+            for w in status.workers]  # fmt: skip
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)]
+    for row in (header, *rows):
+        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="splitserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     _add_make_model(sub)
+    _add_serve(sub)
     _add_generate(sub)
+    _add_status(sub)
     return parser
 
 

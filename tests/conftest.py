@@ -10,6 +10,9 @@ from pathlib import Path
 
 import pytest
 
+# Ray reads this when it is imported: every Ray the tests start binds and advertises 127.0.0.1 only.
+os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+os.environ["RAY_AUTH_MODE"] = "disabled"
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -1,0 +1,5 @@
+import sys
+
+from worker_common.cli import main
+
+sys.exit(main("decode"))

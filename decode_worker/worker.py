@@ -1,0 +1,246 @@
+"""The decode worker: leases blocks, receives each request's KV, decodes in one continuous batch and
+streams token ids back to the router.
+
+A request's life here (it exists exactly as long as the router's ``Decode`` call)::
+
+    lease granted (blocks allocated) ─▶ waiting for KV ─▶ KV landed: joins the batch ─▶ tokens ...
+           │ refused: no room                  │ transfer failed / cancelled       ├─▶ Finished
+           ▼                                   ▼                                   └─▶ Preempted
+        (call ends)                     blocks freed, call ends               (out of blocks: blocks
+                                                                               freed; the router
+                                                                               re-prefills elsewhere)
+
+The request starts decoding only after every layer of its KV has landed; the first token and the
+sampling state come with the transfer's commit. A cancelled call frees the request in any phase.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import time
+from dataclasses import dataclass, field
+
+import grpc
+
+from engine.request import FinishReason, Request
+from engine.sampling_params import SamplingParams, SamplingParamsError
+from kv_transfer.handles import TransferHandle, TransferState
+from kv_transfer.receiver import KVReceiver
+from kv_transfer.service import KVTransferServicer
+from splitserve.rpc import kv_transfer_pb2_grpc
+from splitserve.rpc import workers_pb2 as wpb
+from splitserve.rpc import workers_pb2_grpc as wpb_grpc
+from splitserve.rpc.convert import FINISH_TO_PB, sampling_from_pb, stop_reason_text
+from worker_common.base import END, WorkerBase, WorkerError, ms_since
+from worker_common.config import WorkerConfig
+
+log = logging.getLogger("splitserve.decode")
+
+
+@dataclass(eq=False)
+class DecodeJob:
+    request_id: str
+    prompt: list[int]
+    output: list[int]  # generated before this leg
+    sampling: SamplingParams
+    events: queue.Queue = field(default_factory=queue.Queue)
+    leased_at: float = field(default_factory=time.monotonic)
+    transfer: TransferHandle | None = None
+    request: Request | None = None  # set once admitted into the batch
+    cancelled: bool = False
+    ended: bool = False
+
+
+class DecodeWorker(WorkerBase):
+    def __init__(self, config: WorkerConfig) -> None:
+        super().__init__(config)
+        self.scheduler = self.core.make_scheduler(preemption="hand_back")
+        self.receiver = KVReceiver(self.core.kv_cache, self.fingerprint, config.worker_id, host=config.host,
+                                   config=config.transfer)  # fmt: skip
+        self.jobs: dict[str, DecodeJob] = {}
+
+    @property
+    def incarnation(self) -> str:
+        return self.receiver.incarnation
+
+    def add_services(self, server: grpc.Server) -> None:
+        wpb_grpc.add_DecodeWorkerServicer_to_server(_Servicer(self), server)
+        kv_transfer_pb2_grpc.add_KVTransferServicer_to_server(KVTransferServicer(self.receiver), server)
+
+    def stop(self, grace_s: float = 1.0) -> None:
+        super().stop(grace_s)
+        self.receiver.close()
+
+    # ---- leases, from handler threads -----------------------------------------------------------
+
+    def lease(self, message: wpb.DecodeRequest) -> tuple[DecodeJob | None, wpb.DecodeEvent]:
+        """Reserve blocks for a request's KV (handler thread); returns (job, grant) or (None, refusal)."""
+        try:
+            sampling = sampling_from_pb(message.sampling, draw_seed=False)
+        except SamplingParamsError as e:
+            raise WorkerError("INVALID_ARGUMENT", str(e)) from None
+        prompt, output = list(message.prompt_token_ids), list(message.output_token_ids)
+        self.check_request(prompt + output, sampling)
+        blocks = self.core.blocks
+        with self.lock:
+            if message.request_id in self.jobs or self.receiver.has_transfer(message.request_id):
+                raise WorkerError("ALREADY_EXISTS", f"request_id: {message.request_id!r} is already here")
+            # Room for the prompt's KV and the first token of this leg; decoding grows it step by step.
+            if not blocks.allocate(message.request_id, len(prompt) + len(output) + 1):
+                refusal = wpb.LeaseRefused(reason="not enough free KV blocks", free_blocks=blocks.num_free_blocks)
+                return None, wpb.DecodeEvent(refused=refusal)
+            table = list(blocks.block_table(message.request_id))
+            job = self.jobs[message.request_id] = DecodeJob(message.request_id, prompt, output, sampling)
+        job.transfer = self.receiver.expect(message.request_id, table)
+        job.transfer.on_terminal(lambda handle: self._kv_ended(job, handle))
+        destination = wpb.KVDestination(receiver_id=self.config.worker_id, incarnation=self.receiver.incarnation,
+                                        control_address=self.address)  # fmt: skip
+        return job, wpb.DecodeEvent(lease=wpb.LeaseGranted(destination=destination, blocks=len(table)))
+
+    def _kv_ended(self, job: DecodeJob, handle: TransferHandle) -> None:
+        """The transfer ended (transfer or caller thread): admit on success, else give the lease back."""
+        if handle.state is TransferState.DONE:
+            self.submit(("admit", job))
+            return
+        with self.lock:
+            if job.request is None:
+                self.core.blocks.free(job.request_id)
+        self._end(job, WorkerError("UNAVAILABLE", f"KV transfer {handle.state.value}: {handle.error}"))
+
+    def cancel(self, job: DecodeJob) -> None:
+        """The router's call ended (any reason): drop the job if it is still here (by job, not by id)."""
+        self.submit(("cancel", job))
+
+    # ---- the loop -------------------------------------------------------------------------------
+
+    def handle_command(self, command: tuple) -> None:
+        kind, arg = command
+        if kind == "admit":
+            self._admit(arg)
+            return
+        job = arg
+        if job.ended or self.jobs.get(job.request_id) is not job:
+            return
+        job.cancelled = True
+        if job.request is not None:
+            with self.lock:
+                self.scheduler.finish(job.request_id, FinishReason.ABORT)  # frees its blocks
+            self._end(job, END)
+        else:  # still waiting for its KV: _kv_ended frees the lease (or _admit, if the KV just landed)
+            self.receiver.cancel(job.request_id, "cancelled by the router")
+
+    def _admit(self, job: DecodeJob) -> None:
+        if job.ended or job.cancelled:
+            with self.lock:
+                self.core.blocks.free(job.request_id)
+            self._end(job, END)
+            return
+        commit = job.transfer.commit or {}
+        first = commit.get("first_token")
+        if not isinstance(first, int) or not 0 <= first < self.core.model_config.vocab_size:
+            with self.lock:
+                self.core.blocks.free(job.request_id)
+            self._end(job, WorkerError("INTERNAL", f"KV commit carries no valid first token: {commit!r}"))
+            return
+        request = Request.resume(job.request_id, job.prompt, job.output + [first], job.sampling, job.sampling.seed)
+        with self.lock:
+            self.scheduler.add_running(request)
+            job.request = request
+        job.events.put(wpb.DecodeEvent(landed=wpb.KVLanded(wait_ms=ms_since(job.leased_at))))
+
+    def step(self) -> bool:
+        with self.lock:
+            output = self.scheduler.schedule()
+        for victim in output.preempted:  # handed back: blocks already freed
+            self._end(self.jobs[victim.request_id],
+                      wpb.DecodeEvent(preempted=wpb.Preempted(output_token_ids=victim.output_token_ids)))  # fmt: skip
+        if output.is_empty:
+            return False
+        sampled = self.core.runner.execute(output)
+        with self.lock:
+            advanced = self.scheduler.update(output, sampled)
+        for request in advanced:
+            job = self.jobs[request.request_id]
+            job.events.put(wpb.DecodeEvent(tokens=wpb.Tokens(token_ids=[request.token_ids[-1]],
+                                                              index=request.num_output_tokens - 1)))  # fmt: skip
+            if request.is_finished:
+                finished = wpb.Finished(finish_reason=FINISH_TO_PB[request.finish_reason],
+                                        stop_reason=stop_reason_text(request.stop_reason))  # fmt: skip
+                self._end(job, wpb.DecodeEvent(finished=finished))
+        if self.config.faults.decode_step_delay_s:
+            time.sleep(self.config.faults.decode_step_delay_s)
+        return True
+
+    def _end(self, job: DecodeJob, last) -> None:
+        with self.lock:
+            if job.ended:
+                return
+            job.ended = True
+            if self.jobs.get(job.request_id) is job:
+                del self.jobs[job.request_id]
+        self.receiver.release(job.request_id)
+        job.events.put(last)
+        if last is not END:
+            job.events.put(END)
+
+    def fail_all(self, message: str) -> None:
+        for job in list(self.jobs.values()):
+            with self.lock:
+                self.scheduler.finish(job.request_id, FinishReason.ABORT)
+                self.core.blocks.free(job.request_id)
+            self._end(job, WorkerError("INTERNAL", message))
+
+    def status_message(self):
+        with self.lock:
+            running = len(self.scheduler.running)
+            waiting = sum(1 for job in self.jobs.values() if job.request is None)
+        return self.status(running, waiting)
+
+
+class _Servicer(wpb_grpc.DecodeWorkerServicer):
+    def __init__(self, worker: DecodeWorker) -> None:
+        self.worker = worker
+
+    def Decode(self, request, context):  # noqa: N802
+        try:
+            job, first = self.worker.lease(request)
+        except WorkerError as e:
+            context.abort(getattr(grpc.StatusCode, e.code), e.message)
+        yield first
+        if job is None:
+            return
+        context.add_callback(lambda: self.worker.cancel(job))
+        while True:
+            event = job.events.get()
+            if event is END:
+                return
+            if isinstance(event, WorkerError):
+                context.abort(getattr(grpc.StatusCode, event.code), event.message)
+            if event.WhichOneof("kind") == "tokens":
+                event = _coalesce(event, job.events)
+            yield event
+
+    def Status(self, request, context):  # noqa: N802
+        return self.worker.status_message()
+
+
+def _coalesce(event, events: queue.Queue):
+    """Merge the token events already queued behind ``event`` into one message: a slow reader gets
+    fewer, larger messages, and the queue holds at most one request's output, never more."""
+    merged = list(event.tokens.token_ids)
+    index = event.tokens.index
+    while True:
+        try:
+            following = events.get_nowait()
+        except queue.Empty:
+            break
+        if following is not END and not isinstance(following, WorkerError) and following.WhichOneof("kind") == "tokens":
+            merged.extend(following.tokens.token_ids)
+            continue
+        # Not a token: send the merged tokens now and this one next (put it back at the front).
+        with events.mutex:
+            events.queue.appendleft(following)
+            events.not_empty.notify()
+        break
+    return wpb.DecodeEvent(tokens=wpb.Tokens(token_ids=merged, index=index))

@@ -1,0 +1,265 @@
+"""The prefill worker: batched, chunked prefill with a prefix cache; returns the first token at once
+and ships the KV to the decode worker the router chose, layer group by layer group.
+
+A request's life here (it exists exactly as long as the router's ``Prefill`` call)::
+
+    queued ─▶ prefilling (chunks) ─▶ first token sampled ─▶ FirstToken sent to the router at once
+                                        │
+                                        ├─ finished at the first token / no destination: blocks freed
+                                        └─ KV transfer (started with the final chunk, streamed by layer
+                                           group while later layers compute) ─▶ TransferResult; blocks
+                                           freed (full blocks stay in the prefix cache)
+
+A cancelled call frees the request in whatever phase it is.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import time
+from dataclasses import dataclass, field
+
+import grpc
+
+from engine.request import FinishReason, Request
+from engine.sampling_params import SamplingParamsError
+from kv_transfer.handles import TransferHandle, TransferState
+from kv_transfer.sender import KVSender, PeerAddress, SendHandle
+from kv_transfer.service import GrpcConnection
+from splitserve.rpc import workers_pb2 as wpb
+from splitserve.rpc import workers_pb2_grpc as wpb_grpc
+from splitserve.rpc.convert import FINISH_TO_PB, sampling_from_pb, stop_reason_text
+from worker_common.base import END, WorkerBase, WorkerError, stream_events
+from worker_common.config import WorkerConfig
+
+log = logging.getLogger("splitserve.prefill")
+
+
+@dataclass(eq=False)
+class PrefillJob:
+    request: Request
+    destination: PeerAddress | None
+    events: queue.Queue = field(default_factory=queue.Queue)
+    arrival: float = field(default_factory=time.monotonic)
+    first_scheduled: float | None = None
+    first_token_at: float | None = None
+    transfer: SendHandle | None = None
+    done: bool = False  # the loop is finished with it (blocks freed or owned by the transfer callback)
+
+
+class PrefillWorker(WorkerBase):
+    def __init__(self, config: WorkerConfig) -> None:
+        super().__init__(config)
+        self.scheduler = self.core.make_scheduler(hand_off_after_first_token=True)
+        self.sender = KVSender(self.core.kv_cache, self.fingerprint, config.worker_id,
+                               connect=lambda peer: GrpcConnection(peer.control), host=config.host,
+                               config=config.transfer)  # fmt: skip
+        self.jobs: dict[str, PrefillJob] = {}
+        self._subscribers: list[queue.Queue] = []
+
+    @property
+    def incarnation(self) -> str:
+        return self.sender.incarnation
+
+    def add_services(self, server: grpc.Server) -> None:
+        wpb_grpc.add_PrefillWorkerServicer_to_server(_Servicer(self), server)
+
+    def stop(self, grace_s: float = 1.0) -> None:
+        super().stop(grace_s)
+        self.sender.close()
+
+    # ---- requests from handler threads ----------------------------------------------------------
+
+    def accept(self, message: wpb.PrefillRequest) -> PrefillJob:
+        """Validate and queue a request (handler thread); raises WorkerError."""
+        try:
+            sampling = sampling_from_pb(message.sampling, draw_seed=False)
+        except SamplingParamsError as e:
+            raise WorkerError("INVALID_ARGUMENT", str(e)) from None
+        if not message.sampling.HasField("seed"):
+            raise WorkerError("INVALID_ARGUMENT", "sampling.seed: the router must set it")
+        prompt, output = list(message.prompt_token_ids), list(message.output_token_ids)
+        self.check_request(prompt + output, sampling)
+        destination = None
+        if message.HasField("destination"):
+            d = message.destination
+            destination = PeerAddress(d.receiver_id, d.incarnation, d.control_address)
+        job = PrefillJob(Request.resume(message.request_id, prompt, output, sampling, sampling.seed), destination)
+        with self.lock:
+            if message.request_id in self.jobs or self.sender.has_transfer(message.request_id):
+                raise WorkerError("ALREADY_EXISTS", f"request_id: {message.request_id!r} is already here")
+            if len(self.jobs) >= self.config.max_inflight:
+                raise WorkerError("RESOURCE_EXHAUSTED", f"prefill worker has {len(self.jobs)} requests (max_inflight)")
+            self.jobs[message.request_id] = job
+        self.submit(("add", job))
+        return job
+
+    def cancel(self, job: PrefillJob) -> None:
+        """The router's call ended (any reason): drop the job if it is still here. By job, not by id:
+        a finished call's callback must never touch a newer request that reuses the id."""
+        self.submit(("cancel", job))
+
+    # ---- the loop -------------------------------------------------------------------------------
+
+    def handle_command(self, command: tuple) -> None:
+        kind, arg = command
+        if kind == "add":
+            try:
+                with self.lock:
+                    self.scheduler.add(arg.request)
+            except ValueError as e:
+                self._finish_job(arg, WorkerError("INVALID_ARGUMENT", str(e)))
+            return
+        job, request_id = arg, arg.request.request_id
+        if self.jobs.get(request_id) is not job:
+            return  # already finished
+        if not job.done:  # still in the scheduler: abort frees its blocks
+            with self.lock:
+                self.scheduler.finish(request_id, FinishReason.ABORT)
+            self._finish_job(job, END)
+        elif job.transfer is not None:
+            self.sender.cancel(request_id, "cancelled by the router")  # the transfer callback frees the blocks
+
+    def step(self) -> bool:
+        with self.lock:
+            output = self.scheduler.schedule()
+        if output.is_empty:
+            self._publish_cache_events()
+            return False
+        if self.config.faults.prefill_delay_s:
+            time.sleep(self.config.faults.prefill_delay_s)
+        now = time.monotonic()
+        streaming: list[TransferHandle] = []
+        for item in output.scheduled:
+            job = self.jobs[item.request.request_id]
+            if job.first_scheduled is None:
+                job.first_scheduled = now
+            if item.samples and job.destination is not None and job.transfer is None:
+                request = item.request
+                blocks = self.core.blocks.block_table(request.request_id)[: -(-request.num_tokens // self.core.config.block_size)]
+                job.transfer = self.sender.start(request.request_id, job.destination, blocks, request.num_tokens)
+                streaming.append(job.transfer)
+        hook = (lambda n: [self.sender.layers_ready(h, n) for h in streaming]) if streaming else None
+        sampled = self.core.runner.execute(output, on_layer_done=hook)
+        with self.lock:
+            handed_off = self.scheduler.update(output, sampled)
+        for request in handed_off:
+            self._first_token(self.jobs[request.request_id], request)
+        self._publish_cache_events()
+        return True
+
+    def _first_token(self, job: PrefillJob, request: Request) -> None:
+        job.first_token_at = time.monotonic()
+        job.done = True
+        token = request.token_ids[-1]
+        event = wpb.FirstToken(
+            token_id=token, cached_tokens=request.num_cached_tokens,
+            queue_ms=((job.first_scheduled or job.arrival) - job.arrival) * 1e3,
+            compute_ms=(job.first_token_at - (job.first_scheduled or job.arrival)) * 1e3,
+        )  # fmt: skip
+        if request.finish_reason is not None:
+            event.finish_reason = FINISH_TO_PB[request.finish_reason]
+            event.stop_reason = stop_reason_text(request.stop_reason)
+        job.events.put(wpb.PrefillEvent(first_token=event))
+        if job.transfer is None:
+            self._release(job)
+            self._finish_job(job, END)
+        elif request.finish_reason is not None:  # nothing left to decode: do not move the KV
+            self.sender.cancel(request.request_id, "finished at its first token")
+            job.transfer.on_terminal(lambda h: self._transfer_ended(job, h, report=False))
+        else:
+            self.sender.finish(job.transfer, commit={"first_token": token})
+            job.transfer.on_terminal(lambda h: self._transfer_ended(job, h, report=True))
+
+    def _transfer_ended(self, job: PrefillJob, handle: TransferHandle, report: bool) -> None:
+        """Runs in whichever thread ended the transfer: free the blocks, tell the router."""
+        self._release(job)
+        if report:
+            ok = handle.state is TransferState.DONE
+            job.events.put(wpb.PrefillEvent(transfer=wpb.TransferResult(
+                ok=ok, error="" if ok else f"{handle.state.value}: {handle.error}",
+                transfer_ms=((handle.finished_at or time.monotonic()) - job.first_token_at) * 1e3,
+            )))  # fmt: skip
+        self._finish_job(job, END)
+
+    def _release(self, job: PrefillJob) -> None:
+        request_id = job.request.request_id
+        with self.lock:
+            self.core.blocks.free(request_id)
+        self.sender.release(request_id)
+        self.wake()
+
+    def _finish_job(self, job: PrefillJob, last) -> None:
+        with self.lock:
+            if self.jobs.get(job.request.request_id) is job:
+                del self.jobs[job.request.request_id]
+        job.events.put(last)
+        if last is not END:
+            job.events.put(END)
+
+    def fail_all(self, message: str) -> None:
+        for job in list(self.jobs.values()):
+            with self.lock:
+                self.scheduler.finish(job.request.request_id, FinishReason.ABORT)
+            if job.transfer is not None:
+                self.sender.cancel(job.request.request_id, message)
+            else:
+                self._release(job)
+            self._finish_job(job, WorkerError("INTERNAL", message))
+
+    # ---- prefix-cache events for the router ------------------------------------------------------
+
+    def subscribe(self) -> tuple[queue.Queue, list[int]]:
+        """A queue of future cache events, and the snapshot of hashes held now (taken atomically)."""
+        events: queue.Queue = queue.Queue()
+        with self.lock:
+            self._publish_cache_events()
+            snapshot = self.core.blocks.cached_hashes()
+            self._subscribers.append(events)
+        return events, snapshot
+
+    def unsubscribe(self, events: queue.Queue) -> None:
+        with self.lock:
+            if events in self._subscribers:
+                self._subscribers.remove(events)
+        events.put(END)
+
+    def _publish_cache_events(self) -> None:
+        with self.lock:
+            events = self.core.blocks.take_events()
+            for event in events:
+                kind = {"stored": wpb.CacheEvent.STORED, "removed": wpb.CacheEvent.REMOVED,
+                        "cleared": wpb.CacheEvent.REMOVED}[event.kind]  # fmt: skip
+                message = wpb.CacheEvent(kind=kind, block_hashes=list(event.block_hashes),
+                                         block_size=self.core.config.block_size)  # fmt: skip
+                for subscriber in self._subscribers:
+                    subscriber.put(message)
+
+    def status_message(self):
+        with self.lock:
+            running, waiting = len(self.scheduler.running), len(self.scheduler.waiting)
+        return self.status(running, waiting)
+
+
+class _Servicer(wpb_grpc.PrefillWorkerServicer):
+    def __init__(self, worker: PrefillWorker) -> None:
+        self.worker = worker
+
+    def Prefill(self, request, context):  # noqa: N802
+        try:
+            job = self.worker.accept(request)
+        except WorkerError as e:
+            context.abort(getattr(grpc.StatusCode, e.code), e.message)
+        context.add_callback(lambda: self.worker.cancel(job))
+        yield from stream_events(job.events, context, lambda event: event)
+
+    def Status(self, request, context):  # noqa: N802
+        return self.worker.status_message()
+
+    def CacheEvents(self, request, context):  # noqa: N802
+        events, snapshot = self.worker.subscribe()
+        context.add_callback(lambda: self.worker.unsubscribe(events))
+        yield wpb.CacheEvent(kind=wpb.CacheEvent.SNAPSHOT, block_hashes=snapshot,
+                             block_size=self.worker.core.config.block_size)  # fmt: skip
+        yield from stream_events(events, context, lambda event: event)

@@ -1,0 +1,45 @@
+"""Run the router alone, in front of workers started as plain processes (for debugging)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+
+from router.config import RouterConfig
+from router.server import Router
+from router.workers import WorkerAddress
+
+
+async def _run(args: argparse.Namespace) -> None:
+    workers = [WorkerAddress("prefill", a) for a in args.prefill] + [WorkerAddress("decode", a) for a in args.decode]
+    router = Router(RouterConfig(model_dir=args.model, host=args.host, port=args.port, block_size=args.block_size,
+                                 routing_policy=args.policy), workers)  # fmt: skip
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, stop.set)
+    print(f"splitserve ready on {await router.start()}", flush=True)
+    await stop.wait()
+    await router.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m router", description=__doc__)
+    p.add_argument("--model", required=True, help="the workers' model folder (for its tokenizer and config)")
+    p.add_argument("--prefill", action="append", required=True, help="a prefill worker's host:port (repeatable)")
+    p.add_argument("--decode", action="append", required=True, help="a decode worker's host:port (repeatable)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=50051)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--policy", default="prefix_aware", choices=["prefix_aware", "least_loaded", "round_robin"])
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    asyncio.run(_run(args))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

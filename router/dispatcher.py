@@ -1,0 +1,141 @@
+"""The router's one queue, prefill credit, and decode leases.
+
+A request waits in a bounded FIFO until a prefill worker with credit can take it (the head of the
+queue is placed first: no overtaking). It then holds that credit until its first token arrives.
+Right after dispatch it leases blocks on a decode worker: no prefill starts without a lease, and the
+lease is taken only now, so decode memory does not sit idle through the prefill queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import grpc
+
+from router.config import RouterConfig
+from router.policy import choose_decode, choose_prefill
+from router.workers import DecodeHandle, PrefillHandle, WorkerPool
+from splitserve.rpc import workers_pb2 as wpb
+
+
+class RouterError(Exception):
+    """Ends a client's call with ``code`` (a gRPC status name) and ``message``."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code, self.message = code, message
+
+
+@dataclass(eq=False)
+class Ticket:
+    request_id: str
+    num_tokens: int  # tokens to prefill (prompt + output so far)
+    prompt_hashes: list[int]
+    future: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+    queued_tokens: int = 0  # charged to the chosen prefill worker until the first token
+
+
+class Dispatcher:
+    def __init__(self, pool: WorkerPool, config: RouterConfig, block_size: int) -> None:
+        self.pool, self.config, self.block_size = pool, config, block_size
+        self.waiting: deque[Ticket] = deque()
+        self._turn = 0
+        self._watcher: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self._watcher = asyncio.create_task(self._watch())
+
+    async def close(self) -> None:
+        if self._watcher is not None:
+            self._watcher.cancel()
+            await asyncio.gather(self._watcher, return_exceptions=True)
+
+    async def _watch(self) -> None:
+        while True:
+            await self.pool.changed.wait()
+            self.pool.changed.clear()
+            self._place()
+
+    # ---- prefill credit -------------------------------------------------------------------------
+
+    async def dispatch(self, ticket: Ticket) -> PrefillHandle:
+        """Wait in the queue for a prefill worker with room; raises RouterError when the queue is full."""
+        if len(self.waiting) >= self.config.max_queue:
+            raise RouterError("RESOURCE_EXHAUSTED", f"the router's queue is full ({self.config.max_queue} requests)")
+        self.waiting.append(ticket)
+        self._place()
+        try:
+            return await ticket.future
+        except asyncio.CancelledError:
+            if ticket in self.waiting:
+                self.waiting.remove(ticket)
+            elif ticket.future.done() and not ticket.future.cancelled():
+                self.release(ticket.future.result(), ticket)
+            raise
+
+    def release(self, worker: PrefillHandle, ticket: Ticket) -> None:
+        """The request's prefill ended (first token, or failure): give the credit back."""
+        worker.view.credit += 1
+        worker.view.inflight -= 1
+        worker.view.queued_tokens -= ticket.queued_tokens
+        ticket.queued_tokens = 0
+        self._place()
+
+    def _place(self) -> None:
+        while self.waiting:
+            ticket = self.waiting[0]
+            views = [p.view for p in self.pool.prefill]
+            view = choose_prefill(views, self.config.routing_policy, ticket.prompt_hashes, self.block_size,
+                                  self.config.overlap_weight, self._turn)  # fmt: skip
+            if view is None:
+                return
+            self._turn += 1
+            worker = self.pool.prefill[views.index(view)]
+            cached = view.cached_prefix_blocks(ticket.prompt_hashes) * self.block_size
+            ticket.queued_tokens = max(0, ticket.num_tokens - cached)
+            view.credit -= 1
+            view.inflight += 1
+            view.queued_tokens += ticket.queued_tokens
+            self.waiting.popleft()
+            ticket.future.set_result(worker)
+
+    # ---- decode leases --------------------------------------------------------------------------
+
+    async def lease(self, request: wpb.DecodeRequest, num_tokens: int, deadline: float):
+        """Open ``Decode`` on a decode worker with room; returns (worker, call, grant). Workers that
+        refuse are skipped, then all are retried until ``deadline`` (monotonic), then UNAVAILABLE."""
+        needed = -(-(num_tokens + 1) // self.block_size)
+        refused: set[str] = set()
+        while True:
+            view = choose_decode([d.view for d in self.pool.decode], needed, exclude=refused)
+            if view is None:
+                if time.monotonic() > deadline:
+                    raise RouterError("UNAVAILABLE", f"no decode worker had room for {needed} KV blocks in time")
+                refused.clear()
+                await asyncio.sleep(0.02)
+                continue
+            worker = next(d for d in self.pool.decode if d.view is view)
+            call = worker.stub.Decode(request, timeout=None)
+            try:
+                first = await asyncio.wait_for(call.read(), self.config.worker_timeout_s)
+            except (grpc.aio.AioRpcError, asyncio.TimeoutError) as e:
+                call.cancel()
+                if isinstance(e, grpc.aio.AioRpcError) and e.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                    raise RouterError("INVALID_ARGUMENT", e.details()) from None
+                view.healthy = False
+                refused.add(view.worker_id)
+                continue
+            if first.WhichOneof("kind") == "lease":
+                view.free_blocks -= first.lease.blocks
+                view.requests += 1
+                return worker, call, first.lease
+            view.free_blocks = first.refused.free_blocks
+            refused.add(view.worker_id)
+            call.cancel()
+
+    @staticmethod
+    def lease_ended(worker: DecodeHandle) -> None:
+        worker.view.requests = max(0, worker.view.requests - 1)

@@ -1,0 +1,185 @@
+"""One request's journey through the router, as an async generator of client messages.
+
+    queue ─▶ prefill credit ─▶ decode lease ─▶ Prefill ─▶ first token to the client at once
+                                                   │
+                                decode stream: tokens ─▶ detokenize ─▶ stop strings ─▶ client
+                                                   │
+                                    Finished ─▶ final message (finish reason, usage, timing)
+                                    Preempted ─▶ back to the queue with prompt + output (re-prefill)
+
+The request lives on a worker exactly as long as the router's call to it: whatever ends this
+generator (the last token, a stop string, the client's cancel or deadline, an error) cancels the
+calls still open, and the workers free what they hold.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+import grpc
+
+from engine.block_hash import block_hashes
+from engine.detokenizer import IncrementalDetokenizer
+from engine.sampling_params import SamplingParams
+from engine.stop_strings import StopStringMatcher
+from engine.tokenizer import Tokenizer
+from router.dispatcher import Dispatcher, RouterError, Ticket
+from splitserve.rpc import workers_pb2 as wpb
+from splitserve.rpc.convert import sampling_to_pb
+from splitserve.v1 import splitserve_pb2 as pb
+
+
+@dataclass
+class Clock:
+    arrival: float = field(default_factory=time.monotonic)
+    dispatched: float | None = None
+    first_token: float | None = None
+    landed: float | None = None
+    transfer_ms: float = 0.0
+
+    def timing(self, prefill_worker: str, decode_worker: str) -> pb.Timing:
+        now = time.monotonic()
+        ms = lambda a, b: ((b or now) - (a or now)) * 1e3  # noqa: E731
+        return pb.Timing(queue_ms=ms(self.arrival, self.dispatched), prefill_ms=ms(self.dispatched, self.first_token),
+                         transfer_ms=self.transfer_ms, first_token_ms=ms(self.arrival, self.first_token),
+                         decode_ms=ms(self.first_token, now), total_ms=ms(self.arrival, now),
+                         prefill_worker=prefill_worker, decode_worker=decode_worker)  # fmt: skip
+
+
+class RequestRun:
+    def __init__(self, request_id: str, prompt: list[int], sampling: SamplingParams, tokenizer: Tokenizer,
+                 dispatcher: Dispatcher, block_size: int, lease_timeout_s: float) -> None:  # fmt: skip
+        self.request_id, self.prompt, self.sampling = request_id, prompt, sampling
+        self.dispatcher, self.lease_timeout_s = dispatcher, lease_timeout_s
+        self.sampling_pb = sampling_to_pb(sampling)
+        self.hashes = block_hashes(prompt, block_size)
+        self.detok = IncrementalDetokenizer(tokenizer, prompt, sampling.skip_special_tokens)
+        self.stops = StopStringMatcher(sampling.stop, sampling.include_stop_str_in_output)
+        self.output: list[int] = []  # every generated token, in order (all relayed to the client)
+        self.cached_tokens: int | None = None
+        self.finish_reason = pb.FINISH_REASON_UNSPECIFIED
+        self.stop_reason = ""
+        self.clock = Clock()
+        self.prefill_worker = self.decode_worker = ""
+        self._calls: list = []
+
+    async def run(self):
+        try:
+            while self.finish_reason == pb.FINISH_REASON_UNSPECIFIED:
+                async for message in self._leg():
+                    yield message
+            yield self._final()
+        finally:
+            for call in self._calls:
+                call.cancel()
+
+    async def _leg(self):
+        """Prefill prompt + output so far, then decode until finished or preempted."""
+        ticket = Ticket(self.request_id, len(self.prompt) + len(self.output), self.hashes)
+        prefill = await self.dispatcher.dispatch(ticket)
+        self.clock.dispatched = self.clock.dispatched or time.monotonic()
+        self.prefill_worker = prefill.worker_id
+        try:
+            decode = call = grant = None
+            if self.sampling.max_tokens - len(self.output) > 1:
+                request = wpb.DecodeRequest(request_id=self.request_id, prompt_token_ids=self.prompt,
+                                            output_token_ids=self.output, sampling=self.sampling_pb)  # fmt: skip
+                deadline = time.monotonic() + self.lease_timeout_s
+                decode, call, grant = await self.dispatcher.lease(request, len(self.prompt) + len(self.output), deadline)
+                self._calls.append(call)
+                self.decode_worker = decode.worker_id
+            prefill_call = prefill.stub.Prefill(wpb.PrefillRequest(
+                request_id=self.request_id, prompt_token_ids=self.prompt, output_token_ids=self.output,
+                sampling=self.sampling_pb, destination=grant.destination if grant else None,
+            ))  # fmt: skip
+            self._calls.append(prefill_call)
+            first = (await _read(prefill_call, "prefill", prefill.worker_id)).first_token
+        finally:
+            self.dispatcher.release(prefill, ticket)
+        if self.cached_tokens is None:
+            self.cached_tokens = first.cached_tokens
+        self.clock.first_token = self.clock.first_token or time.monotonic()
+        yield self._relay([first.token_id])
+        if first.finish_reason != pb.FINISH_REASON_UNSPECIFIED or call is None:
+            self._finish(first.finish_reason or pb.FINISH_REASON_LENGTH, first.stop_reason)
+        if self.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
+            return
+        transfer = asyncio.create_task(self._await_transfer(prefill_call))
+        try:
+            async for message in self._decode(call, decode):
+                yield message
+        finally:
+            transfer.cancel()
+            self.dispatcher.lease_ended(decode)
+
+    async def _decode(self, call, worker):
+        while True:
+            event = await _read(call, "decode", worker.worker_id)
+            kind = event.WhichOneof("kind")
+            if kind == "landed":
+                self.clock.landed = time.monotonic()
+                self.clock.transfer_ms = self.clock.transfer_ms or (self.clock.landed - self.clock.first_token) * 1e3
+            elif kind == "tokens":  # skip any the client already has (a re-prefilled leg restarts at len(output))
+                new = list(event.tokens.token_ids)[max(0, len(self.output) - event.tokens.index) :]
+                if new:
+                    yield self._relay(new)
+                if self.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
+                    return  # a stop string matched: leaving cancels the decode call
+            elif kind == "finished":
+                self._finish(event.finished.finish_reason, event.finished.stop_reason)
+                return
+            elif kind == "preempted":  # re-prefill prompt + output on another leg
+                self.output = list(event.preempted.output_token_ids)
+                return
+
+    async def _await_transfer(self, call) -> None:
+        try:
+            async for event in call:
+                if event.WhichOneof("kind") == "transfer" and event.transfer.ok:
+                    self.clock.transfer_ms = event.transfer.transfer_ms
+        except grpc.aio.AioRpcError:
+            pass  # a failed transfer also ends the decode call, which reports it
+
+    def _relay(self, tokens: list[int]) -> pb.GenerateResponse:
+        """Tokens to the client, with the text they complete (held back while it may become a stop)."""
+        index = len(self.output)
+        self.output.extend(tokens)
+        text, stop = self.stops.feed(self.detok.add_tokens(tokens))
+        if stop is not None:
+            self._finish(pb.FINISH_REASON_STOP, stop)
+        return pb.GenerateResponse(request_id=self.request_id, token_ids=tokens, text=text, index=index)
+
+    def _finish(self, reason: int, stop_reason: str) -> None:
+        if self.finish_reason == pb.FINISH_REASON_UNSPECIFIED:
+            self.finish_reason, self.stop_reason = reason, stop_reason
+
+    def _final(self) -> pb.GenerateResponse:
+        text = ""
+        if self.stops.matched is None:
+            text, stop = self.stops.feed(self.detok.flush())
+            if stop is None:
+                text += self.stops.flush()
+                stop = self.stops.matched
+            if stop is not None:
+                self.finish_reason, self.stop_reason = pb.FINISH_REASON_STOP, stop
+        usage = pb.Usage(prompt_tokens=len(self.prompt), completion_tokens=len(self.output),
+                         cached_tokens=self.cached_tokens or 0)  # fmt: skip
+        return pb.GenerateResponse(request_id=self.request_id, text=text, index=len(self.output),
+                                   finish_reason=self.finish_reason, stop_reason=self.stop_reason, usage=usage,
+                                   timing=self.clock.timing(self.prefill_worker, self.decode_worker))  # fmt: skip
+
+
+async def _read(call, role: str, worker_id: str):
+    """The next event of a worker call; a worker failure becomes a RouterError for the client."""
+    try:
+        event = await call.read()
+    except grpc.aio.AioRpcError as e:
+        code = e.code()
+        if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED):
+            raise RouterError(code.name, e.details()) from None
+        raise RouterError("UNAVAILABLE", f"{role} worker {worker_id} failed: {code.name}: {e.details()}") from None
+    if event is grpc.aio.EOF:
+        raise RouterError("UNAVAILABLE", f"{role} worker {worker_id} ended the request without a result")
+    return event

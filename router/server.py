@@ -1,0 +1,156 @@
+"""The router: splitserve's public gRPC front door (``splitserve.v1.SplitServe``), plus the standard
+health service and server reflection. No torch here: it tokenizes, validates, queues, routes,
+detokenizes and relays; the workers compute.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import uuid
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from engine.model_config import ModelConfig
+from engine.sampling_params import SamplingParamsError
+from engine.tokenizer import Tokenizer
+from router.config import RouterConfig
+from router.dispatcher import Dispatcher, RouterError
+from router.generate import RequestRun
+from router.workers import WorkerAddress, WorkerPool
+from splitserve.rpc.convert import sampling_from_pb
+from splitserve.v1 import splitserve_pb2 as pb
+from splitserve.v1 import splitserve_pb2_grpc as pb_grpc
+
+log = logging.getLogger("splitserve.router")
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["SplitServe"].full_name
+
+
+class Router(pb_grpc.SplitServeServicer):
+    def __init__(self, config: RouterConfig, workers: list[WorkerAddress]) -> None:
+        self.config = config
+        self.model_config = ModelConfig.from_model_dir(config.model_dir)
+        self.tokenizer = Tokenizer.from_model_dir(config.model_dir)
+        self.block_size = config.block_size
+        self.workers = workers
+        self.pool: WorkerPool | None = None
+        self.dispatcher: Dispatcher | None = None
+        self.inflight: set[str] = set()
+        self._ids = itertools.count()
+        self._prefix = uuid.uuid4().hex[:8]
+        self.server: grpc.aio.Server | None = None
+        self.health = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
+        self.address = ""
+
+    # ---- lifecycle ------------------------------------------------------------------------------
+
+    async def start(self) -> str:
+        """Connect to every worker, then serve; returns "host:port"."""
+        cfg = self.config
+        self.pool = WorkerPool(self.workers, cfg.prefill_credit, cfg.status_interval_s, cfg.worker_timeout_s)
+        await self.pool.start()
+        self.dispatcher = Dispatcher(self.pool, cfg, self.block_size)
+        self.dispatcher.start()
+        options = [("grpc.max_receive_message_length", cfg.max_message_bytes)]
+        self.server = grpc.aio.server(options=options)
+        pb_grpc.add_SplitServeServicer_to_server(self, self.server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server)
+        port = self.server.add_insecure_port(f"{cfg.host}:{cfg.port}")
+        if port == 0:
+            raise OSError(f"could not bind the router to {cfg.host}:{cfg.port}")
+        await self.server.start()
+        for name in ("", SERVICE_NAME):
+            await _maybe_await(self.health.set(name, health_pb2.HealthCheckResponse.SERVING))
+        self.address = f"{cfg.host}:{port}"
+        return self.address
+
+    async def stop(self, grace_s: float = 1.0) -> None:
+        if self.server is not None:
+            for name in ("", SERVICE_NAME):
+                await _maybe_await(self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING))
+            await self.server.stop(grace_s)
+        if self.dispatcher is not None:
+            await self.dispatcher.close()
+        if self.pool is not None:
+            await self.pool.close()
+
+    # ---- the public API ---------------------------------------------------------------------------
+
+    async def Generate(self, request: pb.GenerateRequest, context):  # noqa: N802
+        try:
+            run = self._admit(request)
+        except RouterError as e:
+            await context.abort(getattr(grpc.StatusCode, e.code), e.message)
+        try:
+            async for message in run.run():
+                yield message
+        except RouterError as e:
+            await context.abort(getattr(grpc.StatusCode, e.code), e.message)
+        finally:
+            self.inflight.discard(run.request_id)
+
+    def _admit(self, request: pb.GenerateRequest) -> RequestRun:
+        """Validate and tokenize; raises RouterError naming the bad field."""
+        cfg = self.config
+        has_prompt, has_ids = request.HasField("prompt"), len(request.token_ids) > 0
+        if has_prompt == has_ids:
+            raise RouterError("INVALID_ARGUMENT", "prompt, token_ids: give exactly one of them")
+        if has_prompt:
+            if not request.prompt:
+                raise RouterError("INVALID_ARGUMENT", "prompt: must not be empty")
+            try:
+                tokens = self.tokenizer.encode(request.prompt)
+            except ValueError as e:
+                raise RouterError("INVALID_ARGUMENT", f"prompt: {e}") from None
+            if not tokens:
+                raise RouterError("INVALID_ARGUMENT", "prompt: encodes to no tokens")
+        else:
+            tokens = list(request.token_ids)
+            vocab = self.model_config.vocab_size
+            bad = next((t for t in tokens if t >= vocab), None)
+            if bad is not None:
+                raise RouterError("INVALID_ARGUMENT", f"token_ids: {bad} is outside the vocabulary [0, {vocab})")
+        try:
+            sampling = sampling_from_pb(request.sampling)
+            sampling.validate(self.model_config.vocab_size)
+        except SamplingParamsError as e:
+            field = e.field if e.field.startswith("sampling.") else f"sampling.{e.field}"
+            raise RouterError("INVALID_ARGUMENT", f"{field}: {str(e).split(': ', 1)[1]}") from None
+        max_len = self.model_config.max_position_embeddings
+        if len(tokens) + sampling.max_tokens > max_len:
+            raise RouterError("INVALID_ARGUMENT", f"sampling.max_tokens: prompt ({len(tokens)} tokens) + max_tokens "
+                                                  f"({sampling.max_tokens}) exceeds the context length {max_len}")  # fmt: skip
+        if request.HasField("request_id"):
+            request_id = request.request_id
+            if not 0 < len(request_id) <= cfg.max_request_id_chars or not request_id.isprintable():
+                raise RouterError("INVALID_ARGUMENT", f"request_id: must be 1 to {cfg.max_request_id_chars} printable characters")
+        else:
+            request_id = f"{self._prefix}-{next(self._ids)}"
+        if request_id in self.inflight:
+            raise RouterError("ALREADY_EXISTS", f"request_id: {request_id!r} is already in flight")
+        self.inflight.add(request_id)
+        return RequestRun(request_id, tokens, sampling, self.tokenizer, self.dispatcher, self.block_size,
+                          cfg.lease_timeout_s)  # fmt: skip
+
+    async def GetStatus(self, request, context):  # noqa: N802
+        workers = []
+        for w in self.pool.workers:
+            status = pb.WorkerStatus()
+            status.CopyFrom(w.status)
+            status.healthy = w.healthy
+            status.address = status.address or w.spec.address
+            status.node = w.spec.node or status.node
+            workers.append(status)
+        return pb.GetStatusResponse(workers=workers, queued_requests=len(self.dispatcher.waiting),
+                                    running_requests=len(self.inflight) - len(self.dispatcher.waiting),
+                                    model=self.config.model_name or Path(self.config.model_dir).name)  # fmt: skip
+
+
+async def _maybe_await(result) -> None:
+    if asyncio.iscoroutine(result):
+        await result

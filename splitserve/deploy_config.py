@@ -1,0 +1,162 @@
+"""The deployment config of ``splitserve serve``: read once, validated with errors naming the field.
+
+A YAML file (``--config``) holds any of these keys; command-line flags override it::
+
+    model: /models/Qwen2.5-0.5B          # a local HF folder; unset: the tiny demo checkpoint
+    model_name: qwen2.5-0.5b             # reported in status and checked between workers
+    dtype: bfloat16                      # bfloat16 | float16 | float32 | auto
+    device: cpu                          # cpu | cuda
+    host: 127.0.0.1                      # the router's (and, by default, the workers') address
+    port: 50051
+    ray_address: null                    # null: an embedded local Ray; or "auto", or host:port
+    prefill: {replicas: 1, threads: 1, max_inflight: 16}
+    decode: {replicas: 1, threads: 1}
+    engine: {block_size: 16, num_blocks: null, kv_cache_bytes: 536870912, max_num_seqs: 64,
+             max_num_batched_tokens: 2048, prefill_chunk_size: null}
+    router: {routing_policy: prefix_aware, overlap_weight: 16.0, max_queue: 1024, lease_timeout_s: 30.0}
+    transfer: {op_timeout_s: 5.0, pair_setup_timeout_s: 10.0, transfer_timeout_s: 60.0,
+               max_message_bytes: 8388608, whole_request_bytes: 4194304, layer_group_size: 4}
+    faults: {prefill_delay_s: 0.0, decode_step_delay_s: 0.0, transfer: []}   # tests only
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from kv_transfer.config import FaultPoint, TransferConfig
+from router.config import RouterConfig
+from worker_common.config import WorkerFaults
+
+
+class ConfigError(ValueError):
+    """The deployment config is invalid; the message names the field."""
+
+
+@dataclass(frozen=True)
+class RoleConfig:
+    replicas: int = 1
+    threads: int | None = None  # torch threads per worker; None: torch's default
+    max_inflight: int = 16  # prefill: requests a worker takes at once
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    block_size: int = 16
+    num_blocks: int | None = None
+    kv_cache_bytes: int = 512 << 20
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    prefill_chunk_size: int | None = None
+
+
+@dataclass(frozen=True)
+class RouterSettings:
+    routing_policy: str = "prefix_aware"
+    overlap_weight: float = 16.0
+    max_queue: int = 1024
+    lease_timeout_s: float = 30.0
+
+
+@dataclass(frozen=True)
+class Faults:
+    prefill_delay_s: float = 0.0
+    decode_step_delay_s: float = 0.0
+    transfer: tuple[FaultPoint, ...] = ()
+
+
+@dataclass(frozen=True)
+class DeploymentConfig:
+    model: str | None = None
+    model_name: str = ""
+    dtype: str = "auto"
+    device: str = "cpu"
+    host: str = "127.0.0.1"
+    port: int = 50051
+    ray_address: str | None = None
+    prefill: RoleConfig = field(default_factory=RoleConfig)
+    decode: RoleConfig = field(default_factory=RoleConfig)
+    engine: EngineSettings = field(default_factory=EngineSettings)
+    router: RouterSettings = field(default_factory=RouterSettings)
+    transfer: TransferConfig = field(default_factory=TransferConfig)
+    faults: Faults = field(default_factory=Faults)
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> DeploymentConfig:
+        try:
+            raw = yaml.safe_load(Path(path).read_text()) or {}
+        except (OSError, yaml.YAMLError) as e:
+            raise ConfigError(f"{path}: {e}") from None
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{path}: the top level must be a mapping")
+        return cls.from_dict(raw)
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> DeploymentConfig:
+        return _build(cls, raw, "")
+
+    def with_overrides(self, **overrides: Any) -> DeploymentConfig:
+        """Command-line overrides: ``None`` leaves the config's value."""
+        values = {k: v for k, v in overrides.items() if v is not None}
+        roles = {role: replace(getattr(self, role), replicas=values.pop(f"num_{role}"))
+                 for role in ("prefill", "decode") if f"num_{role}" in values}  # fmt: skip
+        return replace(self, **values, **roles)
+
+    def router_config(self, model_dir: str) -> RouterConfig:
+        r = self.router
+        return RouterConfig(model_dir=model_dir, host=self.host, port=self.port, model_name=self.model_name,
+                            block_size=self.engine.block_size, routing_policy=r.routing_policy,
+                            overlap_weight=r.overlap_weight, prefill_credit=self.prefill.max_inflight,
+                            max_queue=r.max_queue, lease_timeout_s=r.lease_timeout_s)  # fmt: skip
+
+    def worker_faults(self) -> WorkerFaults:
+        return WorkerFaults(self.faults.prefill_delay_s, self.faults.decode_step_delay_s)
+
+
+_NESTED = {"prefill": RoleConfig, "decode": RoleConfig, "engine": EngineSettings, "router": RouterSettings,
+           "transfer": TransferConfig, "faults": Faults}  # fmt: skip
+
+
+def _build(cls, raw: dict[str, Any], prefix: str):
+    known = {f.name: f for f in fields(cls)}
+    values: dict[str, Any] = {}
+    for key, value in raw.items():
+        name = f"{prefix}{key}"
+        if key not in known:
+            raise ConfigError(f"{name}: unknown setting (known: {', '.join(sorted(known))})")
+        if key in _NESTED and cls in (DeploymentConfig,):
+            if not isinstance(value, dict):
+                raise ConfigError(f"{name}: must be a mapping")
+            values[key] = _build(_NESTED[key], value, f"{name}.")
+        elif cls is Faults and key == "transfer":
+            if not isinstance(value, list):
+                raise ConfigError(f"{name}: must be a list of fault points")
+            try:
+                values[key] = tuple(FaultPoint(**point) for point in value)
+            except (TypeError, ValueError) as e:
+                raise ConfigError(f"{name}: {e}") from None
+        else:
+            values[key] = _check_type(name, value, known[key].type)
+    try:
+        return cls(**values)
+    except ValueError as e:
+        raise ConfigError(f"{prefix}{e}") from None
+
+
+def _check_type(name: str, value: Any, annotation: str) -> Any:
+    allowed = {"int": (int,), "float": (int, float), "str": (str,), "bool": (bool,)}
+    parts = [p.strip() for p in str(annotation).split("|")]
+    if value is None:
+        if "None" in parts:
+            return None
+        raise ConfigError(f"{name}: must not be null")
+    for part in parts:
+        kinds = allowed.get(part)
+        if kinds and isinstance(value, kinds) and not (part != "bool" and isinstance(value, bool)):
+            return float(value) if part == "float" else value
+    if any(p.startswith("Literal") for p in parts) and isinstance(value, str):
+        return value
+    raise ConfigError(f"{name}: expected {annotation}, got {value!r}")

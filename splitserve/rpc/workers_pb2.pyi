@@ -1,0 +1,167 @@
+from splitserve.v1 import splitserve_pb2 as _splitserve_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class KVDestination(_message.Message):
+    __slots__ = ("receiver_id", "incarnation", "control_address")
+    RECEIVER_ID_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    CONTROL_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    receiver_id: str
+    incarnation: str
+    control_address: str
+    def __init__(self, receiver_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., control_address: _Optional[str] = ...) -> None: ...
+
+class PrefillRequest(_message.Message):
+    __slots__ = ("request_id", "prompt_token_ids", "output_token_ids", "sampling", "destination")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    DESTINATION_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    output_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    sampling: _splitserve_pb2.SamplingParams
+    destination: KVDestination
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_splitserve_pb2.SamplingParams, _Mapping]] = ..., destination: _Optional[_Union[KVDestination, _Mapping]] = ...) -> None: ...
+
+class PrefillEvent(_message.Message):
+    __slots__ = ("first_token", "transfer")
+    FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_FIELD_NUMBER: _ClassVar[int]
+    first_token: FirstToken
+    transfer: TransferResult
+    def __init__(self, first_token: _Optional[_Union[FirstToken, _Mapping]] = ..., transfer: _Optional[_Union[TransferResult, _Mapping]] = ...) -> None: ...
+
+class FirstToken(_message.Message):
+    __slots__ = ("token_id", "cached_tokens", "queue_ms", "compute_ms", "finish_reason", "stop_reason")
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_MS_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    STOP_REASON_FIELD_NUMBER: _ClassVar[int]
+    token_id: int
+    cached_tokens: int
+    queue_ms: float
+    compute_ms: float
+    finish_reason: _splitserve_pb2.FinishReason
+    stop_reason: str
+    def __init__(self, token_id: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., queue_ms: _Optional[float] = ..., compute_ms: _Optional[float] = ..., finish_reason: _Optional[_Union[_splitserve_pb2.FinishReason, str]] = ..., stop_reason: _Optional[str] = ...) -> None: ...
+
+class TransferResult(_message.Message):
+    __slots__ = ("ok", "error", "transfer_ms")
+    OK_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_MS_FIELD_NUMBER: _ClassVar[int]
+    ok: bool
+    error: str
+    transfer_ms: float
+    def __init__(self, ok: _Optional[bool] = ..., error: _Optional[str] = ..., transfer_ms: _Optional[float] = ...) -> None: ...
+
+class DecodeRequest(_message.Message):
+    __slots__ = ("request_id", "prompt_token_ids", "output_token_ids", "sampling")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    output_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    sampling: _splitserve_pb2.SamplingParams
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_splitserve_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
+
+class DecodeEvent(_message.Message):
+    __slots__ = ("lease", "refused", "landed", "tokens", "finished", "preempted")
+    LEASE_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
+    LANDED_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    PREEMPTED_FIELD_NUMBER: _ClassVar[int]
+    lease: LeaseGranted
+    refused: LeaseRefused
+    landed: KVLanded
+    tokens: Tokens
+    finished: Finished
+    preempted: Preempted
+    def __init__(self, lease: _Optional[_Union[LeaseGranted, _Mapping]] = ..., refused: _Optional[_Union[LeaseRefused, _Mapping]] = ..., landed: _Optional[_Union[KVLanded, _Mapping]] = ..., tokens: _Optional[_Union[Tokens, _Mapping]] = ..., finished: _Optional[_Union[Finished, _Mapping]] = ..., preempted: _Optional[_Union[Preempted, _Mapping]] = ...) -> None: ...
+
+class LeaseGranted(_message.Message):
+    __slots__ = ("destination", "blocks")
+    DESTINATION_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    destination: KVDestination
+    blocks: int
+    def __init__(self, destination: _Optional[_Union[KVDestination, _Mapping]] = ..., blocks: _Optional[int] = ...) -> None: ...
+
+class LeaseRefused(_message.Message):
+    __slots__ = ("reason", "free_blocks")
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    reason: str
+    free_blocks: int
+    def __init__(self, reason: _Optional[str] = ..., free_blocks: _Optional[int] = ...) -> None: ...
+
+class KVLanded(_message.Message):
+    __slots__ = ("wait_ms",)
+    WAIT_MS_FIELD_NUMBER: _ClassVar[int]
+    wait_ms: float
+    def __init__(self, wait_ms: _Optional[float] = ...) -> None: ...
+
+class Tokens(_message.Message):
+    __slots__ = ("token_ids", "index")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    index: int
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., index: _Optional[int] = ...) -> None: ...
+
+class Finished(_message.Message):
+    __slots__ = ("finish_reason", "stop_reason")
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    STOP_REASON_FIELD_NUMBER: _ClassVar[int]
+    finish_reason: _splitserve_pb2.FinishReason
+    stop_reason: str
+    def __init__(self, finish_reason: _Optional[_Union[_splitserve_pb2.FinishReason, str]] = ..., stop_reason: _Optional[str] = ...) -> None: ...
+
+class Preempted(_message.Message):
+    __slots__ = ("output_token_ids",)
+    OUTPUT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    output_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, output_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class StatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class CacheEventsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class CacheEvent(_message.Message):
+    __slots__ = ("kind", "block_hashes", "block_size")
+    class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        KIND_UNSPECIFIED: _ClassVar[CacheEvent.Kind]
+        STORED: _ClassVar[CacheEvent.Kind]
+        REMOVED: _ClassVar[CacheEvent.Kind]
+        SNAPSHOT: _ClassVar[CacheEvent.Kind]
+    KIND_UNSPECIFIED: CacheEvent.Kind
+    STORED: CacheEvent.Kind
+    REMOVED: CacheEvent.Kind
+    SNAPSHOT: CacheEvent.Kind
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    kind: CacheEvent.Kind
+    block_hashes: _containers.RepeatedScalarFieldContainer[int]
+    block_size: int
+    def __init__(self, kind: _Optional[_Union[CacheEvent.Kind, str]] = ..., block_hashes: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ...) -> None: ...

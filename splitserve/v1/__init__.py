@@ -1,0 +1,1 @@
+"""Generated stubs of the public API, proto/splitserve/v1/splitserve.proto (regenerate with `make proto`)."""

@@ -1,0 +1,174 @@
+"""The skeleton both workers share: one engine, one loop thread, one gRPC server.
+
+Threads and who owns what::
+
+    gRPC handler threads ──submit(command)──▶ inbox ──▶ loop thread: schedule ▸ run model ▸ apply
+           ▲                                                        │
+           └──────────── per-request event queue ◀──────────────────┘
+
+The loop thread is the only one that runs the model. The scheduler and the block manager are shared
+with handler threads and transfer callbacks under ``self.lock``, which the loop holds only while it
+schedules or applies results, never while the model runs. Nothing is done while holding the lock
+that could call back into code taking it.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import socket
+import threading
+import time
+import traceback
+from concurrent import futures
+from pathlib import Path
+
+import grpc
+
+from engine.core import EngineCore
+from kv_transfer.descriptor import LayoutFingerprint
+from kv_transfer.service import SERVER_OPTIONS
+from splitserve.v1 import splitserve_pb2 as pb
+from worker_common.config import WorkerConfig
+
+log = logging.getLogger("splitserve.worker")
+
+END = object()  # closes a request's event queue
+
+
+class WorkerError(Exception):
+    """A request cannot proceed; ``code`` is the gRPC status name to end its call with."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code, self.message = code, message
+
+
+class WorkerBase:
+    def __init__(self, config: WorkerConfig) -> None:
+        self.config = config
+        self.core = EngineCore(config.engine, record_block_events=config.role == "prefill")
+        self.lock = threading.RLock()
+        self.fingerprint = LayoutFingerprint(
+            config.model_name or Path(config.engine.model_dir).name, str(self.core.dtype).removeprefix("torch."),
+            config.engine.block_size, self.core.model_config.num_layers, self.core.model_config.num_kv_heads,
+            self.core.model_config.head_dim, self.core.weights_checksum,
+        )  # fmt: skip
+        self.address = ""
+        self._inbox: queue.Queue = queue.Queue()
+        self._wake = threading.Event()
+        self._stopped = threading.Event()
+        self._server: grpc.Server | None = None
+        self._thread: threading.Thread | None = None
+
+    # ---- lifecycle ------------------------------------------------------------------------------
+
+    def start(self) -> str:
+        """Serve on the configured address and start the loop; returns "host:port"."""
+        cfg = self.config
+        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=64, thread_name_prefix=f"{cfg.role}-rpc"),
+                                   options=SERVER_OPTIONS)  # fmt: skip
+        self.add_services(self._server)
+        port = self._server.add_insecure_port(f"{cfg.host}:{cfg.port}")
+        if port == 0:
+            raise OSError(f"could not bind {cfg.role} worker {cfg.worker_id} to {cfg.host}:{cfg.port}")
+        self._server.start()
+        self.address = f"{cfg.host}:{port}"
+        self._thread = threading.Thread(target=self._loop, name=f"{cfg.role}-loop", daemon=True)
+        self._thread.start()
+        log.info("%s worker %s serving on %s", cfg.role, cfg.worker_id, self.address)
+        return self.address
+
+    def stop(self, grace_s: float = 1.0) -> None:
+        self._stopped.set()
+        self._wake.set()
+        if self._server is not None:
+            self._server.stop(grace_s).wait(grace_s + 1)
+        if self._thread is not None:
+            self._thread.join(5)
+
+    def add_services(self, server: grpc.Server) -> None:
+        raise NotImplementedError
+
+    # ---- the loop -------------------------------------------------------------------------------
+
+    def submit(self, command: tuple) -> None:
+        """Hand a command to the loop thread (from any thread)."""
+        self._inbox.put(command)
+        self._wake.set()
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    def _loop(self) -> None:
+        while not self._stopped.is_set():
+            try:
+                while True:
+                    try:
+                        self.handle_command(self._inbox.get_nowait())
+                    except queue.Empty:
+                        break
+                busy = self.step()
+            except Exception as e:  # a bug must surface, fail the requests in flight, and not kill the loop
+                log.error("%s loop failed: %s", self.config.role, traceback.format_exc())
+                self.fail_all(f"internal error in the {self.config.role} worker: {type(e).__name__}: {e}")
+                busy = False
+            if not busy:
+                self._wake.wait(0.05)
+                self._wake.clear()
+
+    def handle_command(self, command: tuple) -> None:
+        raise NotImplementedError
+
+    def step(self) -> bool:
+        """One iteration; returns False when there was nothing to do."""
+        raise NotImplementedError
+
+    def fail_all(self, message: str) -> None:
+        raise NotImplementedError
+
+    # ---- shared helpers -------------------------------------------------------------------------
+
+    def check_request(self, token_ids: list[int], sampling) -> None:
+        if not token_ids:
+            raise WorkerError("INVALID_ARGUMENT", "prompt_token_ids: must not be empty")
+        try:
+            self.core.check_request(token_ids, sampling)
+        except ValueError as e:
+            raise WorkerError("INVALID_ARGUMENT", str(e)) from None
+        if len(token_ids) >= self.core.max_model_len:
+            raise WorkerError("INVALID_ARGUMENT", f"prompt: {len(token_ids)} tokens exceed the context length")
+
+    def kv_figures(self) -> tuple[int, int, int]:
+        """(total, in use, cached) blocks, read from the allocator."""
+        with self.lock:
+            b = self.core.blocks
+            return b.num_blocks, b.num_used_blocks, b.num_cached_blocks
+
+    def status(self, running: int, waiting: int) -> pb.WorkerStatus:
+        total, in_use, cached = self.kv_figures()
+        return pb.WorkerStatus(
+            role=self.config.role, worker_id=self.config.worker_id, node=self.config.node or socket.gethostname(),
+            address=self.address, healthy=not self._stopped.is_set(), running=running, waiting=waiting,
+            kv_blocks_total=total, kv_blocks_in_use=in_use, kv_blocks_cached=cached,
+            incarnation=self.incarnation,
+        )  # fmt: skip
+
+    @property
+    def incarnation(self) -> str:
+        raise NotImplementedError
+
+
+def stream_events(events: queue.Queue, context: grpc.ServicerContext, convert):
+    """Yield a request's events to its gRPC call until END; WorkerError ends the call with its status."""
+    while True:
+        item = events.get()
+        if item is END:
+            return
+        if isinstance(item, WorkerError):
+            context.abort(getattr(grpc.StatusCode, item.code), item.message)
+        yield convert(item)
+
+
+def ms_since(start: float) -> float:
+    return (time.monotonic() - start) * 1e3

@@ -1,0 +1,53 @@
+"""Run one worker as a plain process (for debugging): ``python -m prefill_worker --model DIR``.
+
+It serves until SIGINT or SIGTERM. Point a router at it with ``python -m router --prefill ADDR
+--decode ADDR --model DIR``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import threading
+
+from engine.core import EngineConfig
+from worker_common.config import WorkerConfig
+
+
+def main(role: str, argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog=f"python -m {role}_worker", description=__doc__)
+    p.add_argument("--model", required=True, help="local Hugging Face model folder")
+    p.add_argument("--worker-id", default=f"{role}-0")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind and advertise")
+    p.add_argument("--port", type=int, default=0)
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--num-blocks", type=int, default=None)
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--max-inflight", type=int, default=16)
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    engine = EngineConfig(model_dir=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
+                          num_blocks=args.num_blocks, num_threads=args.threads,
+                          enable_prefix_caching=role == "prefill")  # fmt: skip
+    config = WorkerConfig(role=role, worker_id=args.worker_id, engine=engine, host=args.host, port=args.port,
+                          max_inflight=args.max_inflight)  # fmt: skip
+    if role == "prefill":
+        from prefill_worker.worker import PrefillWorker as cls
+    else:
+        from decode_worker.worker import DecodeWorker as cls
+    worker = cls(config)
+    stop = threading.Event()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda *_: stop.set())
+    print(f"{role} worker {args.worker_id} ready on {worker.start()}", flush=True)
+    stop.wait()
+    worker.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))

@@ -1,0 +1,44 @@
+"""A worker's settings: one frozen dataclass, composed of the engine's and the transfer layer's."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from engine.core import EngineConfig
+from kv_transfer.config import TransferConfig
+
+
+@dataclass(frozen=True)
+class WorkerFaults:
+    """Config-gated delays that hold requests in a phase, so tests can act on them there."""
+
+    prefill_delay_s: float = 0.0  # prefill worker: sleep before every step that computes prompt tokens
+    decode_step_delay_s: float = 0.0  # decode worker: sleep after every decode step
+
+    def __post_init__(self) -> None:
+        for name in ("prefill_delay_s", "decode_step_delay_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"faults.{name}: must be >= 0, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    role: Literal["prefill", "decode"]
+    worker_id: str
+    engine: EngineConfig
+    host: str = "127.0.0.1"  # the address this worker binds and advertises
+    port: int = 0  # gRPC port; 0 = any free port
+    model_name: str = ""  # part of the KV layout fingerprint; default: the model folder's name
+    transfer: TransferConfig = field(default_factory=TransferConfig)
+    max_inflight: int = 16  # prefill: requests accepted at once (the router's credit)
+    node: str = ""  # where the worker runs (a Ray node id), for status
+    faults: WorkerFaults = field(default_factory=WorkerFaults)
+
+    def __post_init__(self) -> None:
+        if self.role not in ("prefill", "decode"):
+            raise ValueError(f"role: {self.role!r} is not 'prefill' or 'decode'")
+        if not self.worker_id:
+            raise ValueError("worker_id: must not be empty")
+        if self.max_inflight < 1:
+            raise ValueError(f"max_inflight: must be >= 1, got {self.max_inflight}")
