@@ -41,6 +41,9 @@ bench-engine: setup
 bench-transfer: setup
 	$(VPY) -m kv_transfer.bench $(BENCH_ARGS)
 
+bench-serve: setup
+	$(VPY) scripts/bench_serve.py $(BENCH_ARGS)
+
 # Regenerate the gRPC stubs in splitserve/rpc from proto/ (a test fails when they drift).
 proto: setup
 	cd proto && ../$(VPY) -m grpc_tools.protoc -I. --python_out=.. --grpc_python_out=.. --pyi_out=.. $$(find . -name '*.proto')

@@ -50,7 +50,7 @@ def _process(conn, role: str, spec: dict | None, model_dir: str | None, config, 
     import torch
 
     from engine.kv_cache import KVCache, KVCacheSpec
-    from kv_transfer.comm import bind_store, connect_store, open_communicator
+    from kv_transfer.comm import connect_store, open_communicator
     from kv_transfer.descriptor import LayoutFingerprint
     from kv_transfer.receiver import KVReceiver
     from kv_transfer.sender import KVSender, PeerAddress

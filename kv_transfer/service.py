@@ -22,22 +22,7 @@ from kv_transfer.descriptor import LayoutFingerprint
 from kv_transfer.receiver import KVReceiver
 from splitserve.rpc import kv_transfer_pb2 as pb
 from splitserve.rpc import kv_transfer_pb2_grpc as pb_grpc
-
-# A lost node sends no reset: HTTP/2 keepalive notices it within seconds.
-CLIENT_OPTIONS = [
-    ("grpc.keepalive_time_ms", 2000),
-    ("grpc.keepalive_timeout_ms", 2000),
-    ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.http2.max_pings_without_data", 0),
-]
-SERVER_OPTIONS = [
-    ("grpc.keepalive_time_ms", 2000),
-    ("grpc.keepalive_timeout_ms", 2000),
-    ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.http2.min_recv_ping_interval_without_data_ms", 1000),
-    ("grpc.http2.max_ping_strikes", 0),
-]
-
+from splitserve.rpc.options import CLIENT_OPTIONS, SERVER_OPTIONS
 
 # ---- protobuf at the edge ------------------------------------------------------------------------
 

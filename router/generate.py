@@ -38,6 +38,7 @@ class Clock:
     first_token: float | None = None
     landed: float | None = None
     transfer_ms: float = 0.0
+    reprefills: int = 0
 
     def timing(self, prefill_worker: str, decode_worker: str) -> pb.Timing:
         now = time.monotonic()
@@ -45,7 +46,8 @@ class Clock:
         return pb.Timing(queue_ms=ms(self.arrival, self.dispatched), prefill_ms=ms(self.dispatched, self.first_token),
                          transfer_ms=self.transfer_ms, first_token_ms=ms(self.arrival, self.first_token),
                          decode_ms=ms(self.first_token, now), total_ms=ms(self.arrival, now),
-                         prefill_worker=prefill_worker, decode_worker=decode_worker)  # fmt: skip
+                         prefill_worker=prefill_worker, decode_worker=decode_worker,
+                         reprefills=self.reprefills)  # fmt: skip
 
 
 class RequestRun:
@@ -132,6 +134,7 @@ class RequestRun:
                 return
             elif kind == "preempted":  # re-prefill prompt + output on another leg
                 self.output = list(event.preempted.output_token_ids)
+                self.clock.reprefills += 1
                 return
 
     async def _await_transfer(self, call) -> None:

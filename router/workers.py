@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from kv_transfer.service import CLIENT_OPTIONS
+from splitserve.rpc.options import CLIENT_OPTIONS
 from router.policy import DecodeView, PrefillView
 from splitserve.rpc import workers_pb2 as wpb
 from splitserve.rpc import workers_pb2_grpc as wpb_grpc

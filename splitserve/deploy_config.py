@@ -9,8 +9,8 @@ A YAML file (``--config``) holds any of these keys; command-line flags override 
     host: 127.0.0.1                      # the router's (and, by default, the workers') address
     port: 50051
     ray_address: null                    # null: an embedded local Ray; or "auto", or host:port
-    prefill: {replicas: 1, threads: 1, max_inflight: 16}
-    decode: {replicas: 1, threads: 1}
+    prefill: {replicas: 1, threads: null, max_inflight: 16, num_blocks: null}
+    decode: {replicas: 1, threads: null, num_blocks: null}
     engine: {block_size: 16, num_blocks: null, kv_cache_bytes: 536870912, max_num_seqs: 64,
              max_num_batched_tokens: 2048, prefill_chunk_size: null}
     router: {routing_policy: prefix_aware, overlap_weight: 16.0, max_queue: 1024, lease_timeout_s: 30.0}
@@ -41,6 +41,17 @@ class RoleConfig:
     replicas: int = 1
     threads: int | None = None  # torch threads per worker; None: torch's default
     max_inflight: int = 16  # prefill: requests a worker takes at once
+    num_blocks: int | None = None  # this role's KV blocks; None: engine.num_blocks (or kv_cache_bytes)
+
+    def __post_init__(self) -> None:
+        if self.replicas < 1:
+            raise ValueError(f"replicas: must be >= 1, got {self.replicas}")
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"threads: must be >= 1, got {self.threads}")
+        if self.max_inflight < 1:
+            raise ValueError(f"max_inflight: must be >= 1, got {self.max_inflight}")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ValueError(f"num_blocks: must be >= 1, got {self.num_blocks}")
 
 
 @dataclass(frozen=True)
@@ -96,7 +107,12 @@ class DeploymentConfig:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> DeploymentConfig:
-        return _build(cls, raw, "")
+        config = _build(cls, raw, "")
+        try:
+            config.router_config(model_dir="")
+        except ValueError as e:
+            raise ConfigError(f"router.{e}") from None
+        return config
 
     def with_overrides(self, **overrides: Any) -> DeploymentConfig:
         """Command-line overrides: ``None`` leaves the config's value."""

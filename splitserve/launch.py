@@ -93,8 +93,10 @@ class Deployment:
         env = {"OMP_WAIT_POLICY": "PASSIVE", "TOKENIZERS_PARALLELISM": "false",
                "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": os.environ.get("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")}  # fmt: skip
         for role in ("prefill", "decode"):
+            threads = getattr(self.config, role).threads
+            role_env = {**env, "OMP_NUM_THREADS": str(threads)} if threads else env  # Ray's default is 1
             for i in range(getattr(self.config, role).replicas):
-                actor = remote.options(num_cpus=0, max_restarts=0, runtime_env={"env_vars": env},
+                actor = remote.options(num_cpus=0, max_restarts=0, runtime_env={"env_vars": role_env},
                                        name=None).remote(self._worker_config(role, i))  # fmt: skip
                 self._actors.append(actor)
         self.workers = ray.get([a.ready.remote() for a in self._actors], timeout=timeout_s)
@@ -132,7 +134,7 @@ class Deployment:
         role_config = getattr(c, role)
         engine = EngineConfig(
             model_dir=self.model_dir, dtype=c.dtype, device=c.device, block_size=e.block_size,
-            num_blocks=e.num_blocks, kv_cache_bytes=e.kv_cache_bytes, max_num_seqs=e.max_num_seqs,
+            num_blocks=role_config.num_blocks or e.num_blocks, kv_cache_bytes=e.kv_cache_bytes, max_num_seqs=e.max_num_seqs,
             max_num_batched_tokens=e.max_num_batched_tokens, prefill_chunk_size=e.prefill_chunk_size,
             num_threads=role_config.threads,
             enable_prefix_caching=role == "prefill",  # decode requests arrive with their KV: nothing to reuse

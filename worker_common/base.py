@@ -24,10 +24,11 @@ from concurrent import futures
 from pathlib import Path
 
 import grpc
+import torch
 
 from engine.core import EngineCore
 from kv_transfer.descriptor import LayoutFingerprint
-from kv_transfer.service import SERVER_OPTIONS
+from splitserve.rpc.options import SERVER_OPTIONS
 from splitserve.v1 import splitserve_pb2 as pb
 from worker_common.config import WorkerConfig
 
@@ -101,6 +102,10 @@ class WorkerBase:
         self._wake.set()
 
     def _loop(self) -> None:
+        # OpenMP's thread count is per calling thread: set it here, where the model runs (a Ray actor
+        # starts with OMP_NUM_THREADS=1, and a setting made on another thread does not carry over).
+        if self.config.engine.num_threads:
+            torch.set_num_threads(self.config.engine.num_threads)
         while not self._stopped.is_set():
             try:
                 while True:

@@ -157,3 +157,52 @@ def test_add_refuses_bad_requests():
     s3.add(make_request("a", 2))
     with pytest.raises(ValueError, match="request_id"):
         s3.add(make_request("a", 2))
+
+
+def test_hand_off_after_first_token_keeps_blocks_for_the_owner():
+    """Prefill role: a request leaves after its first token, its blocks still allocated (the KV is
+    being transferred); whether it is complete shows in finish_reason."""
+    s = make_scheduler(hand_off_after_first_token=True, eos=(13,))
+    going_on, done_at_first = make_request("a", 10, max_tokens=5), make_request("b", 12, max_tokens=5)
+    s.add(going_on)
+    s.add(done_at_first)  # its first token is 13 = EOS
+    fake_step(s)
+    assert not s.running and not s.requests
+    assert going_on.output_token_ids == [11] and going_on.finish_reason is None
+    assert done_at_first.finish_reason is FinishReason.STOP
+    assert s.blocks.has_request("a") and s.blocks.has_request("b")
+    s.blocks.free("a")
+    s.blocks.free("b")
+    assert_no_leak(s)
+
+
+def test_add_running_decodes_a_request_whose_kv_arrived():
+    """Decode role: blocks leased, KV present for all but the last token; the next step decodes it."""
+    s = make_scheduler()
+    r = Request.resume("a", [1, 2, 3, 4, 5], [6], SamplingParams(max_tokens=3, temperature=0.0), seed=1)
+    assert s.blocks.allocate("a", r.num_tokens)
+    s.add_running(r)
+    out = fake_step(s)
+    assert [(i.request.request_id, i.num_new_tokens) for i in out.scheduled] == [("a", 1)]
+    run_to_end(s)
+    assert r.output_token_ids == [6, 7, 8] and r.finish_reason is FinishReason.LENGTH
+    assert_no_leak(s)
+    with pytest.raises(ValueError, match="holds no blocks"):
+        s.add_running(Request("b", [1], SamplingParams()))
+
+
+def test_hand_back_preemption_returns_requests_instead_of_recomputing():
+    s = make_scheduler(num_blocks=6, block_size=4, preemption="hand_back")
+    requests = []
+    for rid, first in (("a", 1), ("b", 50)):
+        r = Request.resume(rid, [first + i for i in range(6)], [first + 6], SamplingParams(max_tokens=12, temperature=0.0), 1)
+        assert s.blocks.allocate(rid, r.num_tokens)
+        s.add_running(r)
+        requests.append(r)
+    outs = run_to_end(s)
+    preempted = [r for o in outs for r in o.preempted]
+    assert [r.request_id for r in preempted] == ["b"]
+    assert preempted[0].finish_reason is FinishReason.PREEMPTED
+    assert len(preempted[0].output_token_ids) >= 1  # what it generated goes back to the router
+    assert requests[0].num_output_tokens == 12 and requests[0].finish_reason is FinishReason.LENGTH
+    assert_no_leak(s)

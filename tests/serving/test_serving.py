@@ -203,3 +203,20 @@ def test_nothing_listens_beyond_loopback(ray_session, one_one, two_two):
     assert new, "expected the deployments' servers to listen"
     outside = sorted((a, p) for a, p in new if a not in LOOPBACK)
     assert not outside, f"listening beyond loopback: {outside}"
+
+
+def test_decode_worker_out_of_blocks_hands_back_and_output_is_unchanged(ray_session, serving_model, reference):
+    """A decode worker with room for ~1.3 requests: one is handed back, re-prefilled (prompt plus
+    output so far) and finishes elsewhere in time; greedy output equals the offline engine."""
+    from engine import SamplingParams
+
+    tight = start_deployment(serving_model, decode={"num_blocks": 13, "threads": 1})
+    try:
+        prompts = [list(range(1, 31)), list(range(200, 230))]
+        results = run_concurrently(tight.address, prompts, max_tokens=150, temperature=0.0, ignore_eos=True)
+        expected = reference.generate(prompts, SamplingParams(max_tokens=150, temperature=0.0, ignore_eos=True))
+        assert [r.token_ids for r in results] == [e.token_ids for e in expected]
+        assert sum(r.timing["reprefills"] for r in results) >= 1
+        assert_no_blocks_in_use(tight)
+    finally:
+        tight.stop()

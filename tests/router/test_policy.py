@@ -1,0 +1,72 @@
+"""Routing policies and validation of the router's pieces, without workers (pure Python, torch-free)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from engine.block_hash import block_hashes
+from router.config import RouterConfig
+from router.policy import DecodeView, PrefillView, choose_decode, choose_prefill
+
+PROMPT = list(range(64))  # 4 full blocks of 16
+HASHES = block_hashes(PROMPT, 16)
+
+
+def test_prefix_aware_prefers_the_worker_holding_the_prefix():
+    cold = PrefillView("cold", credit=4)
+    warm = PrefillView("warm", credit=4, cached_hashes=set(HASHES[:3]))
+    assert warm.cached_prefix_blocks(HASHES) == 3
+    assert choose_prefill([cold, warm], "prefix_aware", HASHES, 16, overlap_weight=16).worker_id == "warm"
+
+
+def test_prefix_aware_weighs_queued_tokens_against_cache_hits():
+    busy_warm = PrefillView("warm", credit=4, queued_tokens=100, cached_hashes=set(HASHES))  # cost 16*0+100
+    idle_cold = PrefillView("cold", credit=4)  # cost 16*4 = 64
+    assert choose_prefill([busy_warm, idle_cold], "prefix_aware", HASHES, 16, 16).worker_id == "cold"
+    assert choose_prefill([busy_warm, idle_cold], "prefix_aware", HASHES, 16, 40).worker_id == "warm"
+
+
+def test_a_gap_in_the_cached_chain_ends_the_hit():
+    w = PrefillView("w", credit=1, cached_hashes={HASHES[0], HASHES[2], HASHES[3]})
+    assert w.cached_prefix_blocks(HASHES) == 1
+
+
+def test_credit_and_health_gate_every_policy():
+    full = PrefillView("full", credit=0)
+    down = PrefillView("down", credit=3, healthy=False)
+    ok = PrefillView("ok", credit=1, queued_tokens=1000)
+    for policy in ("prefix_aware", "least_loaded", "round_robin"):
+        assert choose_prefill([full, down, ok], policy, HASHES, 16, 16).worker_id == "ok"
+        assert choose_prefill([full, down], policy, HASHES, 16, 16) is None
+
+
+def test_least_loaded_and_round_robin():
+    a, b = PrefillView("a", credit=2, queued_tokens=50, inflight=1), PrefillView("b", credit=2, queued_tokens=10)
+    assert choose_prefill([a, b], "least_loaded", HASHES, 16, 16).worker_id == "b"
+    picks = [choose_prefill([a, b], "round_robin", HASHES, 16, 16, turn=t).worker_id for t in range(4)]
+    assert picks == ["a", "b", "a", "b"]
+
+
+def test_decode_choice_needs_room_then_prefers_fewer_requests():
+    small = DecodeView("small", free_blocks=3, requests=0)
+    busy = DecodeView("busy", free_blocks=100, requests=9)
+    idle = DecodeView("idle", free_blocks=50, requests=1)
+    assert choose_decode([small, busy, idle], blocks_needed=5).worker_id == "idle"
+    assert choose_decode([small, busy, idle], blocks_needed=5, exclude=["idle"]).worker_id == "busy"
+    assert choose_decode([small], blocks_needed=5) is None
+
+
+@pytest.mark.parametrize(("kwargs", "field"), [({"routing_policy": "random"}, "routing_policy"),
+                                               ({"max_queue": 0}, "max_queue"), ({"lease_timeout_s": 0}, "lease_timeout_s"),
+                                               ({"overlap_weight": -1}, "overlap_weight")])  # fmt: skip
+def test_router_config_names_bad_fields(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        RouterConfig(model_dir="m", **kwargs)
+
+
+def test_router_never_imports_torch():
+    code = "import sys, router.server, router.generate, router.dispatcher; assert 'torch' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)
