@@ -155,15 +155,25 @@ def _serve(args: argparse.Namespace) -> int:
     if not config.ray_address:
         use_loopback_ray()  # before Ray is imported
     stop = threading.Event()
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, lambda *_: stop.set())
+
+    def on_signal(*_) -> None:
+        stop.set()
+
     deployment = Deployment(config)
     try:
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, on_signal)
         address = deployment.start()
+        # Ray installs its own SIGTERM handler when it starts; take the signals back so that a
+        # SIGTERM stops the router, the workers and the embedded Ray cleanly.
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, on_signal)
         print(f"splitserve ready on {address}", flush=True)
-        stop.wait()
+        while not stop.wait(0.5):
+            pass
     finally:
         deployment.stop()
+        print("splitserve stopped", flush=True)
     return 0
 
 

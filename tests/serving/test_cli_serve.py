@@ -1,0 +1,61 @@
+"""`splitserve serve` as a user runs it: ready line, a request, then SIGTERM stops everything it started."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from splitserve.client import Client
+
+
+def processes_mentioning(text: str) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            if text in cmdline:
+                found.append(int(entry.name))
+    return found
+
+
+def test_serve_prints_ready_serves_and_stops_on_sigterm(serving_model):
+    tmp = tempfile.mkdtemp(prefix="ss")  # short: Ray's socket paths live under it
+    env = {**os.environ, "TMPDIR": tmp, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "splitserve.cli", "serve", "--model", str(serving_model),
+                             "--dtype", "float32", "--port", "0"], stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True, env=env)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        address = None
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if line.startswith("splitserve ready on "):
+                address = line.split()[-1]
+                break
+            assert line or proc.poll() is None, "serve exited before it was ready"
+        assert address and address.startswith("127.0.0.1:")
+        assert processes_mentioning(tmp), "expected Ray processes under the private temp dir"
+        with Client(address) as client:
+            assert len(client.generate(token_ids=[1, 2, 3], max_tokens=4).token_ids) == 4
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+        assert "splitserve stopped" in proc.stdout.read()
+        deadline = time.monotonic() + 10
+        while processes_mentioning(tmp) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not processes_mentioning(tmp), "processes outlived serve"
+        assert os.listdir(tmp) == [], "serve left its Ray temp folder behind"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+        shutil.rmtree(tmp, ignore_errors=True)
