@@ -70,3 +70,29 @@ def test_router_config_names_bad_fields(kwargs, field):
 def test_router_never_imports_torch():
     code = "import sys, router.server, router.generate, router.dispatcher; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_the_queue_is_bounded_and_first_in_first_out():
+    import asyncio
+    from types import SimpleNamespace
+
+    from router.dispatcher import Dispatcher, RouterError, Ticket
+
+    async def scenario():
+        worker = SimpleNamespace(view=PrefillView("p", credit=0))
+        pool = SimpleNamespace(prefill=[worker], decode=[], changed=asyncio.Event())
+        dispatcher = Dispatcher(pool, RouterConfig(model_dir="m", max_queue=2), block_size=16)
+        first, second = Ticket("a", 10, []), Ticket("b", 10, [])
+        waiting = [asyncio.create_task(dispatcher.dispatch(t)) for t in (first, second)]
+        await asyncio.sleep(0)
+        with pytest.raises(RouterError) as e:
+            await dispatcher.dispatch(Ticket("c", 10, []))
+        assert e.value.code == "RESOURCE_EXHAUSTED"
+        worker.view.credit = 1  # room for one: the head of the queue goes first
+        dispatcher._place()
+        assert await waiting[0] is worker and not waiting[1].done()
+        dispatcher.release(worker, first)  # its prefill ended: the credit returns, the next goes
+        assert await waiting[1] is worker
+        waiting[1].cancel()
+
+    asyncio.run(scenario())

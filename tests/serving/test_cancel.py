@@ -139,3 +139,10 @@ def _hashes(tokens: list[int]) -> list[int]:
     from engine.block_hash import block_hashes
 
     return block_hashes(tokens, 16)
+
+
+def test_client_deadline_cancels_the_request_everywhere(slow):
+    with Client(slow.address) as client, pytest.raises(grpc.RpcError) as e:
+        client.generate(token_ids=list(range(1, 60)), max_tokens=50, timeout_s=0.5)  # inside the 1 s prefill
+    assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert_everything_freed(slow)
