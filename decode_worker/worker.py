@@ -82,6 +82,8 @@ class DecodeWorker(WorkerBase):
             raise WorkerError("INVALID_ARGUMENT", str(e)) from None
         prompt, output = list(message.prompt_token_ids), list(message.output_token_ids)
         self.check_request(prompt + output, sampling)
+        if self.draining:
+            return None, wpb.DecodeEvent(refused=wpb.LeaseRefused(reason="draining", free_blocks=0))
         blocks = self.core.blocks
         with self.lock:
             if message.request_id in self.jobs or self.receiver.has_transfer(message.request_id):
@@ -92,7 +94,13 @@ class DecodeWorker(WorkerBase):
                 return None, wpb.DecodeEvent(refused=refusal)
             table = list(blocks.block_table(message.request_id))
             job = self.jobs[message.request_id] = DecodeJob(message.request_id, prompt, output, sampling)
-        job.transfer = self.receiver.expect(message.request_id, table)
+        try:
+            job.transfer = self.receiver.expect(message.request_id, table)
+        except ValueError:  # an earlier request with this id is still being torn down
+            with self.lock:
+                blocks.free(message.request_id)
+                del self.jobs[message.request_id]
+            raise WorkerError("ALREADY_EXISTS", f"request_id: {message.request_id!r} is still being released") from None
         job.transfer.on_terminal(lambda handle: self._kv_ended(job, handle))
         destination = wpb.KVDestination(receiver_id=self.config.worker_id, incarnation=self.receiver.incarnation,
                                         control_address=self.address)  # fmt: skip
@@ -103,9 +111,6 @@ class DecodeWorker(WorkerBase):
         if handle.state is TransferState.DONE:
             self.submit(("admit", job))
             return
-        with self.lock:
-            if job.request is None:
-                self.core.blocks.free(job.request_id)
         self._end(job, WorkerError("UNAVAILABLE", f"KV transfer {handle.state.value}: {handle.error}"))
 
     def cancel(self, job: DecodeJob) -> None:
@@ -118,6 +123,12 @@ class DecodeWorker(WorkerBase):
         kind, arg = command
         if kind == "admit":
             self._admit(arg)
+            return
+        if kind == "drain":  # hand every running request back to the router (it re-prefills elsewhere)
+            for job in [j for j in self.jobs.values() if j.request is not None]:
+                with self.lock:
+                    self.scheduler.finish(job.request_id, FinishReason.PREEMPTED)
+                self._hand_back(job, job.request.output_token_ids)
             return
         job = arg
         if job.ended or self.jobs.get(job.request_id) is not job:
@@ -132,16 +143,15 @@ class DecodeWorker(WorkerBase):
 
     def _admit(self, job: DecodeJob) -> None:
         if job.ended or job.cancelled:
-            with self.lock:
-                self.core.blocks.free(job.request_id)
-            self._end(job, END)
+            self._end(job, END)  # frees the lease
             return
         commit = job.transfer.commit or {}
         first = commit.get("first_token")
         if not isinstance(first, int) or not 0 <= first < self.core.model_config.vocab_size:
-            with self.lock:
-                self.core.blocks.free(job.request_id)
             self._end(job, WorkerError("INTERNAL", f"KV commit carries no valid first token: {commit!r}"))
+            return
+        if self.draining:  # the KV arrived at a draining worker: hand the request back right away
+            self._hand_back(job, job.output + [first])
             return
         request = Request.resume(job.request_id, job.prompt, job.output + [first], job.sampling, job.sampling.seed)
         with self.lock:
@@ -153,8 +163,7 @@ class DecodeWorker(WorkerBase):
         with self.lock:
             output = self.scheduler.schedule()
         for victim in output.preempted:  # handed back: blocks already freed
-            self._end(self.jobs[victim.request_id],
-                      wpb.DecodeEvent(preempted=wpb.Preempted(output_token_ids=victim.output_token_ids)))  # fmt: skip
+            self._hand_back(self.jobs[victim.request_id], victim.output_token_ids)
         if output.is_empty:
             return False
         sampled = self.core.runner.execute(output)
@@ -172,14 +181,23 @@ class DecodeWorker(WorkerBase):
             time.sleep(self.config.faults.decode_step_delay_s)
         return True
 
+    def _hand_back(self, job: DecodeJob, output: list[int]) -> None:
+        self._end(job, wpb.DecodeEvent(preempted=wpb.Preempted(output_token_ids=output)))
+
     def _end(self, job: DecodeJob, last) -> None:
+        """End a job once: free its lease if it never joined the batch (a joined request's blocks are
+        the scheduler's, freed by finish), release its transfer, then forget it. The job stays in
+        ``jobs`` until then, so a new request with the same id cannot lease in between."""
         with self.lock:
             if job.ended:
                 return
             job.ended = True
+            if job.request is None:
+                self.core.blocks.free(job.request_id)
+        self.receiver.release(job.request_id)  # may call back into _end: it returns at once
+        with self.lock:
             if self.jobs.get(job.request_id) is job:
                 del self.jobs[job.request_id]
-        self.receiver.release(job.request_id)
         job.events.put(last)
         if last is not END:
             job.events.put(END)
@@ -188,7 +206,6 @@ class DecodeWorker(WorkerBase):
         for job in list(self.jobs.values()):
             with self.lock:
                 self.scheduler.finish(job.request_id, FinishReason.ABORT)
-                self.core.blocks.free(job.request_id)
             self._end(job, WorkerError("INTERNAL", message))
 
     def status_message(self):

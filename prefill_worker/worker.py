@@ -79,6 +79,8 @@ class PrefillWorker(WorkerBase):
             raise WorkerError("INVALID_ARGUMENT", str(e)) from None
         if not message.sampling.HasField("seed"):
             raise WorkerError("INVALID_ARGUMENT", "sampling.seed: the router must set it")
+        if self.draining:
+            raise WorkerError("UNAVAILABLE", f"prefill worker {self.config.worker_id} is draining")
         prompt, output = list(message.prompt_token_ids), list(message.output_token_ids)
         self.check_request(prompt + output, sampling)
         destination = None
@@ -104,6 +106,8 @@ class PrefillWorker(WorkerBase):
 
     def handle_command(self, command: tuple) -> None:
         kind, arg = command
+        if kind == "drain":  # accept() refuses new requests; the ones here finish as usual
+            return
         if kind == "add":
             try:
                 with self.lock:

@@ -28,9 +28,11 @@ import torch
 
 from engine.core import EngineCore
 from kv_transfer.descriptor import LayoutFingerprint
+from splitserve.rpc import workers_pb2 as wpb
 from splitserve.rpc.options import SERVER_OPTIONS
 from splitserve.v1 import splitserve_pb2 as pb
 from worker_common.config import WorkerConfig
+from worker_common.registration import Registration
 
 log = logging.getLogger("splitserve.worker")
 
@@ -61,6 +63,8 @@ class WorkerBase:
         self._stopped = threading.Event()
         self._server: grpc.Server | None = None
         self._thread: threading.Thread | None = None
+        self.registration: Registration | None = None
+        self.draining = False
 
     # ---- lifecycle ------------------------------------------------------------------------------
 
@@ -78,9 +82,24 @@ class WorkerBase:
         self._thread = threading.Thread(target=self._loop, name=f"{cfg.role}-loop", daemon=True)
         self._thread.start()
         log.info("%s worker %s serving on %s", cfg.role, cfg.worker_id, self.address)
+        if cfg.router_address:
+            self.registration = Registration(cfg.router_address, self.worker_info, self.drain)
+            self.registration.start()
         return self.address
 
+    def worker_info(self) -> wpb.WorkerInfo:
+        return wpb.WorkerInfo(role=self.config.role, worker_id=self.config.worker_id, address=self.address,
+                              node=self.config.node or socket.gethostname(), incarnation=self.incarnation,
+                              max_inflight=self.config.max_inflight, block_size=self.config.engine.block_size)  # fmt: skip
+
+    def drain(self) -> None:
+        """Take no new request; finish or hand back the ones held (from the registration thread)."""
+        self.draining = True
+        self.submit(("drain", None))
+
     def stop(self, grace_s: float = 1.0) -> None:
+        if self.registration is not None:
+            self.registration.stop()
         self._stopped.set()
         self._wake.set()
         if self._server is not None:

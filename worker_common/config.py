@@ -27,8 +27,9 @@ class WorkerConfig:
     role: Literal["prefill", "decode"]
     worker_id: str
     engine: EngineConfig
-    host: str = "127.0.0.1"  # the address this worker binds and advertises
+    host: str = "127.0.0.1"  # the address this worker binds and advertises (reachable from the router and peers)
     port: int = 0  # gRPC port; 0 = any free port
+    router_address: str = ""  # register with this router (host:port) and stay registered while alive
     model_name: str = ""  # part of the KV layout fingerprint; default: the model folder's name
     transfer: TransferConfig = field(default_factory=TransferConfig)
     max_inflight: int = 16  # prefill: requests accepted at once (the router's credit)

@@ -8,6 +8,52 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class WorkerInfo(_message.Message):
+    __slots__ = ("role", "worker_id", "address", "node", "incarnation", "max_inflight", "block_size")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    MAX_INFLIGHT_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    worker_id: str
+    address: str
+    node: str
+    incarnation: str
+    max_inflight: int
+    block_size: int
+    def __init__(self, role: _Optional[str] = ..., worker_id: _Optional[str] = ..., address: _Optional[str] = ..., node: _Optional[str] = ..., incarnation: _Optional[str] = ..., max_inflight: _Optional[int] = ..., block_size: _Optional[int] = ...) -> None: ...
+
+class RegistryCommand(_message.Message):
+    __slots__ = ("kind",)
+    class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        ACCEPTED: _ClassVar[RegistryCommand.Kind]
+        DRAIN: _ClassVar[RegistryCommand.Kind]
+    ACCEPTED: RegistryCommand.Kind
+    DRAIN: RegistryCommand.Kind
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    kind: RegistryCommand.Kind
+    def __init__(self, kind: _Optional[_Union[RegistryCommand.Kind, str]] = ...) -> None: ...
+
+class ScaleRequest(_message.Message):
+    __slots__ = ("prefill", "decode")
+    PREFILL_FIELD_NUMBER: _ClassVar[int]
+    DECODE_FIELD_NUMBER: _ClassVar[int]
+    prefill: int
+    decode: int
+    def __init__(self, prefill: _Optional[int] = ..., decode: _Optional[int] = ...) -> None: ...
+
+class ScaleReply(_message.Message):
+    __slots__ = ("prefill", "decode")
+    PREFILL_FIELD_NUMBER: _ClassVar[int]
+    DECODE_FIELD_NUMBER: _ClassVar[int]
+    prefill: int
+    decode: int
+    def __init__(self, prefill: _Optional[int] = ..., decode: _Optional[int] = ...) -> None: ...
+
 class KVDestination(_message.Message):
     __slots__ = ("receiver_id", "incarnation", "control_address")
     RECEIVER_ID_FIELD_NUMBER: _ClassVar[int]

@@ -188,6 +188,165 @@ class PrefillWorker:
             _registered_method=True)
 
 
+class RegistryStub:
+    """Served by the router. A worker registers when it starts and keeps the call open as long as it
+    lives: the router routes to it only while the call is open, so a dead worker (or a lost node,
+    noticed by HTTP/2 keepalive within seconds) leaves the pool by itself, and a restarted one comes
+    back with a new incarnation. The router sends commands down the stream.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Register = channel.unary_stream(
+                '/splitserve.internal.v1.Registry/Register',
+                request_serializer=splitserve_dot_rpc_dot_workers__pb2.WorkerInfo.SerializeToString,
+                response_deserializer=splitserve_dot_rpc_dot_workers__pb2.RegistryCommand.FromString,
+                _registered_method=True)
+
+
+class RegistryServicer:
+    """Served by the router. A worker registers when it starts and keeps the call open as long as it
+    lives: the router routes to it only while the call is open, so a dead worker (or a lost node,
+    noticed by HTTP/2 keepalive within seconds) leaves the pool by itself, and a restarted one comes
+    back with a new incarnation. The router sends commands down the stream.
+    """
+
+    def Register(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_RegistryServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Register': grpc.unary_stream_rpc_method_handler(
+                    servicer.Register,
+                    request_deserializer=splitserve_dot_rpc_dot_workers__pb2.WorkerInfo.FromString,
+                    response_serializer=splitserve_dot_rpc_dot_workers__pb2.RegistryCommand.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'splitserve.internal.v1.Registry', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('splitserve.internal.v1.Registry', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class Registry:
+    """Served by the router. A worker registers when it starts and keeps the call open as long as it
+    lives: the router routes to it only while the call is open, so a dead worker (or a lost node,
+    noticed by HTTP/2 keepalive within seconds) leaves the pool by itself, and a restarted one comes
+    back with a new incarnation. The router sends commands down the stream.
+    """
+
+    @staticmethod
+    def Register(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/splitserve.internal.v1.Registry/Register',
+            splitserve_dot_rpc_dot_workers__pb2.WorkerInfo.SerializeToString,
+            splitserve_dot_rpc_dot_workers__pb2.RegistryCommand.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+
+class AdminStub:
+    """Served by the router: change the number of workers of a running deployment.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Scale = channel.unary_unary(
+                '/splitserve.internal.v1.Admin/Scale',
+                request_serializer=splitserve_dot_rpc_dot_workers__pb2.ScaleRequest.SerializeToString,
+                response_deserializer=splitserve_dot_rpc_dot_workers__pb2.ScaleReply.FromString,
+                _registered_method=True)
+
+
+class AdminServicer:
+    """Served by the router: change the number of workers of a running deployment.
+    """
+
+    def Scale(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_AdminServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Scale': grpc.unary_unary_rpc_method_handler(
+                    servicer.Scale,
+                    request_deserializer=splitserve_dot_rpc_dot_workers__pb2.ScaleRequest.FromString,
+                    response_serializer=splitserve_dot_rpc_dot_workers__pb2.ScaleReply.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'splitserve.internal.v1.Admin', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('splitserve.internal.v1.Admin', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class Admin:
+    """Served by the router: change the number of workers of a running deployment.
+    """
+
+    @staticmethod
+    def Scale(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/splitserve.internal.v1.Admin/Scale',
+            splitserve_dot_rpc_dot_workers__pb2.ScaleRequest.SerializeToString,
+            splitserve_dot_rpc_dot_workers__pb2.ScaleReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+
 class DecodeWorkerStub:
     """Missing associated documentation comment in .proto file."""
 
