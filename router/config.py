@@ -20,6 +20,8 @@ class RouterConfig:
     prefill_credit: int = 16  # requests in flight per prefill worker (its max_inflight)
     max_queue: int = 1024  # requests waiting for dispatch; past it RESOURCE_EXHAUSTED
     lease_timeout_s: float = 30.0  # waiting for a decode worker with room, before UNAVAILABLE
+    max_migrations: int = 3  # times a request may move after its decode worker was lost
+    max_prefill_retries: int = 3  # times a request may be retried after its prefill worker was lost
     status_interval_s: float = 0.5  # worker status polls
     worker_timeout_s: float = 5.0  # a status poll, and a worker's first answer
     max_request_id_chars: int = 128
@@ -28,6 +30,9 @@ class RouterConfig:
     def __post_init__(self) -> None:
         if self.routing_policy not in ("prefix_aware", "least_loaded", "round_robin"):
             raise ValueError(f"routing_policy: {self.routing_policy!r} is not prefix_aware, least_loaded or round_robin")
+        for name in ("max_migrations", "max_prefill_retries"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)}")
         for name in ("block_size", "prefill_credit", "max_queue", "max_request_id_chars", "max_message_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")

@@ -17,7 +17,7 @@ import grpc
 
 from router.config import RouterConfig
 from router.policy import choose_decode, choose_prefill
-from router.workers import DecodeHandle, PrefillHandle, WorkerPool
+from router.workers import DecodeHandle, PrefillHandle, WorkerPool, read_call
 from splitserve.rpc import workers_pb2 as wpb
 
 
@@ -120,7 +120,7 @@ class Dispatcher:
             worker = next(d for d in self.pool.decode if d.view is view)
             call = worker.stub.Decode(request, timeout=None)
             try:
-                first = await asyncio.wait_for(call.read(), self.config.worker_timeout_s)
+                first = await asyncio.wait_for(read_call(call), self.config.worker_timeout_s)
             except (grpc.aio.AioRpcError, asyncio.TimeoutError) as e:
                 call.cancel()
                 if isinstance(e, grpc.aio.AioRpcError) and e.code() == grpc.StatusCode.INVALID_ARGUMENT:

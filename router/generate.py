@@ -15,6 +15,7 @@ calls still open, and the workers free what they hold.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -25,10 +26,14 @@ from engine.detokenizer import IncrementalDetokenizer
 from engine.sampling_params import SamplingParams
 from engine.stop_strings import StopStringMatcher
 from engine.tokenizer import Tokenizer
+from router.config import RouterConfig
 from router.dispatcher import Dispatcher, RouterError, Ticket
+from router.workers import read_call
 from splitserve.rpc import workers_pb2 as wpb
 from splitserve.rpc.convert import sampling_to_pb
 from splitserve.v1 import splitserve_pb2 as pb
+
+log = logging.getLogger("splitserve.router")
 
 
 @dataclass
@@ -50,13 +55,21 @@ class Clock:
                          reprefills=self.reprefills)  # fmt: skip
 
 
+class WorkerLost(Exception):
+    """A worker call failed at the transport (the worker died, its node was lost, it was drained)."""
+
+    def __init__(self, role: str, worker, message: str) -> None:
+        super().__init__(message)
+        self.role, self.worker, self.message = role, worker, message
+
+
 class RequestRun:
     def __init__(self, request_id: str, prompt: list[int], sampling: SamplingParams, tokenizer: Tokenizer,
-                 dispatcher: Dispatcher, block_size: int, lease_timeout_s: float) -> None:  # fmt: skip
+                 dispatcher: Dispatcher, config: RouterConfig) -> None:  # fmt: skip
         self.request_id, self.prompt, self.sampling = request_id, prompt, sampling
-        self.dispatcher, self.lease_timeout_s = dispatcher, lease_timeout_s
+        self.dispatcher, self.config = dispatcher, config
         self.sampling_pb = sampling_to_pb(sampling)
-        self.hashes = block_hashes(prompt, block_size)
+        self.hashes = block_hashes(prompt, config.block_size)
         self.detok = IncrementalDetokenizer(tokenizer, prompt, sampling.skip_special_tokens)
         self.stops = StopStringMatcher(sampling.stop, sampling.include_stop_str_in_output)
         self.output: list[int] = []  # every generated token, in order (all relayed to the client)
@@ -65,60 +78,79 @@ class RequestRun:
         self.stop_reason = ""
         self.clock = Clock()
         self.prefill_worker = self.decode_worker = ""
-        self._calls: list = []
+        self.prefill_retries = self.migrations = 0
 
     async def run(self):
-        try:
-            while self.finish_reason == pb.FINISH_REASON_UNSPECIFIED:
+        """Legs until finished: a lost prefill worker retries the leg elsewhere, a lost decode worker
+        migrates the request (re-prefill prompt + output elsewhere), each within its limit."""
+        while self.finish_reason == pb.FINISH_REASON_UNSPECIFIED:
+            try:
                 async for message in self._leg():
                     yield message
-            yield self._final()
-        finally:
-            for call in self._calls:
-                call.cancel()
+            except WorkerLost as lost:
+                self.dispatcher.pool.lost(lost.worker)
+                log.warning("request %s: %s; %s", self.request_id, lost.message,
+                            "retrying its prefill" if not self.output else f"migrating it ({len(self.output)} tokens out)")
+                if not self.output:  # nothing reached the client yet: retry the prefill
+                    self.prefill_retries += 1
+                    if self.prefill_retries > self.config.max_prefill_retries:
+                        raise RouterError("UNAVAILABLE", f"{lost.message}; gave up after {self.prefill_retries - 1} retries") from None
+                else:
+                    self.migrations += 1
+                    self.clock.reprefills += 1
+                    if self.migrations > self.config.max_migrations:
+                        raise RouterError("UNAVAILABLE", f"{lost.message}; gave up after {self.migrations - 1} migrations") from None
+        yield self._final()
 
     async def _leg(self):
-        """Prefill prompt + output so far, then decode until finished or preempted."""
+        """Prefill prompt + output so far, then decode until finished or handed back."""
+        calls: list = []
         ticket = Ticket(self.request_id, len(self.prompt) + len(self.output), self.hashes)
         prefill = await self.dispatcher.dispatch(ticket)
         self.clock.dispatched = self.clock.dispatched or time.monotonic()
         self.prefill_worker = prefill.worker_id
+        decode = call = grant = None
         try:
-            decode = call = grant = None
-            if self.sampling.max_tokens - len(self.output) > 1:
-                request = wpb.DecodeRequest(request_id=self.request_id, prompt_token_ids=self.prompt,
-                                            output_token_ids=self.output, sampling=self.sampling_pb)  # fmt: skip
-                deadline = time.monotonic() + self.lease_timeout_s
-                decode, call, grant = await self.dispatcher.lease(request, len(self.prompt) + len(self.output), deadline)
-                self._calls.append(call)
-                self.decode_worker = decode.worker_id
-            prefill_call = prefill.stub.Prefill(wpb.PrefillRequest(
-                request_id=self.request_id, prompt_token_ids=self.prompt, output_token_ids=self.output,
-                sampling=self.sampling_pb, destination=grant.destination if grant else None,
-            ))  # fmt: skip
-            self._calls.append(prefill_call)
-            first = (await _read(prefill_call, "prefill", prefill.worker_id)).first_token
+            try:
+                if self.sampling.max_tokens - len(self.output) > 1:
+                    request = wpb.DecodeRequest(request_id=self.request_id, prompt_token_ids=self.prompt,
+                                                output_token_ids=self.output, sampling=self.sampling_pb)  # fmt: skip
+                    deadline = time.monotonic() + self.config.lease_timeout_s
+                    decode, call, grant = await self.dispatcher.lease(request, len(self.prompt) + len(self.output),
+                                                                      deadline)  # fmt: skip
+                    calls.append(call)
+                    self.decode_worker = decode.worker_id
+                prefill_call = prefill.stub.Prefill(wpb.PrefillRequest(
+                    request_id=self.request_id, prompt_token_ids=self.prompt, output_token_ids=self.output,
+                    sampling=self.sampling_pb, destination=grant.destination if grant else None,
+                ))  # fmt: skip
+                calls.append(prefill_call)
+                first = (await _read(prefill_call, "prefill", prefill)).first_token
+            finally:
+                self.dispatcher.release(prefill, ticket)
+            if self.cached_tokens is None:
+                self.cached_tokens = first.cached_tokens
+            self.clock.first_token = self.clock.first_token or time.monotonic()
+            yield self._relay([first.token_id])
+            if first.finish_reason != pb.FINISH_REASON_UNSPECIFIED or call is None:
+                self._finish(first.finish_reason or pb.FINISH_REASON_LENGTH, first.stop_reason)
+            if self.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
+                return
+            transfer = asyncio.create_task(self._await_transfer(prefill_call))
+            try:
+                async for message in self._decode(call, decode):
+                    yield message
+            finally:
+                transfer.cancel()
         finally:
-            self.dispatcher.release(prefill, ticket)
-        if self.cached_tokens is None:
-            self.cached_tokens = first.cached_tokens
-        self.clock.first_token = self.clock.first_token or time.monotonic()
-        yield self._relay([first.token_id])
-        if first.finish_reason != pb.FINISH_REASON_UNSPECIFIED or call is None:
-            self._finish(first.finish_reason or pb.FINISH_REASON_LENGTH, first.stop_reason)
-        if self.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
-            return
-        transfer = asyncio.create_task(self._await_transfer(prefill_call))
-        try:
-            async for message in self._decode(call, decode):
-                yield message
-        finally:
-            transfer.cancel()
-            self.dispatcher.lease_ended(decode)
+            for c in calls:  # a finished call ignores this; an open one frees the request on its worker
+                c.cancel()
+            if decode is not None:
+                self.dispatcher.lease_ended(decode)
 
     async def _decode(self, call, worker):
         while True:
-            event = await _read(call, "decode", worker.worker_id)
+            event = await _read(call, "decode", worker)
             kind = event.WhichOneof("kind")
             if kind == "landed":
                 self.clock.landed = time.monotonic()
@@ -174,15 +206,19 @@ class RequestRun:
                                    timing=self.clock.timing(self.prefill_worker, self.decode_worker))  # fmt: skip
 
 
-async def _read(call, role: str, worker_id: str):
-    """The next event of a worker call; a worker failure becomes a RouterError for the client."""
+_FATAL = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.ALREADY_EXISTS)
+
+
+async def _read(call, role: str, worker):
+    """The next event of a worker call. A request error ends the client's call (RouterError); a
+    transport failure (the worker or its node lost) raises WorkerLost, which retries or migrates."""
     try:
-        event = await call.read()
+        event = await read_call(call)
     except grpc.aio.AioRpcError as e:
         code = e.code()
-        if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED):
+        if code in _FATAL:
             raise RouterError(code.name, e.details()) from None
-        raise RouterError("UNAVAILABLE", f"{role} worker {worker_id} failed: {code.name}: {e.details()}") from None
+        raise WorkerLost(role, worker, f"{role} worker {worker.worker_id} failed: {code.name}: {e.details()}") from None
     if event is grpc.aio.EOF:
-        raise RouterError("UNAVAILABLE", f"{role} worker {worker_id} ended the request without a result")
+        raise WorkerLost(role, worker, f"{role} worker {worker.worker_id} ended the request without a result")
     return event

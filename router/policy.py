@@ -11,7 +11,7 @@ Prefill workers are chosen among those with credit (room) by the configured poli
 - ``round_robin``: the next worker in turn.
 
 Decode workers are chosen by room: enough free KV blocks for the request, then the fewest requests
-(running plus leases waiting for KV), then the most free blocks.
+(the router's open ``Decode`` calls to it: running, and leased waiting for KV), then the most free blocks.
 """
 
 from __future__ import annotations

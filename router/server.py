@@ -22,7 +22,10 @@ from router.config import RouterConfig
 from router.dispatcher import Dispatcher, RouterError
 from router.generate import RequestRun
 from router.workers import WorkerAddress, WorkerPool
+from splitserve.rpc import workers_pb2 as wpb
+from splitserve.rpc import workers_pb2_grpc as wpb_grpc
 from splitserve.rpc.convert import sampling_from_pb
+from splitserve.rpc.options import SERVER_OPTIONS
 from splitserve.v1 import splitserve_pb2 as pb
 from splitserve.v1 import splitserve_pb2_grpc as pb_grpc
 
@@ -31,12 +34,13 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["SplitServe"].full_name
 
 
 class Router(pb_grpc.SplitServeServicer):
-    def __init__(self, config: RouterConfig, workers: list[WorkerAddress]) -> None:
+    def __init__(self, config: RouterConfig, workers: list[WorkerAddress] = (), scaler=None) -> None:
         self.config = config
         self.model_config = ModelConfig.from_model_dir(config.model_dir)
         self.tokenizer = Tokenizer.from_model_dir(config.model_dir)
         self.block_size = config.block_size
-        self.workers = workers
+        self.workers = list(workers)
+        self.scaler = scaler  # async scale(prefill, decode) -> (prefill, decode), from the launcher
         self.pool: WorkerPool | None = None
         self.dispatcher: Dispatcher | None = None
         self.inflight: set[str] = set()
@@ -49,15 +53,18 @@ class Router(pb_grpc.SplitServeServicer):
     # ---- lifecycle ------------------------------------------------------------------------------
 
     async def start(self) -> str:
-        """Connect to every worker, then serve; returns "host:port"."""
+        """Connect to the static workers (if any), then serve; returns "host:port". Other workers
+        join by registering (``Registry.Register``)."""
         cfg = self.config
-        self.pool = WorkerPool(self.workers, cfg.prefill_credit, cfg.status_interval_s, cfg.worker_timeout_s)
-        await self.pool.start()
+        self.pool = WorkerPool(cfg.prefill_credit, cfg.status_interval_s, cfg.worker_timeout_s)
+        await self.pool.start(self.workers)
         self.dispatcher = Dispatcher(self.pool, cfg, self.block_size)
         self.dispatcher.start()
-        options = [("grpc.max_receive_message_length", cfg.max_message_bytes)]
+        options = [("grpc.max_receive_message_length", cfg.max_message_bytes), *SERVER_OPTIONS]
         self.server = grpc.aio.server(options=options)
         pb_grpc.add_SplitServeServicer_to_server(self, self.server)
+        wpb_grpc.add_RegistryServicer_to_server(_Registry(self.pool), self.server)
+        wpb_grpc.add_AdminServicer_to_server(_Admin(self), self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server)
         port = self.server.add_insecure_port(f"{cfg.host}:{cfg.port}")
@@ -134,8 +141,7 @@ class Router(pb_grpc.SplitServeServicer):
         if request_id in self.inflight:
             raise RouterError("ALREADY_EXISTS", f"request_id: {request_id!r} is already in flight")
         self.inflight.add(request_id)
-        return RequestRun(request_id, tokens, sampling, self.tokenizer, self.dispatcher, self.block_size,
-                          cfg.lease_timeout_s)  # fmt: skip
+        return RequestRun(request_id, tokens, sampling, self.tokenizer, self.dispatcher, cfg)
 
     async def GetStatus(self, request, context):  # noqa: N802
         workers = []
@@ -154,3 +160,39 @@ class Router(pb_grpc.SplitServeServicer):
 async def _maybe_await(result) -> None:
     if asyncio.iscoroutine(result):
         await result
+
+
+class _Registry(wpb_grpc.RegistryServicer):
+    """Workers register here and stay in the pool exactly as long as their call is open."""
+
+    def __init__(self, pool: WorkerPool) -> None:
+        self.pool = pool
+
+    async def Register(self, info: wpb.WorkerInfo, context):  # noqa: N802
+        if info.role not in ("prefill", "decode") or not info.address or not info.worker_id:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "role, worker_id and address are required")
+        handle = await self.pool.register(info)
+        try:
+            yield wpb.RegistryCommand(kind=wpb.RegistryCommand.ACCEPTED)
+            while True:
+                yield await handle.commands.get()
+        finally:
+            await self.pool.remove(handle)
+
+
+class _Admin(wpb_grpc.AdminServicer):
+    def __init__(self, router: Router) -> None:
+        self.router = router
+
+    async def Scale(self, request: wpb.ScaleRequest, context):  # noqa: N802
+        if self.router.scaler is None:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "this router was not started by splitserve serve")
+        prefill = request.prefill if request.HasField("prefill") else None
+        decode = request.decode if request.HasField("decode") else None
+        if prefill == 0 or decode == 0:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prefill, decode: at least one worker of each role")
+        try:
+            counts = await self.router.scaler(prefill, decode)
+        except Exception as e:
+            await context.abort(grpc.StatusCode.INTERNAL, f"scaling failed: {e}")
+        return wpb.ScaleReply(prefill=counts[0], decode=counts[1])

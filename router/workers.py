@@ -20,6 +20,19 @@ from splitserve.v1 import splitserve_pb2 as pb
 log = logging.getLogger("splitserve.router")
 
 
+async def read_call(call):
+    """``call.read()``; a call cancelled under us (its worker left the pool, so its channel closed)
+    fails like any transport error instead of looking like our own task's cancellation."""
+    try:
+        return await call.read()
+    except asyncio.CancelledError:
+        task = asyncio.current_task()
+        if task is not None and task.cancelling():
+            raise
+        raise grpc.aio.AioRpcError(grpc.StatusCode.CANCELLED, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                   "the worker left the pool") from None  # fmt: skip
+
+
 @dataclass(frozen=True)
 class WorkerAddress:
     role: str  # "prefill" | "decode"
@@ -34,6 +47,8 @@ class WorkerHandle:
     stub: object
     status: pb.WorkerStatus = field(default_factory=pb.WorkerStatus)
     healthy: bool = False
+    draining: bool = False
+    commands: asyncio.Queue | None = None  # to a registered worker, down its registration call
 
     @property
     def worker_id(self) -> str:
@@ -47,43 +62,92 @@ class PrefillHandle(WorkerHandle):
 
 @dataclass(eq=False)
 class DecodeHandle(WorkerHandle):
-    leases: int = 0  # granted by this router, KV not landed yet
     view: DecodeView = field(default_factory=lambda: DecodeView("", 0, 0))
 
 
 class WorkerPool:
-    def __init__(self, addresses: list[WorkerAddress], credit: int, status_interval_s: float, timeout_s: float) -> None:
+    """Workers come from a static list (started with the router) or register themselves; a
+    registered worker stays in the pool exactly as long as its registration call is open."""
+
+    def __init__(self, credit: int, status_interval_s: float, timeout_s: float) -> None:
         self.prefill: list[PrefillHandle] = []
         self.decode: list[DecodeHandle] = []
         self.credit, self.interval, self.timeout = credit, status_interval_s, timeout_s
-        for spec in addresses:
-            channel = grpc.aio.insecure_channel(spec.address, options=CLIENT_OPTIONS)
-            if spec.role == "prefill":
-                handle = PrefillHandle(spec, channel, wpb_grpc.PrefillWorkerStub(channel))
-                handle.view = PrefillView(spec.address, credit)
-                self.prefill.append(handle)
-            else:
-                handle = DecodeHandle(spec, channel, wpb_grpc.DecodeWorkerStub(channel))
-                handle.view = DecodeView(spec.address, 0, 0)
-                self.decode.append(handle)
-        self._tasks: list[asyncio.Task] = []
+        self._poller: asyncio.Task | None = None
+        self._followers: dict[int, asyncio.Task] = {}
         self.changed = asyncio.Event()  # set when credit or room may have appeared
 
-    async def start(self) -> None:
-        """Poll every worker once (all must answer), then keep polling and follow prefix caches."""
-        await asyncio.gather(*(self._poll(w, must_answer=True) for w in self.prefill + self.decode))
-        self._tasks = [asyncio.create_task(self._poll_forever())]
-        self._tasks += [asyncio.create_task(self._follow_cache(p)) for p in self.prefill]
+    async def start(self, static: list[WorkerAddress]) -> None:
+        """Add the static workers (each must answer a first poll), then keep polling everyone."""
+        handles = [self.add(spec) for spec in static]
+        await asyncio.gather(*(self._poll(w, must_answer=True) for w in handles))
+        self._poller = asyncio.create_task(self._poll_forever())
 
     async def close(self) -> None:
-        for task in self._tasks:
+        tasks = [t for t in [self._poller, *self._followers.values()] if t is not None]
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        await asyncio.gather(*(w.channel.close() for w in self.prefill + self.decode), return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.gather(*(w.channel.close() for w in self.workers), return_exceptions=True)
 
     @property
     def workers(self) -> list[WorkerHandle]:
         return [*self.prefill, *self.decode]
+
+    def add(self, spec: WorkerAddress, credit: int | None = None) -> WorkerHandle:
+        channel = grpc.aio.insecure_channel(spec.address, options=CLIENT_OPTIONS)
+        if spec.role == "prefill":
+            handle = PrefillHandle(spec, channel, wpb_grpc.PrefillWorkerStub(channel))
+            handle.view = PrefillView(spec.address, credit or self.credit)
+            self.prefill.append(handle)
+            self._followers[id(handle)] = asyncio.create_task(self._follow_cache(handle))
+        else:
+            handle = DecodeHandle(spec, channel, wpb_grpc.DecodeWorkerStub(channel))
+            handle.view = DecodeView(spec.address, 0, 0)
+            self.decode.append(handle)
+        return handle
+
+    async def register(self, info: wpb.WorkerInfo) -> WorkerHandle:
+        """A worker announced itself: replace any earlier incarnation of it, poll it, route to it."""
+        for old in [w for w in self.workers if w.status.worker_id == info.worker_id]:
+            await self.remove(old)
+        handle = self.add(WorkerAddress(info.role, info.address, info.node), credit=info.max_inflight or None)
+        handle.commands = asyncio.Queue()
+        await self._poll(handle)
+        log.info("%s worker %s joined (%s, incarnation %s)", info.role, info.worker_id, info.address, info.incarnation[:8])
+        return handle
+
+    async def remove(self, handle: WorkerHandle) -> None:
+        """Take a worker out of the pool (its registration ended, or it was replaced)."""
+        group = self.prefill if isinstance(handle, PrefillHandle) else self.decode
+        if handle not in group:
+            return
+        group.remove(handle)
+        handle.healthy = handle.view.healthy = False
+        follower = self._followers.pop(id(handle), None)
+        if follower is not None:
+            follower.cancel()
+        await handle.channel.close()
+        log.warning("%s worker %s left the pool", handle.spec.role, handle.worker_id)
+        self.changed.set()
+
+    async def drain(self, handle: WorkerHandle) -> None:
+        """Route nothing new to it and ask it to finish or hand back what it holds."""
+        handle.draining = True
+        handle.view.healthy = False
+        if handle.commands is not None:
+            await handle.commands.put(wpb.RegistryCommand(kind=wpb.RegistryCommand.DRAIN))
+
+    async def wait_for(self, prefill: int, decode: int, timeout_s: float) -> None:
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while sum(w.healthy for w in self.prefill) < prefill or sum(w.healthy for w in self.decode) < decode:
+            if asyncio.get_running_loop().time() > deadline:
+                raise TimeoutError(f"{prefill} prefill and {decode} decode workers did not register in {timeout_s}s")
+            await asyncio.sleep(0.05)
+
+    def lost(self, handle: WorkerHandle) -> None:
+        """A call to this worker failed at the transport: route around it until a poll succeeds."""
+        handle.healthy = handle.view.healthy = False
 
     # ---- status --------------------------------------------------------------------------------
 
@@ -100,16 +164,13 @@ class WorkerPool:
                 raise RuntimeError(f"{worker.spec.role} worker at {worker.spec.address} did not answer: {e.details()}") from None
             if worker.healthy:
                 log.warning("%s worker %s stopped answering: %s", worker.spec.role, worker.worker_id, e.code().name)
-            worker.healthy = False
-            worker.view.healthy = False
+            self.lost(worker)
             return
-        worker.status, worker.healthy = status, True
-        worker.view.healthy = True
+        worker.status, worker.healthy = status, not worker.draining
+        worker.view.healthy = worker.healthy
         worker.view.worker_id = status.worker_id
         if isinstance(worker, DecodeHandle):
-            # The worker's own figure, less the leases it granted since (they are in its count next poll).
             worker.view.free_blocks = status.kv_blocks_total - status.kv_blocks_in_use
-            worker.view.requests = status.running + status.waiting
         self.changed.set()
 
     # ---- prefix caches -------------------------------------------------------------------------
