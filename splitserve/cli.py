@@ -210,6 +210,38 @@ def _status(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_scale(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("scale", help="change the number of prefill and decode workers of a running server")
+    p.add_argument("--addr", default="127.0.0.1:50051")
+    p.add_argument("--prefill", type=int, default=None, help="target number of prefill workers")
+    p.add_argument("--decode", type=int, default=None, help="target number of decode workers")
+    p.add_argument("--timeout", type=float, default=600.0)
+    p.set_defaults(func=_scale)
+
+
+def _scale(args: argparse.Namespace) -> int:
+    import grpc
+
+    from splitserve.rpc import workers_pb2 as wpb
+    from splitserve.rpc import workers_pb2_grpc as wpb_grpc
+
+    if args.prefill is None and args.decode is None:
+        raise ValueError("give --prefill and/or --decode")
+    request = wpb.ScaleRequest()
+    if args.prefill is not None:
+        request.prefill = args.prefill
+    if args.decode is not None:
+        request.decode = args.decode
+    with grpc.insecure_channel(args.addr) as channel:
+        try:
+            reply = wpb_grpc.AdminStub(channel).Scale(request, timeout=args.timeout)
+        except grpc.RpcError as e:
+            print(f"splitserve scale: {e.code().name}: {e.details()}", file=sys.stderr)
+            return 1
+    print(f"{reply.prefill} prefill and {reply.decode} decode workers")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="splitserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -217,6 +249,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_serve(sub)
     _add_generate(sub)
     _add_status(sub)
+    _add_scale(sub)
     return parser
 
 

@@ -9,11 +9,15 @@ A YAML file (``--config``) holds any of these keys; command-line flags override 
     host: 127.0.0.1                      # the router's (and, by default, the workers') address
     port: 50051
     ray_address: null                    # null: an embedded local Ray; or "auto", or host:port
-    prefill: {replicas: 1, threads: null, max_inflight: 16, num_blocks: null}
-    decode: {replicas: 1, threads: null, num_blocks: null}
+    worker_host: null                    # workers' address; null: loopback (embedded) or the node's IP
+    prefill: {replicas: 1, threads: null, max_inflight: 16, num_blocks: null, num_cpus: 0, num_gpus: 0,
+              resources: null, max_restarts: 3}    # resources null: {splitserve_prefill: 1} if the cluster has it
+    decode: {replicas: 1, threads: null, num_blocks: null, num_cpus: 0, num_gpus: 0, resources: null,
+             max_restarts: 3}
     engine: {block_size: 16, num_blocks: null, kv_cache_bytes: 536870912, max_num_seqs: 64,
              max_num_batched_tokens: 2048, prefill_chunk_size: null}
-    router: {routing_policy: prefix_aware, overlap_weight: 16.0, max_queue: 1024, lease_timeout_s: 30.0}
+    router: {routing_policy: prefix_aware, overlap_weight: 16.0, max_queue: 1024, lease_timeout_s: 30.0,
+             max_migrations: 3, max_prefill_retries: 3}
     transfer: {op_timeout_s: 5.0, pair_setup_timeout_s: 10.0, transfer_timeout_s: 60.0,
                max_message_bytes: 8388608, whole_request_bytes: 4194304, layer_group_size: 4}
     faults: {prefill_delay_s: 0.0, decode_step_delay_s: 0.0, transfer: []}   # tests only
@@ -42,6 +46,12 @@ class RoleConfig:
     threads: int | None = None  # torch threads per worker; None: torch's default
     max_inflight: int = 16  # prefill: requests a worker takes at once
     num_blocks: int | None = None  # this role's KV blocks; None: engine.num_blocks (or kv_cache_bytes)
+    num_cpus: float = 0.0  # Ray CPUs each worker reserves (0: none; threads are set by `threads`)
+    num_gpus: float = 0.0  # Ray GPUs each worker reserves (use 1 with device: cuda)
+    # Custom Ray resources each worker needs. None: the default convention, 1 unit of
+    # splitserve_prefill / splitserve_decode where the cluster has that resource, else nothing.
+    resources: dict | None = None
+    max_restarts: int = 3  # times Ray restarts a lost worker (-1: forever); it re-registers when back
 
     def __post_init__(self) -> None:
         if self.replicas < 1:
@@ -52,6 +62,14 @@ class RoleConfig:
             raise ValueError(f"max_inflight: must be >= 1, got {self.max_inflight}")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ValueError(f"num_blocks: must be >= 1, got {self.num_blocks}")
+        if self.num_cpus < 0 or self.num_gpus < 0:
+            raise ValueError("num_cpus, num_gpus: must be >= 0")
+        if self.resources is not None and not all(
+            isinstance(k, str) and isinstance(v, (int, float)) and v >= 0 for k, v in self.resources.items()
+        ):
+            raise ValueError(f"resources: must map resource names to amounts >= 0, got {self.resources!r}")
+        if self.max_restarts < -1:
+            raise ValueError(f"max_restarts: must be >= -1, got {self.max_restarts}")
 
 
 @dataclass(frozen=True)
@@ -70,6 +88,8 @@ class RouterSettings:
     overlap_weight: float = 16.0
     max_queue: int = 1024
     lease_timeout_s: float = 30.0
+    max_migrations: int = 3
+    max_prefill_retries: int = 3
 
 
 @dataclass(frozen=True)
@@ -88,6 +108,9 @@ class DeploymentConfig:
     host: str = "127.0.0.1"
     port: int = 50051
     ray_address: str | None = None
+    worker_host: str | None = None  # address workers bind and advertise; None: 127.0.0.1 on an embedded
+    # Ray, else each node's IP as Ray knows it
+    ready_timeout_s: float = 300.0  # workers must have registered by then
     prefill: RoleConfig = field(default_factory=RoleConfig)
     decode: RoleConfig = field(default_factory=RoleConfig)
     engine: EngineSettings = field(default_factory=EngineSettings)
@@ -126,7 +149,8 @@ class DeploymentConfig:
         return RouterConfig(model_dir=model_dir, host=self.host, port=self.port, model_name=self.model_name,
                             block_size=self.engine.block_size, routing_policy=r.routing_policy,
                             overlap_weight=r.overlap_weight, prefill_credit=self.prefill.max_inflight,
-                            max_queue=r.max_queue, lease_timeout_s=r.lease_timeout_s)  # fmt: skip
+                            max_queue=r.max_queue, lease_timeout_s=r.lease_timeout_s,
+                            max_migrations=r.max_migrations, max_prefill_retries=r.max_prefill_retries)  # fmt: skip
 
     def worker_faults(self) -> WorkerFaults:
         return WorkerFaults(self.faults.prefill_delay_s, self.faults.decode_step_delay_s)
@@ -163,7 +187,7 @@ def _build(cls, raw: dict[str, Any], prefix: str):
 
 
 def _check_type(name: str, value: Any, annotation: str) -> Any:
-    allowed = {"int": (int,), "float": (int, float), "str": (str,), "bool": (bool,)}
+    allowed = {"int": (int,), "float": (int, float), "str": (str,), "bool": (bool,), "dict": (dict,)}
     parts = [p.strip() for p in str(annotation).split("|")]
     if value is None:
         if "None" in parts:

@@ -11,6 +11,7 @@ import asyncio
 import logging
 import os
 import shutil
+import signal
 import tempfile
 import threading
 from dataclasses import replace
@@ -18,7 +19,6 @@ from pathlib import Path
 
 from engine.core import EngineConfig
 from router.server import Router
-from router.workers import WorkerAddress
 from splitserve.deploy_config import DeploymentConfig
 from worker_common.config import WorkerConfig
 
@@ -48,7 +48,8 @@ def use_loopback_ray() -> None:
 
 
 class WorkerActor:
-    """A prefill or decode worker inside a Ray actor process."""
+    """A prefill or decode worker inside a Ray actor process. It binds and advertises the node's
+    address (or the configured one) and registers with the router itself."""
 
     def __init__(self, config: WorkerConfig) -> None:
         import ray
@@ -59,11 +60,13 @@ class WorkerActor:
         else:
             from decode_worker.worker import DecodeWorker as cls
         self.node = ray.get_runtime_context().get_node_id()
-        self.worker = cls(replace(config, node=self.node))
+        host = config.host or ray.util.get_node_ip_address()
+        self.worker = cls(replace(config, node=self.node, host=host))
         self.address = self.worker.start()
 
     def ready(self) -> dict:
-        return {"address": self.address, "node": self.node, "worker_id": self.worker.config.worker_id}
+        return {"address": self.address, "node": self.node, "worker_id": self.worker.config.worker_id,
+                "pid": os.getpid()}  # fmt: skip
 
     def stop(self) -> None:
         self.worker.stop()
@@ -75,39 +78,39 @@ class Deployment:
         self.model_dir = str(config.model) if config.model else str(default_model_dir())
         self.router: Router | None = None
         self.address = ""
-        self.workers: list[dict] = []
-        self._actors: list = []
+        self.actors: dict[str, object] = {}  # worker id -> Ray actor
+        self._counters = {"prefill": 0, "decode": 0}
         self._started_ray = False
         self._temp_dir: str | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
 
+    @property
+    def workers(self) -> list[dict]:
+        """The workers in the router's pool: role, id, address, node, healthy."""
+        return [{"role": w.spec.role, "worker_id": w.worker_id, "address": w.spec.address, "node": w.spec.node,
+                 "healthy": w.healthy} for w in (self.router.pool.workers if self.router else [])]  # fmt: skip
+
     # ---- start ----------------------------------------------------------------------------------
 
-    def start(self, timeout_s: float = 300.0) -> str:
-        """Bring everything up; returns the router's "host:port" once it accepts requests."""
-        import ray
-
+    def start(self) -> str:
+        """Bring everything up; returns the router's "host:port" once every worker has registered."""
         self._init_ray()
-        remote = ray.remote(WorkerActor)
-        env = {"OMP_WAIT_POLICY": "PASSIVE", "TOKENIZERS_PARALLELISM": "false",
-               "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": os.environ.get("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")}  # fmt: skip
-        for role in ("prefill", "decode"):
-            threads = getattr(self.config, role).threads
-            role_env = {**env, "OMP_NUM_THREADS": str(threads)} if threads else env  # Ray's default is 1
-            for i in range(getattr(self.config, role).replicas):
-                actor = remote.options(num_cpus=0, max_restarts=0, runtime_env={"env_vars": role_env},
-                                       name=None).remote(self._worker_config(role, i))  # fmt: skip
-                self._actors.append(actor)
-        self.workers = ray.get([a.ready.remote() for a in self._actors], timeout=timeout_s)
-        roles = ["prefill"] * self.config.prefill.replicas + ["decode"] * self.config.decode.replicas
-        addresses = [WorkerAddress(role, w["address"], w["node"]) for role, w in zip(roles, self.workers)]
-        self.router = Router(self.config.router_config(self.model_dir), addresses)
+        self.router = Router(self.config.router_config(self.model_dir), scaler=self.scale)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="router-loop", daemon=True)
         self._thread.start()
-        self.address = asyncio.run_coroutine_threadsafe(self.router.start(), self._loop).result(timeout_s)
+        self.address = self._run(self.router.start())
+        for role in ("prefill", "decode"):
+            for _ in range(getattr(self.config, role).replicas):
+                self._spawn(role)
+        c = self.config
+        self._run(self.router.pool.wait_for(c.prefill.replicas, c.decode.replicas, c.ready_timeout_s),
+                  c.ready_timeout_s + 5)  # fmt: skip
         return self.address
+
+    def _run(self, coroutine, timeout_s: float = 60.0):
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result(timeout_s)
 
     def _init_ray(self) -> None:
         import ray
@@ -129,20 +132,106 @@ class Deployment:
                  _node_ip_address="127.0.0.1", num_cpus=os.cpu_count())  # fmt: skip
         self._started_ray = True
 
-    def _worker_config(self, role: str, index: int) -> WorkerConfig:
+    def _spawn(self, role: str) -> str:
+        """Start one worker actor; it registers with the router by itself. Returns its id."""
+        import ray
+
+        role_config = getattr(self.config, role)
+        worker_id = f"{role}-{self._counters[role]}"
+        self._counters[role] += 1
+        env = {"OMP_WAIT_POLICY": "PASSIVE", "TOKENIZERS_PARALLELISM": "false",
+               "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": os.environ.get("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "1")}  # fmt: skip
+        if role_config.threads:
+            env["OMP_NUM_THREADS"] = str(role_config.threads)  # Ray's default for actors is 1
+        actor = ray.remote(WorkerActor).options(
+            num_cpus=role_config.num_cpus, num_gpus=role_config.num_gpus, resources=self._resources(role),
+            max_restarts=role_config.max_restarts, max_task_retries=0, runtime_env={"env_vars": env},
+        ).remote(self._worker_config(role, worker_id))  # fmt: skip
+        self.actors[worker_id] = actor
+        return worker_id
+
+    def _resources(self, role: str) -> dict:
+        import ray
+
+        configured = getattr(self.config, role).resources
+        if configured is not None:
+            return dict(configured)
+        name = f"splitserve_{role}"
+        return {name: 1} if ray.cluster_resources().get(name, 0) > 0 else {}
+
+    def _worker_config(self, role: str, worker_id: str) -> WorkerConfig:
         c, e = self.config, self.config.engine
         role_config = getattr(c, role)
         engine = EngineConfig(
             model_dir=self.model_dir, dtype=c.dtype, device=c.device, block_size=e.block_size,
-            num_blocks=role_config.num_blocks or e.num_blocks, kv_cache_bytes=e.kv_cache_bytes, max_num_seqs=e.max_num_seqs,
-            max_num_batched_tokens=e.max_num_batched_tokens, prefill_chunk_size=e.prefill_chunk_size,
-            num_threads=role_config.threads,
+            num_blocks=role_config.num_blocks or e.num_blocks, kv_cache_bytes=e.kv_cache_bytes,
+            max_num_seqs=e.max_num_seqs, max_num_batched_tokens=e.max_num_batched_tokens,
+            prefill_chunk_size=e.prefill_chunk_size, num_threads=role_config.threads,
             enable_prefix_caching=role == "prefill",  # decode requests arrive with their KV: nothing to reuse
         )  # fmt: skip
+        host = c.worker_host if c.worker_host is not None else ("" if c.ray_address else "127.0.0.1")
         transfer = replace(c.transfer, faults=c.faults.transfer)
-        return WorkerConfig(role=role, worker_id=f"{role}-{index}", engine=engine, host=c.host, port=0,
-                            model_name=c.model_name, transfer=transfer, max_inflight=role_config.max_inflight,
-                            faults=c.worker_faults())  # fmt: skip
+        return WorkerConfig(role=role, worker_id=worker_id, engine=engine, host=host, port=0,
+                            router_address=self.address, model_name=c.model_name, transfer=transfer,
+                            max_inflight=role_config.max_inflight, faults=c.worker_faults())  # fmt: skip
+
+    # ---- scale ----------------------------------------------------------------------------------
+
+    async def scale(self, prefill: int | None, decode: int | None) -> tuple[int, int]:
+        """Reach these worker counts (runs on the router's loop). New workers register by themselves;
+        removed ones (the newest first) drain, then stop."""
+        loop = asyncio.get_running_loop()
+        pool = self.router.pool
+        for role, target in (("prefill", prefill), ("decode", decode)):
+            if target is None:
+                continue
+            current = sorted((w for w in self.actors if w.startswith(role)), key=lambda w: int(w.rsplit("-", 1)[1]))
+            for _ in range(target - len(current)):
+                await loop.run_in_executor(None, self._spawn, role)
+            for worker_id in current[target:][::-1]:
+                handle = next((w for w in pool.workers if w.status.worker_id == worker_id), None)
+                if handle is not None:
+                    await pool.drain(handle)
+                    await self._drained(handle)
+                await loop.run_in_executor(None, self._stop_actor, worker_id)
+        counts = {role: sum(w.startswith(role) for w in self.actors) for role in ("prefill", "decode")}
+        await pool.wait_for(counts["prefill"], counts["decode"], self.config.ready_timeout_s)
+        return counts["prefill"], counts["decode"]
+
+    async def _drained(self, handle, timeout_s: float = 120.0) -> None:
+        """Wait until a draining worker holds no request (its status says so)."""
+        from splitserve.rpc import workers_pb2 as wpb
+
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while asyncio.get_running_loop().time() < deadline:
+            try:
+                status = await handle.stub.Status(wpb.StatusRequest(), timeout=5)
+            except Exception:
+                return  # gone already
+            if status.running == 0 and status.waiting == 0 and status.kv_blocks_in_use == 0:
+                return
+            await asyncio.sleep(0.1)
+        log.warning("worker %s did not drain in %.0fs; stopping it anyway", handle.worker_id, timeout_s)
+
+    def _stop_actor(self, worker_id: str) -> None:
+        import ray
+
+        actor = self.actors.pop(worker_id, None)
+        if actor is None:
+            return
+        try:
+            ray.get(actor.stop.remote(), timeout=10)
+        except Exception:
+            pass
+        ray.kill(actor, no_restart=True)
+
+    def kill_worker(self, worker_id: str) -> None:
+        """SIGKILL a worker's process, as a crash would (tests; the process must be on this machine).
+        Ray restarts it if its max_restarts allows."""
+        import ray
+
+        pid = ray.get(self.actors[worker_id].ready.remote(), timeout=30)["pid"]
+        os.kill(pid, signal.SIGKILL)
 
     # ---- stop -----------------------------------------------------------------------------------
 
@@ -150,21 +239,16 @@ class Deployment:
         """Stop the router, the workers and the embedded Ray (idempotent)."""
         import ray
 
+        for worker_id in list(self.actors):
+            self._stop_actor(worker_id)
         if self.router is not None and self._loop is not None:
             try:
-                asyncio.run_coroutine_threadsafe(self.router.stop(), self._loop).result(10)
+                self._run(self.router.stop(), 10)
             except Exception as e:
                 log.warning("router stop: %s", e)
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(5)
             self.router = None
-        for actor in self._actors:
-            try:
-                ray.get(actor.stop.remote(), timeout=10)
-            except Exception:
-                pass
-            ray.kill(actor)
-        self._actors = []
         if self._started_ray:
             ray.shutdown()
             self._started_ray = False

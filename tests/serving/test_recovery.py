@@ -1,0 +1,151 @@
+"""Losing workers while serving: requests retry or migrate, Ray restarts the lost worker, it comes
+back under a new incarnation, and nobody leaks a block. Also scaling a running deployment."""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+
+from splitserve.client import Client
+from tests.serving.conftest import start_deployment, wait_for
+
+PROMPTS = [list(range(1, 30)), list(range(100, 140)), list(range(300, 320)), list(range(500, 545))]
+SAMPLING = dict(max_tokens=120, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def reference(serving_model):
+    from engine import LLM, SamplingParams
+
+    llm = LLM(serving_model, dtype="float32", num_blocks=256)
+    return {tuple(p): o.token_ids for p, o in zip(PROMPTS, llm.generate(PROMPTS, SamplingParams(**SAMPLING)))}
+
+
+@pytest.fixture(scope="module")
+def cluster(ray_session, serving_model):
+    # Decode steps take >= 20 ms so that streams are reliably mid-way when a worker dies.
+    deployment = start_deployment(serving_model, prefill={"replicas": 2, "threads": 1},
+                                  decode={"replicas": 2, "threads": 1}, faults={"decode_step_delay_s": 0.02})  # fmt: skip
+    yield deployment
+    deployment.stop()
+
+
+def healthy(deployment, role: str) -> list[str]:
+    return sorted(w["worker_id"] for w in deployment.workers if w["role"] == role and w["healthy"])
+
+
+def incarnations(deployment) -> dict[str, str]:
+    return {w.worker_id: w.incarnation for w in Client(deployment.address).status().workers}
+
+
+def assert_no_blocks_in_use(deployment) -> None:
+    wait_for(lambda: all(w.kv_blocks_in_use == 0 for w in Client(deployment.address).status().workers), 15)
+
+
+def stream_all(address: str, started: threading.Event | None = None):
+    """Run the prompts concurrently; set ``started`` once every stream has produced a few tokens."""
+    counts = [0] * len(PROMPTS)
+
+    def one(i):
+        tokens, finish, reprefills = [], "", 0
+        with Client(address) as client:
+            for message in client.stream(token_ids=PROMPTS[i], **SAMPLING):
+                tokens.extend(message.token_ids)
+                counts[i] = len(tokens)
+                if started is not None and min(counts) >= 5:
+                    started.set()
+                if message.finish_reason:
+                    finish, reprefills = message.finish_reason, message.timing.reprefills
+        return tokens, finish, reprefills
+
+    pool = ThreadPoolExecutor(len(PROMPTS))
+    return [pool.submit(one, i) for i in range(len(PROMPTS))]
+
+
+def test_decode_worker_lost_mid_stream_migrates_and_comes_back(cluster, reference):
+    before = incarnations(cluster)
+    started = threading.Event()
+    futures = stream_all(cluster.address, started)
+    assert started.wait(30)
+    status = Client(cluster.address).status()
+    victim = max((w for w in status.workers if w.role == "decode"), key=lambda w: w.running).worker_id
+    killed_at = time.monotonic()
+    cluster.kill_worker(victim)  # the process dies at once; Ray restarts it
+    results = [f.result(timeout=120) for f in futures]
+    for prompt, (tokens, finish, _) in zip(PROMPTS, results):
+        assert tokens == reference[tuple(prompt)], "a migrated stream must continue exactly"
+        assert finish == 2  # FINISH_REASON_LENGTH
+    assert sum(r[2] for r in results) >= 1, "some stream must have migrated"
+    # The lost worker left the pool, Ray restarted it, and it registered under a new incarnation.
+    wait_for(lambda: healthy(cluster, "decode") == ["decode-0", "decode-1"], 60)
+    back_after = time.monotonic() - killed_at
+    assert incarnations(cluster)[victim] != before[victim]
+    assert back_after < 60
+    assert_no_blocks_in_use(cluster)
+
+
+def test_prefill_worker_lost_mid_prefill_is_retried_elsewhere(ray_session, serving_model, reference):
+    slow = start_deployment(serving_model, prefill={"replicas": 2, "threads": 1}, faults={"prefill_delay_s": 1.5},
+                            router={"routing_policy": "round_robin"})  # fmt: skip
+    try:
+        with Client(slow.address) as client, ThreadPoolExecutor(2) as pool:
+            futures = [pool.submit(client.generate, token_ids=p, **SAMPLING) for p in PROMPTS[:2]]
+            time.sleep(0.5)  # both are inside their 1.5 s prefill, one on each worker
+            slow.kill_worker("prefill-0")
+            results = [f.result(timeout=120) for f in futures]
+        for prompt, result in zip(PROMPTS, results):
+            assert result.token_ids == reference[tuple(prompt)]
+        wait_for(lambda: healthy(slow, "prefill") == ["prefill-0", "prefill-1"], 60)
+        assert_no_blocks_in_use(slow)
+    finally:
+        slow.stop()
+
+
+def test_past_the_migration_limit_the_request_fails_clearly(ray_session, serving_model):
+    strict = start_deployment(serving_model, decode={"replicas": 1, "threads": 1, "max_restarts": 0},
+                              router={"max_migrations": 0, "lease_timeout_s": 2.0},
+                              faults={"decode_step_delay_s": 0.02})  # fmt: skip
+    try:
+        with Client(strict.address) as client:
+            stream = client.stream(token_ids=PROMPTS[0], **SAMPLING)
+            got = [next(stream) for _ in range(3)]
+            assert got
+            strict.kill_worker("decode-0")  # max_restarts 0: it stays dead
+            start = time.monotonic()
+            with pytest.raises(grpc.RpcError) as e:
+                list(stream)
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "migrations" in e.value.details()
+        assert time.monotonic() - start < 5
+    finally:
+        strict.stop()
+
+
+def test_scale_up_and_down_under_load(cluster, reference):
+    with Client(cluster.address) as client:
+        futures = stream_all(cluster.address)
+        reply = _scale(cluster.address, decode=3)
+        assert reply.decode == 3 and healthy(cluster, "decode") == ["decode-0", "decode-1", "decode-2"]
+        results = [f.result(timeout=120) for f in futures]
+        assert [r[0] for r in results] == [reference[tuple(p)] for p in PROMPTS]
+        started = threading.Event()
+        futures = stream_all(cluster.address, started)
+        assert started.wait(30)
+        reply = _scale(cluster.address, prefill=1, decode=1)  # drains: decode workers hand streams back
+        assert (reply.prefill, reply.decode) == (1, 1)
+        results = [f.result(timeout=120) for f in futures]
+        assert [r[0] for r in results] == [reference[tuple(p)] for p in PROMPTS], "no stream may fail or change"
+        assert healthy(cluster, "decode") == ["decode-0"] and healthy(cluster, "prefill") == ["prefill-0"]
+        assert len(client.generate(token_ids=[1, 2, 3], max_tokens=3).token_ids) == 3
+    assert_no_blocks_in_use(cluster)
+
+
+def _scale(address: str, **counts):
+    from splitserve.rpc import workers_pb2 as wpb
+    from splitserve.rpc import workers_pb2_grpc as wpb_grpc
+
+    with grpc.insecure_channel(address) as channel:
+        return wpb_grpc.AdminStub(channel).Scale(wpb.ScaleRequest(**counts), timeout=180)
