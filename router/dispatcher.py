@@ -118,23 +118,30 @@ class Dispatcher:
                 await asyncio.sleep(0.02)
                 continue
             worker = next(d for d in self.pool.decode if d.view is view)
+            # Counted from the moment it is asked, so that concurrent requests spread over the workers
+            # instead of all choosing the same one while their leases are in flight.
+            view.requests += 1
+            view.free_blocks -= needed
+            granted, reserved = False, True
             call = worker.stub.Decode(request, timeout=None)
             try:
                 first = await asyncio.wait_for(read_call(call), self.config.worker_timeout_s)
+                if first.WhichOneof("kind") == "lease":
+                    view.free_blocks += needed - first.lease.blocks
+                    granted = True
+                    return worker, call, first.lease
+                view.free_blocks, reserved = first.refused.free_blocks, False  # the worker's own count
+                refused.add(view.worker_id)
             except (grpc.aio.AioRpcError, asyncio.TimeoutError) as e:
-                call.cancel()
                 if isinstance(e, grpc.aio.AioRpcError) and e.code() == grpc.StatusCode.INVALID_ARGUMENT:
                     raise RouterError("INVALID_ARGUMENT", e.details()) from None
                 view.healthy = False
                 refused.add(view.worker_id)
-                continue
-            if first.WhichOneof("kind") == "lease":
-                view.free_blocks -= first.lease.blocks
-                view.requests += 1
-                return worker, call, first.lease
-            view.free_blocks = first.refused.free_blocks
-            refused.add(view.worker_id)
-            call.cancel()
+            finally:
+                if not granted:  # refused, failed, or this request was cancelled meanwhile
+                    call.cancel()
+                    view.requests -= 1
+                    view.free_blocks += needed if reserved else 0
 
     @staticmethod
     def lease_ended(worker: DecodeHandle) -> None:

@@ -21,10 +21,15 @@ log = logging.getLogger("splitserve.router")
 
 
 async def read_call(call):
-    """``call.read()``; a call cancelled under us (its worker left the pool, so its channel closed)
+    """``call.read()``, settled like ``settle``."""
+    return await settle(call.read())
+
+
+async def settle(awaitable):
+    """Await a gRPC call; one cancelled under us (its worker left the pool, so its channel closed)
     fails like any transport error instead of looking like our own task's cancellation."""
     try:
-        return await call.read()
+        return await awaitable
     except asyncio.CancelledError:
         task = asyncio.current_task()
         if task is not None and task.cancelling():
@@ -154,11 +159,13 @@ class WorkerPool:
     async def _poll_forever(self) -> None:
         while True:
             await asyncio.sleep(self.interval)
-            await asyncio.gather(*(self._poll(w) for w in self.workers))
+            results = await asyncio.gather(*(self._poll(w) for w in self.workers), return_exceptions=True)
+            for error in (r for r in results if isinstance(r, Exception)):
+                log.error("status poll failed: %r", error)  # never ends the poller
 
     async def _poll(self, worker: WorkerHandle, must_answer: bool = False) -> None:
         try:
-            status = await worker.stub.Status(wpb.StatusRequest(), timeout=self.timeout)
+            status = await settle(worker.stub.Status(wpb.StatusRequest(), timeout=self.timeout))
         except grpc.aio.AioRpcError as e:
             if must_answer:
                 raise RuntimeError(f"{worker.spec.role} worker at {worker.spec.address} did not answer: {e.details()}") from None

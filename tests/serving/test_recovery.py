@@ -3,6 +3,8 @@ back under a new incarnation, and nobody leaks a block. Also scaling a running d
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -42,6 +44,15 @@ def incarnations(deployment) -> dict[str, str]:
     return {w.worker_id: w.incarnation for w in Client(deployment.address).status().workers}
 
 
+def busiest_decode_worker(deployment) -> str:
+    """The decode worker running the most streams, once the router's status shows any running."""
+    def running():
+        decode = [w for w in Client(deployment.address).status().workers if w.role == "decode"]
+        return decode if any(w.running for w in decode) else None
+
+    return max(wait_for(running, 10, 0.05), key=lambda w: w.running).worker_id
+
+
 def assert_no_blocks_in_use(deployment) -> None:
     wait_for(lambda: all(w.kv_blocks_in_use == 0 for w in Client(deployment.address).status().workers), 15)
 
@@ -71,8 +82,7 @@ def test_decode_worker_lost_mid_stream_migrates_and_comes_back(cluster, referenc
     started = threading.Event()
     futures = stream_all(cluster.address, started)
     assert started.wait(30)
-    status = Client(cluster.address).status()
-    victim = max((w for w in status.workers if w.role == "decode"), key=lambda w: w.running).worker_id
+    victim = busiest_decode_worker(cluster)
     killed_at = time.monotonic()
     cluster.kill_worker(victim)  # the process dies at once; Ray restarts it
     results = [f.result(timeout=120) for f in futures]
@@ -85,6 +95,29 @@ def test_decode_worker_lost_mid_stream_migrates_and_comes_back(cluster, referenc
     back_after = time.monotonic() - killed_at
     assert incarnations(cluster)[victim] != before[victim]
     assert back_after < 60
+    assert_no_blocks_in_use(cluster)
+
+
+def test_a_frozen_decode_worker_is_noticed_by_keepalive(cluster, reference):
+    """A stopped process (as behind a lost node) sends no reset: keepalive pings must notice it."""
+    started = threading.Event()
+    futures = stream_all(cluster.address, started)
+    assert started.wait(30)
+    victim = busiest_decode_worker(cluster)
+    pid = cluster.worker_pid(victim)
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        frozen_at = time.monotonic()
+        wait_for(lambda: victim not in healthy(cluster, "decode"), 15, 0.05)
+        noticed_s = time.monotonic() - frozen_at
+        results = [f.result(timeout=120) for f in futures]
+        assert [r[0] for r in results] == [reference[tuple(p)] for p in PROMPTS]
+        assert sum(r[2] for r in results) >= 1, "the frozen worker's streams must have migrated"
+        assert noticed_s < 8, f"keepalive took {noticed_s:.1f}s"
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    # Thawed, it finds its registration gone, registers again and frees what it held.
+    wait_for(lambda: healthy(cluster, "decode") == ["decode-0", "decode-1"], 30)
     assert_no_blocks_in_use(cluster)
 
 
