@@ -1,26 +1,9 @@
 """The deployment config of ``splitserve serve``: read once, validated with errors naming the field.
 
-A YAML file (``--config``) holds any of these keys; command-line flags override it::
-
-    model: /models/Qwen2.5-0.5B          # a local HF folder; unset: the tiny demo checkpoint
-    model_name: qwen2.5-0.5b             # reported in status and checked between workers
-    dtype: bfloat16                      # bfloat16 | float16 | float32 | auto
-    device: cpu                          # cpu | cuda
-    host: 127.0.0.1                      # the router's (and, by default, the workers') address
-    port: 50051
-    ray_address: null                    # null: an embedded local Ray; or "auto", or host:port
-    worker_host: null                    # workers' address; null: loopback (embedded) or the node's IP
-    prefill: {replicas: 1, threads: null, max_inflight: 16, num_blocks: null, num_cpus: 0, num_gpus: 0,
-              resources: null, max_restarts: 3}    # resources null: {splitserve_prefill: 1} if the cluster has it
-    decode: {replicas: 1, threads: null, num_blocks: null, num_cpus: 0, num_gpus: 0, resources: null,
-             max_restarts: 3}
-    engine: {block_size: 16, num_blocks: null, kv_cache_bytes: 536870912, max_num_seqs: 64,
-             max_num_batched_tokens: 2048, prefill_chunk_size: null}
-    router: {routing_policy: prefix_aware, overlap_weight: 16.0, max_queue: 1024, lease_timeout_s: 30.0,
-             max_migrations: 3, max_prefill_retries: 3}
-    transfer: {op_timeout_s: 5.0, pair_setup_timeout_s: 10.0, transfer_timeout_s: 60.0,
-               max_message_bytes: 8388608, whole_request_bytes: 4194304, layer_group_size: 4}
-    faults: {prefill_delay_s: 0.0, decode_step_delay_s: 0.0, transfer: []}   # tests only
+A YAML file (``--config``) holds any subset of the settings; command-line flags override it.
+``cluster_configs/local.yaml`` lists every setting with its default and meaning (it is the embedded
+default: loading it gives ``DeploymentConfig()``); ``cluster_configs/gpu-cluster.yaml`` and
+``onprem-cpu.yaml`` are examples for real clusters.
 """
 
 from __future__ import annotations
@@ -51,6 +34,9 @@ class RoleConfig:
     # Custom Ray resources each worker needs. None: the default convention, 1 unit of
     # splitserve_prefill / splitserve_decode where the cluster has that resource, else nothing.
     resources: dict | None = None
+    # Ray node labels the worker's node must carry, e.g. {"splitserve-role": "decode"} for nodes
+    # started with ``ray start --labels splitserve-role=decode``. None: no label constraint.
+    label_selector: dict | None = None
     max_restarts: int = 3  # times Ray restarts a lost worker (-1: forever); it re-registers when back
 
     def __post_init__(self) -> None:
@@ -62,12 +48,17 @@ class RoleConfig:
             raise ValueError(f"max_inflight: must be >= 1, got {self.max_inflight}")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ValueError(f"num_blocks: must be >= 1, got {self.num_blocks}")
-        if self.num_cpus < 0 or self.num_gpus < 0:
-            raise ValueError("num_cpus, num_gpus: must be >= 0")
+        for name in ("num_cpus", "num_gpus"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)}")
         if self.resources is not None and not all(
             isinstance(k, str) and isinstance(v, (int, float)) and v >= 0 for k, v in self.resources.items()
         ):
             raise ValueError(f"resources: must map resource names to amounts >= 0, got {self.resources!r}")
+        if self.label_selector is not None and not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in self.label_selector.items()
+        ):
+            raise ValueError(f"label_selector: must map label names to strings, got {self.label_selector!r}")
         if self.max_restarts < -1:
             raise ValueError(f"max_restarts: must be >= -1, got {self.max_restarts}")
 

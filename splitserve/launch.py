@@ -47,6 +47,15 @@ def use_loopback_ray() -> None:
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 
+def _is_loopback(host: str) -> bool:
+    import ipaddress
+
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
 class WorkerActor:
     """A prefill or decode worker inside a Ray actor process. It binds and advertises the node's
     address (or the configured one) and registers with the router itself."""
@@ -77,7 +86,7 @@ class Deployment:
         self.config = config
         self.model_dir = str(config.model) if config.model else str(default_model_dir())
         self.router: Router | None = None
-        self.address = ""
+        self.address = ""  # the router's, as clients and workers dial it
         self.actors: dict[str, object] = {}  # worker id -> Ray actor
         self._counters = {"prefill": 0, "decode": 0}
         self._started_ray = False
@@ -100,7 +109,7 @@ class Deployment:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="router-loop", daemon=True)
         self._thread.start()
-        self.address = self._run(self.router.start())
+        self.address = self._advertised(self._run(self.router.start()))
         for role in ("prefill", "decode"):
             for _ in range(getattr(self.config, role).replicas):
                 self._spawn(role)
@@ -108,6 +117,23 @@ class Deployment:
         self._run(self.router.pool.wait_for(c.prefill.replicas, c.decode.replicas, c.ready_timeout_s),
                   c.ready_timeout_s + 5)  # fmt: skip
         return self.address
+
+    def _advertised(self, address: str) -> str:
+        """The router address workers dial: its bind address, or for a wildcard bind (0.0.0.0, ::)
+        this node's address as Ray knows it. A loopback router on a cluster whose nodes are elsewhere
+        could never be reached: that is refused here rather than left to time out."""
+        import ray
+
+        host, port = address.rsplit(":", 1)
+        node_ip = ray.util.get_node_ip_address()
+        if host in ("0.0.0.0", "::", "[::]", ""):
+            return f"{node_ip}:{port}"
+        if _is_loopback(host):
+            remote = sorted({n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]} - {"127.0.0.1", "localhost", "::1"})
+            if remote:
+                raise RuntimeError(f"host: the router binds {host}, which workers on nodes {', '.join(remote)} "
+                                   f"cannot reach; set host: 0.0.0.0 (or this node's address) in the config")  # fmt: skip
+        return address
 
     def _run(self, coroutine, timeout_s: float = 60.0):
         return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result(timeout_s)
@@ -143,21 +169,27 @@ class Deployment:
                "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": os.environ.get("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "1")}  # fmt: skip
         if role_config.threads:
             env["OMP_NUM_THREADS"] = str(role_config.threads)  # Ray's default for actors is 1
-        actor = ray.remote(WorkerActor).options(
-            num_cpus=role_config.num_cpus, num_gpus=role_config.num_gpus, resources=self._resources(role),
-            max_restarts=role_config.max_restarts, max_task_retries=0, runtime_env={"env_vars": env},
-        ).remote(self._worker_config(role, worker_id))  # fmt: skip
+        actor = ray.remote(WorkerActor).options(**self.actor_options(role), runtime_env={"env_vars": env}).remote(
+            self._worker_config(role, worker_id)
+        )
         self.actors[worker_id] = actor
         return worker_id
 
-    def _resources(self, role: str) -> dict:
+    def actor_options(self, role: str) -> dict:
+        """Where and how Ray runs a worker of this role: CPUs, GPUs, custom resources (by default 1
+        unit of ``splitserve_<role>`` where the cluster has it), node labels, restarts."""
         import ray
 
-        configured = getattr(self.config, role).resources
-        if configured is not None:
-            return dict(configured)
-        name = f"splitserve_{role}"
-        return {name: 1} if ray.cluster_resources().get(name, 0) > 0 else {}
+        role_config = getattr(self.config, role)
+        resources = role_config.resources
+        if resources is None:
+            name = f"splitserve_{role}"
+            resources = {name: 1} if ray.cluster_resources().get(name, 0) > 0 else {}
+        options = dict(num_cpus=role_config.num_cpus, num_gpus=role_config.num_gpus, resources=dict(resources),
+                       max_restarts=role_config.max_restarts, max_task_retries=0)  # fmt: skip
+        if role_config.label_selector:
+            options["label_selector"] = dict(role_config.label_selector)
+        return options
 
     def _worker_config(self, role: str, worker_id: str) -> WorkerConfig:
         c, e = self.config, self.config.engine
@@ -200,12 +232,13 @@ class Deployment:
 
     async def _drained(self, handle, timeout_s: float = 120.0) -> None:
         """Wait until a draining worker holds no request (its status says so)."""
+        from router.workers import settle
         from splitserve.rpc import workers_pb2 as wpb
 
         deadline = asyncio.get_running_loop().time() + timeout_s
         while asyncio.get_running_loop().time() < deadline:
             try:
-                status = await handle.stub.Status(wpb.StatusRequest(), timeout=5)
+                status = await settle(handle.stub.Status(wpb.StatusRequest(), timeout=5))
             except Exception:
                 return  # gone already
             if status.running == 0 and status.waiting == 0 and status.kv_blocks_in_use == 0:
@@ -225,13 +258,15 @@ class Deployment:
             pass
         ray.kill(actor, no_restart=True)
 
+    def worker_pid(self, worker_id: str) -> int:
+        import ray
+
+        return ray.get(self.actors[worker_id].ready.remote(), timeout=30)["pid"]
+
     def kill_worker(self, worker_id: str) -> None:
         """SIGKILL a worker's process, as a crash would (tests; the process must be on this machine).
         Ray restarts it if its max_restarts allows."""
-        import ray
-
-        pid = ray.get(self.actors[worker_id].ready.remote(), timeout=30)["pid"]
-        os.kill(pid, signal.SIGKILL)
+        os.kill(self.worker_pid(worker_id), signal.SIGKILL)
 
     # ---- stop -----------------------------------------------------------------------------------
 

@@ -1,6 +1,10 @@
 from __future__ import annotations
 
+from dataclasses import fields, is_dataclass
+from pathlib import Path
+
 import pytest
+import yaml
 
 from splitserve.deploy_config import ConfigError, DeploymentConfig
 
@@ -33,8 +37,48 @@ def test_from_file(tmp_path):
         ({"router": {"routing_policy": "random"}}, "routing_policy"),
         ({"faults": {"transfer": [{"role": "x", "action": "pause", "after_messages": 1}]}}, "faults.transfer"),
         ({"engine": {"block_size": None}}, "engine.block_size"),
+        ({"decode": {"num_gpus": -1}}, "decode.num_gpus"),
+        ({"decode": {"resources": {"splitserve_decode": "one"}}}, "decode.resources"),
+        ({"prefill": {"label_selector": {"splitserve-role": 1}}}, "prefill.label_selector"),
+        ({"decode": {"max_restarts": -2}}, "decode.max_restarts"),
+        ({"router": {"max_migrations": -1}}, "router.max_migrations"),
     ],
 )
 def test_errors_name_the_field(raw, field):
     with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
         DeploymentConfig.from_dict(raw)
+
+
+CONFIGS = Path(__file__).resolve().parent.parent / "cluster_configs"
+
+
+def test_local_yaml_is_the_embedded_default_and_names_every_setting():
+    assert DeploymentConfig.from_file(CONFIGS / "local.yaml") == DeploymentConfig()
+    raw = yaml.safe_load((CONFIGS / "local.yaml").read_text())
+
+    def names(cls, prefix=""):
+        for f in fields(cls):
+            if (prefix, f.name) == ("transfer.", "faults"):  # set as faults.transfer
+                continue
+            default = getattr(cls(), f.name)
+            yield from names(type(default), f"{prefix}{f.name}.") if is_dataclass(default) else [f"{prefix}{f.name}"]
+
+    def present(path):
+        node = raw
+        for part in path.split("."):
+            if not isinstance(node, dict) or part not in node:
+                return False
+            node = node[part]
+        return True
+
+    missing = [name for name in names(DeploymentConfig) if not present(name)]
+    assert not missing, f"local.yaml must document every setting; missing {missing}"
+
+
+@pytest.mark.parametrize("name", ["gpu-cluster.yaml", "onprem-cpu.yaml"])
+def test_cluster_deployment_examples_load(name):
+    config = DeploymentConfig.from_file(CONFIGS / name)
+    assert config.ray_address == "auto" and config.host == "0.0.0.0"
+    assert config.prefill.replicas >= 1 and config.decode.replicas >= 1
+    if config.device == "cuda":
+        assert config.prefill.num_gpus == config.decode.num_gpus == 1
