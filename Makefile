@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 MODELS := models
 PYTEST_ARGS ?=
 
-.PHONY: setup serve demo test bench-engine bench-transfer bench-serve proto gpu-check clean
+.PHONY: setup serve demo test bench-engine bench-transfer bench-serve bench-cluster proto gpu-check clean
 
 setup: $(STAMP)
 
@@ -43,6 +43,9 @@ bench-transfer: setup
 
 bench-serve: setup
 	$(VPY) scripts/bench_serve.py $(BENCH_ARGS)
+
+bench-cluster: setup
+	$(VPY) scripts/bench_cluster.py $(BENCH_ARGS)
 
 # Regenerate the gRPC stubs in splitserve/rpc from proto/ (a test fails when they drift).
 proto: setup
