@@ -113,7 +113,11 @@ class Dispatcher:
             view = choose_decode([d.view for d in self.pool.decode], needed, exclude=refused)
             if view is None:
                 if time.monotonic() > deadline:
-                    raise RouterError("UNAVAILABLE", f"no decode worker had room for {needed} KV blocks in time")
+                    if not self.pool.decode:
+                        raise RouterError("UNAVAILABLE", "no decode worker is in the pool (lost or not started) "
+                                                         "within lease_timeout_s")  # fmt: skip
+                    raise RouterError("UNAVAILABLE", f"no decode worker had room for {needed} KV blocks "
+                                                     "within lease_timeout_s")  # fmt: skip
                 refused.clear()
                 await asyncio.sleep(0.02)
                 continue

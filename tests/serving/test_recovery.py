@@ -138,23 +138,30 @@ def test_prefill_worker_lost_mid_prefill_is_retried_elsewhere(ray_session, servi
         slow.stop()
 
 
-def test_past_the_migration_limit_the_request_fails_clearly(ray_session, serving_model):
-    strict = start_deployment(serving_model, decode={"replicas": 1, "threads": 1, "max_restarts": 0},
-                              router={"max_migrations": 0, "lease_timeout_s": 2.0},
-                              faults={"decode_step_delay_s": 0.02})  # fmt: skip
+@pytest.mark.parametrize("max_migrations, reason, waits_s", [
+    (0, "gave up after 0 migrations", 0.0),  # past the limit: at once
+    (3, "no decode worker is in the pool", 2.0),  # may migrate, but none is left: after lease_timeout_s
+], ids=["migration_limit", "no_decode_worker_left"])  # fmt: skip
+def test_a_request_that_cannot_migrate_fails_clearly(ray_session, serving_model, max_migrations, reason, waits_s):
+    alone = start_deployment(serving_model, decode={"replicas": 1, "threads": 1, "max_restarts": 0},
+                             router={"max_migrations": max_migrations, "lease_timeout_s": 2.0},
+                             faults={"decode_step_delay_s": 0.02})  # fmt: skip
     try:
-        with Client(strict.address) as client:
+        with Client(alone.address) as client:
             stream = client.stream(token_ids=PROMPTS[0], **SAMPLING)
-            got = [next(stream) for _ in range(3)]
-            assert got
-            strict.kill_worker("decode-0")  # max_restarts 0: it stays dead
+            assert [next(stream) for _ in range(3)]
+            alone.kill_worker("decode-0")  # max_restarts 0: no decode worker comes back
             start = time.monotonic()
             with pytest.raises(grpc.RpcError) as e:
                 list(stream)
-        assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "migrations" in e.value.details()
-        assert time.monotonic() - start < 5
+            waited = time.monotonic() - start
+            assert e.value.code() == grpc.StatusCode.UNAVAILABLE and reason in e.value.details()
+            assert waits_s * 0.75 <= waited < waits_s + 4, f"failed after {waited:.1f}s"
+            # The prefill worker is unharmed: a one-token request needs no decode worker.
+            assert len(client.generate(token_ids=[1, 2, 3], max_tokens=1).token_ids) == 1
+        assert_no_blocks_in_use(alone)
     finally:
-        strict.stop()
+        alone.stop()
 
 
 def test_scale_up_and_down_under_load(cluster, reference):
