@@ -150,7 +150,7 @@ class Router(pb_grpc.SplitServeServicer):
             status.CopyFrom(w.status)
             status.healthy = w.healthy
             status.address = status.address or w.spec.address
-            status.node = w.spec.node or status.node
+            status.node_id = w.spec.node or status.node_id
             workers.append(status)
         return pb.GetStatusResponse(workers=workers, queued_requests=len(self.dispatcher.waiting),
                                     running_requests=len(self.inflight) - len(self.dispatcher.waiting),

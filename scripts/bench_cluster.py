@@ -116,7 +116,7 @@ def measure_cluster(model: str, tmp: Path) -> dict:
             streams = Streams(served.address)
             busy = busiest(lambda: [w for w in decode_healthy(served)])
             lost_at = time.monotonic()
-            sim.remove(next(name for name, node in sim.nodes.items() if node == busy["node"]))
+            sim.remove(next(name for name, node in sim.nodes.items() if node == busy["node_id"]))
             out["node_lost_noticed_s"] = until(lambda: busy["worker_id"] not in [w["worker_id"] for w in decode_healthy(served)], 30)
             out.update(streams.finish())
             sim.add("decode", 1)

@@ -201,7 +201,7 @@ def _status(args: argparse.Namespace) -> int:
         return 0
     print(f"model {status.model}; {status.running_requests} running, {status.queued_requests} queued")
     header = ("role", "id", "node", "address", "health", "running", "waiting", "kv total", "kv in use", "kv cached")
-    rows = [(w.role, w.worker_id, w.node[:12], w.address, "ok" if w.healthy else "DOWN", str(w.running),
+    rows = [(w.role, w.worker_id, w.node_id[:12], w.address, "ok" if w.healthy else "DOWN", str(w.running),
              str(w.waiting), str(w.kv_blocks_total), str(w.kv_blocks_in_use), str(w.kv_blocks_cached))
             for w in status.workers]  # fmt: skip
     widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)]

@@ -96,8 +96,8 @@ class Deployment:
 
     @property
     def workers(self) -> list[dict]:
-        """The workers in the router's pool: role, id, address, node, healthy."""
-        return [{"role": w.spec.role, "worker_id": w.worker_id, "address": w.spec.address, "node": w.spec.node,
+        """The workers in the router's pool: role, id, address, node_id, healthy."""
+        return [{"role": w.spec.role, "worker_id": w.worker_id, "address": w.spec.address, "node_id": w.spec.node,
                  "healthy": w.healthy} for w in (self.router.pool.workers if self.router else [])]  # fmt: skip
 
     # ---- start ----------------------------------------------------------------------------------

@@ -172,7 +172,7 @@ class WorkerBase:
     def status(self, running: int, waiting: int) -> pb.WorkerStatus:
         total, in_use, cached = self.kv_figures()
         return pb.WorkerStatus(
-            role=self.config.role, worker_id=self.config.worker_id, node=self.config.node or socket.gethostname(),
+            role=self.config.role, worker_id=self.config.worker_id, node_id=self.config.node or socket.gethostname(),
             address=self.address, healthy=not self._stopped.is_set(), running=running, waiting=waiting,
             kv_blocks_total=total, kv_blocks_in_use=in_use, kv_blocks_cached=cached,
             incarnation=self.incarnation,

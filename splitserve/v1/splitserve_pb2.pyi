@@ -131,10 +131,10 @@ class GetStatusResponse(_message.Message):
     def __init__(self, workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., queued_requests: _Optional[int] = ..., running_requests: _Optional[int] = ..., model: _Optional[str] = ...) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("role", "worker_id", "node", "address", "healthy", "running", "waiting", "kv_blocks_total", "kv_blocks_in_use", "kv_blocks_cached", "metrics_address", "incarnation")
+    __slots__ = ("role", "worker_id", "node_id", "address", "healthy", "running", "waiting", "kv_blocks_total", "kv_blocks_in_use", "kv_blocks_cached", "metrics_address", "incarnation")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
-    NODE_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     HEALTHY_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
@@ -146,7 +146,7 @@ class WorkerStatus(_message.Message):
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     role: str
     worker_id: str
-    node: str
+    node_id: str
     address: str
     healthy: bool
     running: int
@@ -156,4 +156,4 @@ class WorkerStatus(_message.Message):
     kv_blocks_cached: int
     metrics_address: str
     incarnation: str
-    def __init__(self, role: _Optional[str] = ..., worker_id: _Optional[str] = ..., node: _Optional[str] = ..., address: _Optional[str] = ..., healthy: _Optional[bool] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_in_use: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., metrics_address: _Optional[str] = ..., incarnation: _Optional[str] = ...) -> None: ...
+    def __init__(self, role: _Optional[str] = ..., worker_id: _Optional[str] = ..., node_id: _Optional[str] = ..., address: _Optional[str] = ..., healthy: _Optional[bool] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_in_use: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., metrics_address: _Optional[str] = ..., incarnation: _Optional[str] = ...) -> None: ...

@@ -69,7 +69,7 @@ def served(cluster, serving_model, tmp_path_factory):
 
 
 def test_each_role_runs_on_its_own_nodes_and_kv_crosses_nodes(cluster, served, reference):
-    nodes = {w["worker_id"]: w["node"] for w in served.workers()}
+    nodes = {w["worker_id"]: w["node_id"] for w in served.workers()}
     assert nodes["prefill-0"] == cluster.nodes["prefill-0"]
     assert {nodes["decode-0"], nodes["decode-1"]} == {cluster.nodes["decode-0"], cluster.nodes["decode-1"]}
     assert cluster.nodes["head"] not in nodes.values()
@@ -87,7 +87,7 @@ def test_decode_node_lost_mid_stream_streams_migrate_and_capacity_returns(cluste
     assert started.wait(60)
     decode = wait_for(lambda: [w for w in healthy(served, "decode") if w["running"]], 10, 0.05)
     victim = max(decode, key=lambda w: w["running"])
-    node_name = next(name for name, node_id in cluster.nodes.items() if node_id == victim["node"])
+    node_name = next(name for name, node_id in cluster.nodes.items() if node_id == victim["node_id"])
     cluster.remove(node_name)  # the node's raylet and processes die: a node failure
     lost_at = time.monotonic()
     wait_for(lambda: victim["worker_id"] not in {w["worker_id"] for w in healthy(served, "decode")}, 10, 0.05)
@@ -98,8 +98,8 @@ def test_decode_node_lost_mid_stream_streams_migrate_and_capacity_returns(cluste
     # Ray restarts the lost worker where its resource is: on a new decode node.
     cluster.add("decode", 1)
     wait_for(lambda: len(healthy(served, "decode")) == 2, 120, 0.2)
-    back = {w["worker_id"]: w["node"] for w in healthy(served, "decode")}
-    assert back[victim["worker_id"]] != victim["node"]
+    back = {w["worker_id"]: w["node_id"] for w in healthy(served, "decode")}
+    assert back[victim["worker_id"]] != victim["node_id"]
     assert noticed_s < 5
     wait_for(lambda: all(w["kv_blocks_in_use"] == 0 for w in served.workers()), 15)
 

@@ -184,7 +184,7 @@ def test_health_reflection_and_status_cli(one_one):
     roles = sorted(w["role"] for w in status["workers"])
     assert roles == ["decode", "prefill"]
     for w in status["workers"]:
-        assert w["healthy"] and w["kv_blocks_total"] > 0 and w["node"] and w["address"].startswith("127.0.0.1:")
+        assert w["healthy"] and w["kv_blocks_total"] > 0 and w["node_id"] and w["address"].startswith("127.0.0.1:")
 
 
 def test_generate_cli_json(one_one):
