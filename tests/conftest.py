@@ -5,10 +5,15 @@
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
+
+from tests.serving.netstat import listening_sockets
 
 # Ray reads this when it is imported: every Ray the tests start binds and advertises 127.0.0.1 only.
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
@@ -74,3 +79,39 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from splitserve.make_model import make_model
 
     return make_model("tiny", tmp_path_factory.mktemp("tiny") / "model", dtype="float32", seed=0)
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    """One embedded Ray for the session (loopback only, private temp folder); deployments start on it."""
+    import ray
+
+    assert os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] == "0"  # set above, before Ray loads
+    before = listening_sockets()
+    temp_dir = tempfile.mkdtemp(prefix="ss")
+    ray.init(address="local", _temp_dir=temp_dir, include_dashboard=False, log_to_driver=False,
+             _node_ip_address="127.0.0.1", num_cpus=2)  # fmt: skip
+    yield {"listening_before": before}
+    ray.shutdown()
+    shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def serving_model(tmp_path_factory):
+    """The tiny preset in fp32, with one extra EOS id: the 4th greedy token of EOS_PROMPT, so that a
+    request can end on EOS deterministically."""
+    from engine import LLM, SamplingParams
+    from splitserve.make_model import make_model
+
+    path = make_model("tiny", tmp_path_factory.mktemp("serving") / "tiny", dtype="float32", seed=0)
+    llm = LLM(path, dtype="float32", num_blocks=64)
+    tokens = llm.generate([EOS_PROMPT], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))[0].token_ids
+    assert tokens[3] not in tokens[:3]
+    gen_path = path / "generation_config.json"
+    gen = json.loads(gen_path.read_text())
+    gen["eos_token_id"] = [*gen["eos_token_id"], tokens[3]]
+    gen_path.write_text(json.dumps(gen))
+    return path
+
+
+EOS_PROMPT = [11, 22, 33, 44, 55]

@@ -14,6 +14,7 @@ import pytest
 
 from splitserve.client import Client
 from tests.serving.conftest import start_deployment, wait_for
+from tests.serving.streams import stream_all
 
 PROMPTS = [list(range(1, 30)), list(range(100, 140)), list(range(300, 320)), list(range(500, 545))]
 SAMPLING = dict(max_tokens=120, temperature=0.0, ignore_eos=True)
@@ -57,30 +58,10 @@ def assert_no_blocks_in_use(deployment) -> None:
     wait_for(lambda: all(w.kv_blocks_in_use == 0 for w in Client(deployment.address).status().workers), 15)
 
 
-def stream_all(address: str, started: threading.Event | None = None):
-    """Run the prompts concurrently; set ``started`` once every stream has produced a few tokens."""
-    counts = [0] * len(PROMPTS)
-
-    def one(i):
-        tokens, finish, reprefills = [], "", 0
-        with Client(address) as client:
-            for message in client.stream(token_ids=PROMPTS[i], **SAMPLING):
-                tokens.extend(message.token_ids)
-                counts[i] = len(tokens)
-                if started is not None and min(counts) >= 5:
-                    started.set()
-                if message.finish_reason:
-                    finish, reprefills = message.finish_reason, message.timing.reprefills
-        return tokens, finish, reprefills
-
-    pool = ThreadPoolExecutor(len(PROMPTS))
-    return [pool.submit(one, i) for i in range(len(PROMPTS))]
-
-
 def test_decode_worker_lost_mid_stream_migrates_and_comes_back(cluster, reference):
     before = incarnations(cluster)
     started = threading.Event()
-    futures = stream_all(cluster.address, started)
+    futures = stream_all(cluster.address, PROMPTS, SAMPLING, started)
     assert started.wait(30)
     victim = busiest_decode_worker(cluster)
     killed_at = time.monotonic()
@@ -101,7 +82,7 @@ def test_decode_worker_lost_mid_stream_migrates_and_comes_back(cluster, referenc
 def test_a_frozen_decode_worker_is_noticed_by_keepalive(cluster, reference):
     """A stopped process (as behind a lost node) sends no reset: keepalive pings must notice it."""
     started = threading.Event()
-    futures = stream_all(cluster.address, started)
+    futures = stream_all(cluster.address, PROMPTS, SAMPLING, started)
     assert started.wait(30)
     victim = busiest_decode_worker(cluster)
     pid = cluster.worker_pid(victim)
@@ -166,13 +147,13 @@ def test_a_request_that_cannot_migrate_fails_clearly(ray_session, serving_model,
 
 def test_scale_up_and_down_under_load(cluster, reference):
     with Client(cluster.address) as client:
-        futures = stream_all(cluster.address)
+        futures = stream_all(cluster.address, PROMPTS, SAMPLING)
         reply = _scale(cluster.address, decode=3)
         assert reply.decode == 3 and healthy(cluster, "decode") == ["decode-0", "decode-1", "decode-2"]
         results = [f.result(timeout=120) for f in futures]
         assert [r[0] for r in results] == [reference[tuple(p)] for p in PROMPTS]
         started = threading.Event()
-        futures = stream_all(cluster.address, started)
+        futures = stream_all(cluster.address, PROMPTS, SAMPLING, started)
         assert started.wait(30)
         reply = _scale(cluster.address, prefill=1, decode=1)  # drains: decode workers hand streams back
         assert (reply.prefill, reply.decode) == (1, 1)

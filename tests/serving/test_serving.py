@@ -12,7 +12,8 @@ import grpc
 import pytest
 
 from splitserve.client import Client
-from tests.serving.conftest import EOS_PROMPT, start_deployment, wait_for
+from tests.conftest import EOS_PROMPT
+from tests.serving.conftest import start_deployment, wait_for
 from tests.serving.netstat import LOOPBACK, listening_sockets
 
 
