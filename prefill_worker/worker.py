@@ -125,11 +125,18 @@ class PrefillWorker(WorkerBase):
         elif job.transfer is not None:
             self.sender.cancel(request_id, "cancelled by the router")  # the transfer callback frees the blocks
 
-    def step(self) -> bool:
+    def _schedule(self):
+        """This step's work, or None (after publishing the cache events) when there is none."""
         with self.lock:
             output = self.scheduler.schedule()
         if output.is_empty:
             self._publish_cache_events()
+            return None
+        return output
+
+    def step(self) -> bool:
+        output = self._schedule()
+        if output is None:
             return False
         if self.config.faults.prefill_delay_s:
             time.sleep(self.config.faults.prefill_delay_s)

@@ -76,6 +76,12 @@ class Dispatcher:
                 self.release(ticket.future.result(), ticket)
             raise
 
+    def prefilled(self, worker: PrefillHandle, ticket: Ticket) -> None:
+        """The request's first token arrived on a worker that keeps it (colocated): its prompt no
+        longer counts as queued there, though it holds the credit until it ends."""
+        worker.view.queued_tokens -= ticket.queued_tokens
+        ticket.queued_tokens = 0
+
     def release(self, worker: PrefillHandle, ticket: Ticket) -> None:
         """The request's prefill ended (first token, or failure): give the credit back."""
         worker.view.credit += 1

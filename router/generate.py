@@ -109,6 +109,10 @@ class RequestRun:
         prefill = await self.dispatcher.dispatch(ticket)
         self.clock.dispatched = self.clock.dispatched or time.monotonic()
         self.prefill_worker = prefill.worker_id
+        if prefill.spec.role == "colocated":
+            async for message in self._colocated_leg(prefill, ticket):
+                yield message
+            return
         decode = call = grant = None
         try:
             try:
@@ -148,9 +152,28 @@ class RequestRun:
             if decode is not None:
                 self.dispatcher.lease_ended(decode)
 
-    async def _decode(self, call, worker):
+    async def _colocated_leg(self, worker, ticket: Ticket):
+        """A colocated worker does both phases on one call; it holds the credit to the end."""
+        self.decode_worker = worker.worker_id
+        call = worker.stub.Prefill(wpb.PrefillRequest(request_id=self.request_id, prompt_token_ids=self.prompt,
+                                                      output_token_ids=self.output, sampling=self.sampling_pb))  # fmt: skip
+        try:
+            first = (await _read(call, "colocated", worker)).first_token
+            self.dispatcher.prefilled(worker, ticket)
+            if self.cached_tokens is None:
+                self.cached_tokens = first.cached_tokens
+            self.clock.first_token = self.clock.first_token or time.monotonic()
+            yield self._relay([first.token_id])
+            if self.finish_reason == pb.FINISH_REASON_UNSPECIFIED:
+                async for message in self._decode(call, worker, "colocated"):
+                    yield message
+        finally:
+            call.cancel()  # a finished call ignores this; an open one frees the request on the worker
+            self.dispatcher.release(worker, ticket)
+
+    async def _decode(self, call, worker, role: str = "decode"):
         while True:
-            event = await _read(call, "decode", worker)
+            event = await _read(call, role, worker)
             kind = event.WhichOneof("kind")
             if kind == "landed":
                 self.clock.landed = time.monotonic()

@@ -40,7 +40,7 @@ class Router(pb_grpc.SplitServeServicer):
         self.tokenizer = Tokenizer.from_model_dir(config.model_dir)
         self.block_size = config.block_size
         self.workers = list(workers)
-        self.scaler = scaler  # async scale(prefill, decode) -> (prefill, decode), from the launcher
+        self.scaler = scaler  # async scale({role: target}) -> {role: count}, from the launcher
         self.pool: WorkerPool | None = None
         self.dispatcher: Dispatcher | None = None
         self.inflight: set[str] = set()
@@ -154,7 +154,9 @@ class Router(pb_grpc.SplitServeServicer):
             workers.append(status)
         return pb.GetStatusResponse(workers=workers, queued_requests=len(self.dispatcher.waiting),
                                     running_requests=len(self.inflight) - len(self.dispatcher.waiting),
-                                    model=self.config.model_name or Path(self.config.model_dir).name)  # fmt: skip
+                                    model=self.config.model_name or Path(self.config.model_dir).name,
+                                    vocab_size=self.tokenizer.vocab_size,
+                                    max_model_len=self.model_config.max_position_embeddings)  # fmt: skip
 
 
 async def _maybe_await(result) -> None:
@@ -169,8 +171,8 @@ class _Registry(wpb_grpc.RegistryServicer):
         self.pool = pool
 
     async def Register(self, info: wpb.WorkerInfo, context):  # noqa: N802
-        if info.role not in ("prefill", "decode") or not info.address or not info.worker_id:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "role, worker_id and address are required")
+        if info.role not in ("prefill", "decode", "colocated") or not info.address or not info.worker_id:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "role (prefill, decode or colocated), worker_id and address are required")
         handle = await self.pool.register(info)
         try:
             yield wpb.RegistryCommand(kind=wpb.RegistryCommand.ACCEPTED)
@@ -187,12 +189,14 @@ class _Admin(wpb_grpc.AdminServicer):
     async def Scale(self, request: wpb.ScaleRequest, context):  # noqa: N802
         if self.router.scaler is None:
             await context.abort(grpc.StatusCode.UNIMPLEMENTED, "this router was not started by splitserve serve")
-        prefill = request.prefill if request.HasField("prefill") else None
-        decode = request.decode if request.HasField("decode") else None
-        if prefill == 0 or decode == 0:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prefill, decode: at least one worker of each role")
+        targets = {role: getattr(request, role) for role in ("prefill", "decode", "colocated") if request.HasField(role)}
+        zero = [role for role, n in targets.items() if n == 0]
+        if zero:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{', '.join(zero)}: at least one worker of each role")
         try:
-            counts = await self.router.scaler(prefill, decode)
+            counts = await self.router.scaler(targets)
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except Exception as e:
             await context.abort(grpc.StatusCode.INTERNAL, f"scaling failed: {e}")
-        return wpb.ScaleReply(prefill=counts[0], decode=counts[1])
+        return wpb.ScaleReply(**counts)

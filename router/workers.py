@@ -40,7 +40,7 @@ async def settle(awaitable):
 
 @dataclass(frozen=True)
 class WorkerAddress:
-    role: str  # "prefill" | "decode"
+    role: str  # "prefill" | "decode" | "colocated"
     address: str  # host:port of its gRPC server
     node: str = ""
 
@@ -101,7 +101,7 @@ class WorkerPool:
 
     def add(self, spec: WorkerAddress, credit: int | None = None) -> WorkerHandle:
         channel = grpc.aio.insecure_channel(spec.address, options=CLIENT_OPTIONS)
-        if spec.role == "prefill":
+        if spec.role in ("prefill", "colocated"):  # a colocated worker is queued and credited like one
             handle = PrefillHandle(spec, channel, wpb_grpc.PrefillWorkerStub(channel))
             handle.view = PrefillView(spec.address, credit or self.credit)
             self.prefill.append(handle)

@@ -131,6 +131,9 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", help="local model folder; default: the tiny demo checkpoint")
     p.add_argument("--num-prefill", type=int, default=None)
     p.add_argument("--num-decode", type=int, default=None)
+    p.add_argument("--mode", choices=["disaggregated", "colocated"], default=None,
+                   help="colocated: workers that run both phases in one batch (the baseline)")
+    p.add_argument("--num-colocated", type=int, default=None)
     p.add_argument("--host", default=None, help="address to bind and advertise (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=None, help="router port (default 50051)")
     p.add_argument("--ray-address", default=None, help="join this Ray cluster (e.g. auto) instead of starting one")
@@ -150,6 +153,7 @@ def _serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     config = DeploymentConfig.from_file(args.config) if args.config else DeploymentConfig()
     config = config.with_overrides(model=args.model, num_prefill=args.num_prefill, num_decode=args.num_decode,
+                                   mode=args.mode, num_colocated=args.num_colocated,
                                    host=args.host, port=args.port, ray_address=args.ray_address, dtype=args.dtype,
                                    device=args.device)  # fmt: skip
     if not config.ray_address:
@@ -215,6 +219,7 @@ def _add_scale(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--addr", default="127.0.0.1:50051")
     p.add_argument("--prefill", type=int, default=None, help="target number of prefill workers")
     p.add_argument("--decode", type=int, default=None, help="target number of decode workers")
+    p.add_argument("--colocated", type=int, default=None, help="target number of colocated workers (mode colocated)")
     p.add_argument("--timeout", type=float, default=600.0)
     p.set_defaults(func=_scale)
 
@@ -225,21 +230,34 @@ def _scale(args: argparse.Namespace) -> int:
     from splitserve.rpc import workers_pb2 as wpb
     from splitserve.rpc import workers_pb2_grpc as wpb_grpc
 
-    if args.prefill is None and args.decode is None:
-        raise ValueError("give --prefill and/or --decode")
-    request = wpb.ScaleRequest()
-    if args.prefill is not None:
-        request.prefill = args.prefill
-    if args.decode is not None:
-        request.decode = args.decode
+    targets = {role: getattr(args, role) for role in ("prefill", "decode", "colocated") if getattr(args, role) is not None}
+    if not targets:
+        raise ValueError("give --prefill, --decode or --colocated")
+    request = wpb.ScaleRequest(**targets)
     with grpc.insecure_channel(args.addr) as channel:
         try:
             reply = wpb_grpc.AdminStub(channel).Scale(request, timeout=args.timeout)
         except grpc.RpcError as e:
             print(f"splitserve scale: {e.code().name}: {e.details()}", file=sys.stderr)
             return 1
-    print(f"{reply.prefill} prefill and {reply.decode} decode workers")
+    counts = [f"{getattr(reply, role)} {role}" for role in ("prefill", "decode", "colocated") if getattr(reply, role)]
+    print(f"{' and '.join(counts)} workers")
     return 0
+
+
+def _add_bench(sub: argparse._SubParsersAction) -> None:
+    from splitserve.bench.options import add_bench_arguments
+
+    p = sub.add_parser("bench", help="load a running server and measure it as vLLM's benchmark_serving does "
+                                     "(`bench sweep`: over request rates, with goodput and plots)")  # fmt: skip
+    add_bench_arguments(p)
+    p.set_defaults(func=_bench)
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from splitserve.bench.options import run_bench
+
+    return run_bench(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -250,6 +268,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generate(sub)
     _add_status(sub)
     _add_scale(sub)
+    _add_bench(sub)
     return parser
 
 

@@ -102,12 +102,25 @@ class DeploymentConfig:
     worker_host: str | None = None  # address workers bind and advertise; None: 127.0.0.1 on an embedded
     # Ray, else each node's IP as Ray knows it
     ready_timeout_s: float = 300.0  # workers must have registered by then
+    # disaggregated: prefill and decode workers; colocated: workers that run both phases in one
+    # continuous batch (the baseline disaggregation is measured against)
+    mode: str = "disaggregated"
     prefill: RoleConfig = field(default_factory=RoleConfig)
     decode: RoleConfig = field(default_factory=RoleConfig)
+    colocated: RoleConfig = field(default_factory=lambda: RoleConfig(max_inflight=64))
     engine: EngineSettings = field(default_factory=EngineSettings)
     router: RouterSettings = field(default_factory=RouterSettings)
     transfer: TransferConfig = field(default_factory=TransferConfig)
     faults: Faults = field(default_factory=Faults)
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode: {self.mode!r} is not {' or '.join(MODES)}")
+
+    @property
+    def roles(self) -> tuple[str, ...]:
+        """The worker roles this deployment runs."""
+        return MODES[self.mode]
 
     @classmethod
     def from_file(cls, path: str | Path) -> DeploymentConfig:
@@ -132,14 +145,14 @@ class DeploymentConfig:
         """Command-line overrides: ``None`` leaves the config's value."""
         values = {k: v for k, v in overrides.items() if v is not None}
         roles = {role: replace(getattr(self, role), replicas=values.pop(f"num_{role}"))
-                 for role in ("prefill", "decode") if f"num_{role}" in values}  # fmt: skip
+                 for role in ("prefill", "decode", "colocated") if f"num_{role}" in values}  # fmt: skip
         return replace(self, **values, **roles)
 
     def router_config(self, model_dir: str) -> RouterConfig:
         r = self.router
         return RouterConfig(model_dir=model_dir, host=self.host, port=self.port, model_name=self.model_name,
                             block_size=self.engine.block_size, routing_policy=r.routing_policy,
-                            overlap_weight=r.overlap_weight, prefill_credit=self.prefill.max_inflight,
+                            overlap_weight=r.overlap_weight, prefill_credit=getattr(self, self.roles[0]).max_inflight,
                             max_queue=r.max_queue, lease_timeout_s=r.lease_timeout_s,
                             max_migrations=r.max_migrations, max_prefill_retries=r.max_prefill_retries)  # fmt: skip
 
@@ -147,8 +160,9 @@ class DeploymentConfig:
         return WorkerFaults(self.faults.prefill_delay_s, self.faults.decode_step_delay_s)
 
 
-_NESTED = {"prefill": RoleConfig, "decode": RoleConfig, "engine": EngineSettings, "router": RouterSettings,
-           "transfer": TransferConfig, "faults": Faults}  # fmt: skip
+MODES = {"disaggregated": ("prefill", "decode"), "colocated": ("colocated",)}
+_NESTED = {"prefill": RoleConfig, "decode": RoleConfig, "colocated": RoleConfig, "engine": EngineSettings,
+           "router": RouterSettings, "transfer": TransferConfig, "faults": Faults}  # fmt: skip
 
 
 def _build(cls, raw: dict[str, Any], prefix: str):

@@ -57,7 +57,7 @@ def _is_loopback(host: str) -> bool:
 
 
 class WorkerActor:
-    """A prefill or decode worker inside a Ray actor process. It binds and advertises the node's
+    """A prefill, decode or colocated worker inside a Ray actor process. It binds and advertises the node's
     address (or the configured one) and registers with the router itself."""
 
     def __init__(self, config: WorkerConfig) -> None:
@@ -66,6 +66,8 @@ class WorkerActor:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
         if config.role == "prefill":
             from prefill_worker.worker import PrefillWorker as cls
+        elif config.role == "colocated":
+            from prefill_worker.colocated import ColocatedWorker as cls
         else:
             from decode_worker.worker import DecodeWorker as cls
         self.node = ray.get_runtime_context().get_node_id()
@@ -88,7 +90,7 @@ class Deployment:
         self.router: Router | None = None
         self.address = ""  # the router's, as clients and workers dial it
         self.actors: dict[str, object] = {}  # worker id -> Ray actor
-        self._counters = {"prefill": 0, "decode": 0}
+        self._counters = {"prefill": 0, "decode": 0, "colocated": 0}
         self._started_ray = False
         self._temp_dir: str | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -110,13 +112,18 @@ class Deployment:
         self._thread = threading.Thread(target=self._loop.run_forever, name="router-loop", daemon=True)
         self._thread.start()
         self.address = self._advertised(self._run(self.router.start()))
-        for role in ("prefill", "decode"):
+        for role in self.config.roles:
             for _ in range(getattr(self.config, role).replicas):
                 self._spawn(role)
         c = self.config
-        self._run(self.router.pool.wait_for(c.prefill.replicas, c.decode.replicas, c.ready_timeout_s),
-                  c.ready_timeout_s + 5)  # fmt: skip
+        self._run(self._registered({role: getattr(c, role).replicas for role in c.roles}), c.ready_timeout_s + 5)
         return self.address
+
+    async def _registered(self, counts: dict[str, int]) -> None:
+        """Wait until these many workers of each role are in the router's pool (colocated workers sit
+        with the prefill workers there)."""
+        await self.router.pool.wait_for(counts.get("prefill", 0) + counts.get("colocated", 0), counts.get("decode", 0),
+                                        self.config.ready_timeout_s)  # fmt: skip
 
     def _advertised(self, address: str) -> str:
         """The router address workers dial: its bind address, or for a wildcard bind (0.0.0.0, ::)
@@ -199,7 +206,7 @@ class Deployment:
             num_blocks=role_config.num_blocks or e.num_blocks, kv_cache_bytes=e.kv_cache_bytes,
             max_num_seqs=e.max_num_seqs, max_num_batched_tokens=e.max_num_batched_tokens,
             prefill_chunk_size=e.prefill_chunk_size, num_threads=role_config.threads,
-            enable_prefix_caching=role == "prefill",  # decode requests arrive with their KV: nothing to reuse
+            enable_prefix_caching=role != "decode",  # decode requests arrive with their KV: nothing to reuse
         )  # fmt: skip
         host = c.worker_host if c.worker_host is not None else ("" if c.ray_address else "127.0.0.1")
         transfer = replace(c.transfer, faults=c.faults.transfer)
@@ -209,14 +216,15 @@ class Deployment:
 
     # ---- scale ----------------------------------------------------------------------------------
 
-    async def scale(self, prefill: int | None, decode: int | None) -> tuple[int, int]:
-        """Reach these worker counts (runs on the router's loop). New workers register by themselves;
-        removed ones (the newest first) drain, then stop."""
+    async def scale(self, targets: dict[str, int]) -> dict[str, int]:
+        """Reach these worker counts per role (runs on the router's loop). New workers register by
+        themselves; removed ones (the newest first) drain, then stop."""
+        other = sorted(set(targets) - set(self.config.roles))
+        if other:
+            raise ValueError(f"{', '.join(other)}: not a role of this deployment (mode {self.config.mode})")
         loop = asyncio.get_running_loop()
         pool = self.router.pool
-        for role, target in (("prefill", prefill), ("decode", decode)):
-            if target is None:
-                continue
+        for role, target in targets.items():
             current = sorted((w for w in self.actors if w.startswith(role)), key=lambda w: int(w.rsplit("-", 1)[1]))
             for _ in range(target - len(current)):
                 await loop.run_in_executor(None, self._spawn, role)
@@ -226,9 +234,9 @@ class Deployment:
                     await pool.drain(handle)
                     await self._drained(handle)
                 await loop.run_in_executor(None, self._stop_actor, worker_id)
-        counts = {role: sum(w.startswith(role) for w in self.actors) for role in ("prefill", "decode")}
-        await pool.wait_for(counts["prefill"], counts["decode"], self.config.ready_timeout_s)
-        return counts["prefill"], counts["decode"]
+        counts = {role: sum(w.startswith(role) for w in self.actors) for role in self.config.roles}
+        await self._registered(counts)
+        return counts
 
     async def _drained(self, handle, timeout_s: float = 120.0) -> None:
         """Wait until a draining worker holds no request (its status says so)."""

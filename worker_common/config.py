@@ -24,7 +24,7 @@ class WorkerFaults:
 
 @dataclass(frozen=True)
 class WorkerConfig:
-    role: Literal["prefill", "decode"]
+    role: Literal["prefill", "decode", "colocated"]
     worker_id: str
     engine: EngineConfig
     host: str = "127.0.0.1"  # the address this worker binds and advertises (reachable from the router and peers)
@@ -32,13 +32,13 @@ class WorkerConfig:
     router_address: str = ""  # register with this router (host:port) and stay registered while alive
     model_name: str = ""  # part of the KV layout fingerprint; default: the model folder's name
     transfer: TransferConfig = field(default_factory=TransferConfig)
-    max_inflight: int = 16  # prefill: requests accepted at once (the router's credit)
+    max_inflight: int = 16  # prefill, colocated: requests accepted at once (the router's credit)
     node: str = ""  # where the worker runs (a Ray node id), for status
     faults: WorkerFaults = field(default_factory=WorkerFaults)
 
     def __post_init__(self) -> None:
-        if self.role not in ("prefill", "decode"):
-            raise ValueError(f"role: {self.role!r} is not 'prefill' or 'decode'")
+        if self.role not in ("prefill", "decode", "colocated"):
+            raise ValueError(f"role: {self.role!r} is not 'prefill', 'decode' or 'colocated'")
         if not self.worker_id:
             raise ValueError("worker_id: must not be empty")
         if self.max_inflight < 1:

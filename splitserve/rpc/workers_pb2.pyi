@@ -39,20 +39,24 @@ class RegistryCommand(_message.Message):
     def __init__(self, kind: _Optional[_Union[RegistryCommand.Kind, str]] = ...) -> None: ...
 
 class ScaleRequest(_message.Message):
-    __slots__ = ("prefill", "decode")
+    __slots__ = ("prefill", "decode", "colocated")
     PREFILL_FIELD_NUMBER: _ClassVar[int]
     DECODE_FIELD_NUMBER: _ClassVar[int]
+    COLOCATED_FIELD_NUMBER: _ClassVar[int]
     prefill: int
     decode: int
-    def __init__(self, prefill: _Optional[int] = ..., decode: _Optional[int] = ...) -> None: ...
+    colocated: int
+    def __init__(self, prefill: _Optional[int] = ..., decode: _Optional[int] = ..., colocated: _Optional[int] = ...) -> None: ...
 
 class ScaleReply(_message.Message):
-    __slots__ = ("prefill", "decode")
+    __slots__ = ("prefill", "decode", "colocated")
     PREFILL_FIELD_NUMBER: _ClassVar[int]
     DECODE_FIELD_NUMBER: _ClassVar[int]
+    COLOCATED_FIELD_NUMBER: _ClassVar[int]
     prefill: int
     decode: int
-    def __init__(self, prefill: _Optional[int] = ..., decode: _Optional[int] = ...) -> None: ...
+    colocated: int
+    def __init__(self, prefill: _Optional[int] = ..., decode: _Optional[int] = ..., colocated: _Optional[int] = ...) -> None: ...
 
 class KVDestination(_message.Message):
     __slots__ = ("receiver_id", "incarnation", "control_address")
@@ -79,12 +83,18 @@ class PrefillRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_splitserve_pb2.SamplingParams, _Mapping]] = ..., destination: _Optional[_Union[KVDestination, _Mapping]] = ...) -> None: ...
 
 class PrefillEvent(_message.Message):
-    __slots__ = ("first_token", "transfer")
+    __slots__ = ("first_token", "transfer", "tokens", "finished", "preempted")
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    PREEMPTED_FIELD_NUMBER: _ClassVar[int]
     first_token: FirstToken
     transfer: TransferResult
-    def __init__(self, first_token: _Optional[_Union[FirstToken, _Mapping]] = ..., transfer: _Optional[_Union[TransferResult, _Mapping]] = ...) -> None: ...
+    tokens: Tokens
+    finished: Finished
+    preempted: Preempted
+    def __init__(self, first_token: _Optional[_Union[FirstToken, _Mapping]] = ..., transfer: _Optional[_Union[TransferResult, _Mapping]] = ..., tokens: _Optional[_Union[Tokens, _Mapping]] = ..., finished: _Optional[_Union[Finished, _Mapping]] = ..., preempted: _Optional[_Union[Preempted, _Mapping]] = ...) -> None: ...
 
 class FirstToken(_message.Message):
     __slots__ = ("token_id", "cached_tokens", "queue_ms", "compute_ms", "finish_reason", "stop_reason")

@@ -1,0 +1,135 @@
+"""The options of ``splitserve bench [sweep]`` and the two commands behind them (docs/benchmarks.md)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from splitserve.bench import DATASETS
+
+if TYPE_CHECKING:
+    from splitserve.bench.datasets import BenchRequest
+    from splitserve.bench.runner import BenchConfig
+
+SWEEP_ONLY = ("rates", "out_dir", "attainment")
+
+
+def add_bench_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("action", nargs="?", choices=["sweep"], help="sweep: one run per --rates, goodput and plots")
+    p.add_argument("--addr", default="127.0.0.1:50051", help="the router's host:port")
+    p.add_argument("--num-prompts", type=int, default=1000, help="requests to send (mooncake: the trace's first N)")
+    d = p.add_argument_group("dataset")
+    d.add_argument("--dataset", default="random", choices=DATASETS)
+    d.add_argument("--dataset-path", help="the trace (JSON lines) for --dataset mooncake")
+    d.add_argument("--input-len", type=int, default=None,
+                   help="random: mean prompt length (1024); presets: median; shared-prefix: unique suffix (128)")
+    d.add_argument("--output-len", type=int, default=None, help="random: mean output length (128); presets: median")
+    d.add_argument("--range-ratio", type=float, default=0.0, help="random, shared-prefix: lengths in len*[1-r, 1+r]")
+    d.add_argument("--random-prefix-len", type=int, default=0, help="random: a prefix shared by every prompt")
+    d.add_argument("--shared-prefix-groups", type=int, default=8, help="shared-prefix: number of system prompts")
+    d.add_argument("--shared-prefix-len", type=int, default=1024, help="shared-prefix: system prompt length")
+    d.add_argument("--time-scale", type=float, default=1.0, help="mooncake: multiply the trace's gaps (2 = half speed)")
+    d.add_argument("--max-model-len", type=int, default=None,
+                   help="cap prompt + output (default: the server's context length, else 2048)")
+    d.add_argument("--vocab-size", type=int, default=None,
+                   help="draw token ids for this vocabulary (default: the server's)")
+    a = p.add_argument_group("load")
+    a.add_argument("--request-rate", type=float, default=float("inf"), help="requests per second; inf: all at once")
+    a.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the gaps: 1 Poisson, <1 burstier")
+    a.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most (closed loop)")
+    a.add_argument("--seed", type=int, default=0, help="seeds the dataset, the arrivals and the sampling")
+    a.add_argument("--temperature", type=float, default=0.0)
+    a.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
+                   help="ignore EOS so that every output is exactly as long as asked (default: on)")  # fmt: skip
+    a.add_argument("--request-timeout", type=float, default=600.0, help="deadline of each call, seconds")
+    r = p.add_argument_group("results")
+    r.add_argument("--goodput", nargs="+", default=[], metavar="KEY:MS", help="SLOs, e.g. ttft:500 tpot:50 e2el:5000")
+    r.add_argument("--percentiles", default="90,95,99", help="comma-separated percentiles to report")
+    r.add_argument("--save-result", metavar="FILE", help="write the result as JSON (vLLM's keys)")
+    r.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    s = p.add_argument_group("sweep (with the action sweep)")
+    s.add_argument("--rates", help="comma-separated request rates, e.g. 1,2,4,8")
+    s.add_argument("--attainment", type=float, default=None, help="SLO attainment target for goodput (default 0.9)")
+    s.add_argument("--out-dir", help="folder for sweep.json, rate_<R>.json and the plots")
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    """``splitserve bench`` and ``splitserve bench sweep``."""
+    import grpc
+
+    from splitserve.bench.datasets import DatasetOptions, TokenRange, make_requests
+    from splitserve.bench.metrics import parse_goodput, parse_percentiles
+    from splitserve.bench.runner import BenchConfig, get_status
+
+    sweep = args.action == "sweep"
+    if not sweep and (given := [f"--{k.replace('_', '-')}" for k in SWEEP_ONLY if getattr(args, k) is not None]):
+        raise ValueError(f"{', '.join(given)}: only with `splitserve bench sweep`")
+    if sweep and not (args.rates and args.out_dir):
+        raise ValueError("--rates, --out-dir: both required with `splitserve bench sweep`")
+    if sweep and args.save_result:
+        raise ValueError("--save-result: a sweep writes its results into --out-dir")
+    if sweep and args.dataset == "mooncake":
+        raise ValueError("--dataset mooncake: a trace keeps its own arrival times; run it at several --time-scale")
+    config = BenchConfig(addr=args.addr, request_rate=args.request_rate, burstiness=args.burstiness,
+                         max_concurrency=args.max_concurrency, seed=args.seed, temperature=args.temperature,
+                         ignore_eos=args.ignore_eos, request_timeout_s=args.request_timeout,
+                         percentiles=parse_percentiles(args.percentiles), goodput=parse_goodput(args.goodput),
+                         progress=not args.no_progress)  # fmt: skip
+    try:
+        status = asyncio.run(get_status(args.addr))
+    except grpc.RpcError as e:
+        print(f"splitserve bench: cannot read the server's status at {args.addr}: {e.code().name}: {e.details()}",
+              file=sys.stderr)  # fmt: skip
+        return 1
+    vocab_size = args.vocab_size or status.vocab_size
+    if not vocab_size:
+        raise ValueError("--vocab-size: the server does not report its vocabulary size; give it")
+    limits = [n for n in (args.max_model_len, status.max_model_len) if n]
+    options = DatasetOptions(name=args.dataset, num_prompts=args.num_prompts, input_len=args.input_len,
+                             output_len=args.output_len, range_ratio=args.range_ratio,
+                             random_prefix_len=args.random_prefix_len, shared_prefix_groups=args.shared_prefix_groups,
+                             shared_prefix_len=args.shared_prefix_len, dataset_path=args.dataset_path,
+                             time_scale=args.time_scale, max_model_len=min(limits, default=2048), seed=args.seed)  # fmt: skip
+    requests = make_requests(options, TokenRange.for_vocab(vocab_size))
+    if sweep:
+        return _sweep(args, requests, config, status.model)
+    return _single(args, requests, config, status.model)
+
+
+def _single(args: argparse.Namespace, requests: list[BenchRequest], config: BenchConfig, model_id: str) -> int:
+    from splitserve.bench.arrivals import arrival_offsets
+    from splitserve.bench.metrics import format_summary
+    from splitserve.bench.runner import benchmark
+
+    trace = args.dataset == "mooncake"
+    if trace:
+        offsets = [r.arrival_s for r in requests]
+    else:
+        offsets = arrival_offsets(len(requests), config.request_rate, config.burstiness, config.seed)
+    result = benchmark(requests, offsets, config, model_id, args.dataset)
+    if trace:
+        result |= {"request_rate": "trace", "time_scale": args.time_scale}
+    print(format_summary(result, config.percentiles))
+    if args.save_result:
+        path = Path(args.save_result)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(result, indent=2))
+        print(f"result written to {path}", file=sys.stderr)
+    return 0 if result["completed"] else 1
+
+
+def _sweep(args: argparse.Namespace, requests: list[BenchRequest], config: BenchConfig, model_id: str) -> int:
+    from splitserve.bench.sweep import parse_rates, run_sweep
+
+    target = 0.9 if args.attainment is None else args.attainment
+    sweep = run_sweep(requests, config, parse_rates(args.rates), target, args.out_dir, model_id, args.dataset)
+    for row in sweep["results"]:
+        print(f"rate {row['request_rate']:>8g} req/s  attainment {row['slo_attainment']:6.1%}  "
+              f"p99 TTFT {row['p99_ttft_ms']:9.1f} ms  p99 TPOT {row['p99_tpot_ms']:8.1f} ms  failed {row['failed']}")  # fmt: skip
+    print(sweep["goodput"]["text"])
+    print(f"sweep written to {Path(args.out_dir) / 'sweep.json'}", file=sys.stderr)
+    return 0

@@ -1,0 +1,153 @@
+"""Sends the requests over ``grpc.aio`` and times every streamed message.
+
+Each request is a task that sleeps until it is due (its arrival offset), waits for a slot when
+``max_concurrency`` is set, and only then counts as sent: TTFT, ITL and E2EL start there, and the
+wait before it is the request's client-side queue time. Every call carries a deadline
+(``request_timeout_s``), so a run always ends; a failed call is recorded with its status code.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+
+import grpc
+
+from splitserve.bench.datasets import BenchRequest
+from splitserve.bench.metrics import SERVER_TIMINGS, RequestRecord, per_request_lists, summarize
+from splitserve.client import make_request
+from splitserve.rpc.options import CLIENT_OPTIONS
+from splitserve.v1 import splitserve_pb2 as pb
+from splitserve.v1 import splitserve_pb2_grpc as pb_grpc
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    addr: str = "127.0.0.1:50051"
+    request_rate: float = math.inf  # requests per second; inf: all at once
+    burstiness: float = 1.0
+    max_concurrency: int | None = None
+    seed: int = 0
+    temperature: float = 0.0
+    ignore_eos: bool = True
+    request_timeout_s: float = 600.0
+    percentiles: tuple[float, ...] = (90.0, 95.0, 99.0)
+    goodput: Mapping[str, float] = field(default_factory=dict)  # SLOs in ms: ttft, tpot, e2el
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_concurrency is not None and self.max_concurrency < 1:
+            raise ValueError(f"--max-concurrency: must be >= 1, got {self.max_concurrency}")
+        if not self.request_timeout_s > 0:
+            raise ValueError(f"--request-timeout: must be > 0 s, got {self.request_timeout_s}")
+        if self.seed < 0:
+            raise ValueError(f"--seed: must be >= 0, got {self.seed}")
+        if not self.temperature >= 0:
+            raise ValueError(f"--temperature: must be >= 0, got {self.temperature}")
+
+
+async def get_status(addr: str, timeout_s: float = 10.0) -> pb.GetStatusResponse:
+    async with grpc.aio.insecure_channel(addr, options=CLIENT_OPTIONS) as channel:
+        return await pb_grpc.SplitServeStub(channel).GetStatus(pb.GetStatusRequest(), timeout=timeout_s)
+
+
+class Progress:
+    """A one-line progress bar on stderr, redrawn at most every 0.2 s."""
+
+    def __init__(self, total: int, enabled: bool = True, width: int = 30) -> None:
+        self.total, self.enabled, self.width = total, enabled, width
+        self.done = self.failed = 0
+        self.start = self.drawn = time.monotonic()
+
+    def update(self, ok: bool) -> None:
+        self.done += 1
+        self.failed += not ok
+        now = time.monotonic()
+        if self.enabled and (now - self.drawn >= 0.2 or self.done == self.total):
+            self.drawn = now
+            filled = self.width * self.done // max(self.total, 1)
+            failed = f", {self.failed} failed" if self.failed else ""
+            sys.stderr.write(f"\r[{'#' * filled}{'.' * (self.width - filled)}] {self.done}/{self.total} requests"
+                             f"{failed}, {now - self.start:.1f}s")  # fmt: skip
+            sys.stderr.flush()
+
+    def close(self) -> None:
+        if self.enabled and self.done:
+            sys.stderr.write("\n")
+            sys.stderr.flush()
+
+
+async def _send(stub: pb_grpc.SplitServeStub, message: pb.GenerateRequest, record: RequestRecord, start: float,
+                config: BenchConfig, slots: asyncio.Semaphore | None, progress: Progress) -> None:  # fmt: skip
+    await asyncio.sleep(max(0.0, start + record.due_s - time.perf_counter()))
+    async with slots if slots is not None else contextlib.nullcontext():
+        sent = last = time.perf_counter()
+        record.sent_s = sent - start
+        try:
+            async for response in stub.Generate(message, timeout=config.request_timeout_s):
+                now = time.perf_counter()
+                if response.token_ids:
+                    if record.output_len == 0:
+                        record.ttft_s = now - sent
+                    else:
+                        record.itls_s.append(now - last)
+                    last = now
+                    record.output_len += len(response.token_ids)
+                if response.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
+                    record.cached_tokens = response.usage.cached_tokens
+                    t = response.timing
+                    record.server_timing = {key: getattr(t, key) for key in (*SERVER_TIMINGS, "reprefills")}
+            record.e2el_s = time.perf_counter() - sent
+        except grpc.aio.AioRpcError as e:
+            record.error_code, record.error = e.code().name, f"{e.code().name}: {e.details()}"
+        except Exception as e:  # noqa: BLE001  (a client-side failure is a failed request, not a crash)
+            record.error_code, record.error = type(e).__name__, f"{type(e).__name__}: {e}"
+    progress.update(record.success)
+
+
+async def run_requests(requests: Sequence[BenchRequest], offsets_s: Sequence[float],
+                       config: BenchConfig) -> tuple[list[RequestRecord], float]:  # fmt: skip
+    """Sends request i at ``offsets_s[i]`` after the start; returns the records and the duration (s)."""
+    records = [RequestRecord(r.prompt_len, r.output_len, due_s=o) for r, o in zip(requests, offsets_s, strict=True)]
+    # Built before the clock starts: serializing long prompts must not delay the requests due first.
+    messages = [make_request(token_ids=r.prompt, max_tokens=r.output_len, temperature=config.temperature,
+                             ignore_eos=config.ignore_eos, seed=config.seed + i) for i, r in enumerate(requests)]  # fmt: skip
+    slots = asyncio.Semaphore(config.max_concurrency) if config.max_concurrency else None
+    progress = Progress(len(requests), config.progress)
+    async with grpc.aio.insecure_channel(config.addr, options=CLIENT_OPTIONS) as channel:
+        stub = pb_grpc.SplitServeStub(channel)
+        start = time.perf_counter()
+        try:
+            await asyncio.gather(*(_send(stub, m, rec, start, config, slots, progress) for m, rec in zip(messages, records)))
+        finally:
+            duration = time.perf_counter() - start
+            progress.close()
+    return records, duration
+
+
+def benchmark(requests: Sequence[BenchRequest], offsets_s: Sequence[float], config: BenchConfig,
+              model_id: str = "", dataset: str = "") -> dict:  # fmt: skip
+    """One run: vLLM's result keys, the per-request lists and the run's settings."""
+    records, duration = asyncio.run(run_requests(requests, offsets_s, config))
+    rate = config.request_rate
+    return {
+        "date": datetime.now().strftime("%Y%m%d-%H%M%S"),
+        "backend": "splitserve",
+        "model_id": model_id,
+        "dataset": dataset,
+        "addr": config.addr,
+        "num_prompts": len(requests),
+        "request_rate": "inf" if math.isinf(rate) else rate,
+        "burstiness": config.burstiness,
+        "max_concurrency": config.max_concurrency,
+        "temperature": config.temperature,
+        "ignore_eos": config.ignore_eos,
+        **summarize(records, duration, config.percentiles, config.goodput),
+        **per_request_lists(records),
+    }

@@ -1,0 +1,112 @@
+"""``splitserve bench`` end to end: short runs against a served tiny model (one deployment for the
+module), through the command line in its own process, as a user runs it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from splitserve.bench.mooncake import SAMPLE_TRACE
+from splitserve.client import Client
+from tests.serving.conftest import start_deployment
+
+RESULT_KEYS = (
+    "date", "backend", "model_id", "num_prompts", "request_rate", "burstiness", "max_concurrency", "duration",
+    "completed", "failed", "total_input_tokens", "total_output_tokens", "request_throughput", "request_goodput",
+    "output_throughput", "total_token_throughput", "input_lens", "output_lens", "ttfts", "itls", "tpots", "e2els",
+    "errors", "client_queue_times", "mean_server_transfer_ms", "mean_client_queue_ms", "p99_client_queue_ms",
+    *(f"{s}_{m}_ms" for m in ("ttft", "tpot", "itl", "e2el") for s in ("mean", "median", "std", "p90", "p95", "p99")),
+)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def deployment(ray_session, serving_model):
+    deployment = start_deployment(serving_model)
+    yield deployment
+    deployment.stop()
+
+
+def run_bench(*args: str, timeout_s: float = 60, returncode: int = 0) -> subprocess.CompletedProcess:
+    out = subprocess.run([sys.executable, "-m", "splitserve.cli", "bench", *args, "--no-progress",
+                          "--request-timeout", str(timeout_s)], capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert out.returncode == returncode, out.stderr
+    return out
+
+
+def assert_all_served(result: dict, num_prompts: int) -> None:
+    assert result["failed"] == 0 and result["failures"] == {} and set(result["errors"]) == {""}
+    assert result["completed"] == result["num_prompts"] == num_prompts
+    assert result["output_lens"] == result["expected_output_lens"]  # EOS ignored: exactly as asked
+    assert all(t > 0 for t in result["ttfts"]) and all(t > 0 for t in result["tpots"])
+    assert all(e >= t for e, t in zip(result["e2els"], result["ttfts"]))
+    assert all(len(itls) >= 1 for itls in result["itls"])
+    assert result["mean_server_prefill_ms"] > 0 and result["backend"] == "splitserve"
+
+
+def test_status_reports_the_vocabulary_and_the_context(deployment):
+    with Client(deployment.address) as client:
+        status = client.status()
+    assert (status.vocab_size, status.max_model_len) == (2048, 4096)  # the tiny preset
+
+
+def test_open_loop_at_a_rate(deployment, tmp_path):
+    path = tmp_path / "result.json"
+    out = run_bench("--addr", deployment.address, "--num-prompts", "12", "--dataset", "random", "--input-len", "32",
+                    "--output-len", "8", "--range-ratio", "0.5", "--request-rate", "20", "--seed", "3",
+                    "--goodput", "ttft:60000", "tpot:60000", "--save-result", str(path))  # fmt: skip
+    assert "============ Serving Benchmark Result ============" in out.stdout
+    result = json.loads(path.read_text())
+    assert [k for k in RESULT_KEYS if k not in result] == []
+    assert_all_served(result, 12)
+    assert len(set(result["output_lens"])) > 1 and min(result["output_lens"]) >= 4  # lengths in 8 * [0.5, 1.5]
+    assert result["request_rate"] == 20 and result["max_concurrency"] is None
+    assert result["request_goodput"] == pytest.approx(12 / result["duration"])  # generous SLOs: every request
+    assert result["total_output_tokens"] == sum(result["output_lens"])
+
+
+def test_closed_loop_never_exceeds_the_concurrency(deployment, tmp_path):
+    path = tmp_path / "result.json"
+    run_bench("--addr", deployment.address, "--num-prompts", "12", "--input-len", "24", "--output-len", "6",
+              "--max-concurrency", "4", "--save-result", str(path))  # fmt: skip
+    result = json.loads(path.read_text())
+    assert_all_served(result, 12)
+    assert result["max_concurrency"] == 4 and result["request_rate"] == "inf"
+    # Everything was due at 0: a request's queue time is when it was sent; no more than 4 in flight at once.
+    spans = [(q, q + e) for q, e in zip(result["client_queue_times"], result["e2els"])]
+    assert max(sum(s <= t < e for s, e in spans) for t, _ in spans) <= 4
+    assert sorted(result["client_queue_times"])[4] > 0 and result["p99_client_queue_ms"] > 0
+
+
+def test_mooncake_trace_replay_hits_the_prefix_cache(deployment, tmp_path):
+    path = tmp_path / "result.json"
+    run_bench("--addr", deployment.address, "--dataset", "mooncake", "--dataset-path", str(SAMPLE_TRACE),
+              "--num-prompts", "6", "--save-result", str(path))  # fmt: skip
+    result = json.loads(path.read_text())
+    assert_all_served(result, 6)
+    assert result["request_rate"] == "trace" and result["duration"] >= 0.9  # the 6th request is due at 0.908 s
+    assert max(result["cached_lens"]) >= 512  # hash id 0 opens every prompt: the same first block
+
+
+def test_sweep_over_two_rates(deployment, tmp_path):
+    out = run_bench("sweep", "--addr", deployment.address, "--rates", "10,40", "--num-prompts", "6",
+                    "--input-len", "16", "--output-len", "4", "--goodput", "ttft:60000", "tpot:60000",
+                    "--out-dir", str(tmp_path))  # fmt: skip
+    sweep = json.loads((tmp_path / "sweep.json").read_text())
+    assert [r["slo_attainment"] for r in sweep["results"]] == [1.0, 1.0]
+    assert sweep["goodput"]["status"] == "at_least" and sweep["goodput"]["rate"] == 40
+    assert "goodput: >= 40 req/s" in out.stdout
+    for name in ("ttft.png", "tpot.png", "attainment.png"):
+        assert (tmp_path / name).read_bytes()[:4] == b"\x89PNG"
+    assert_all_served(json.loads((tmp_path / "rate_10.json").read_text()), 6)
+
+
+def test_requests_past_their_deadline_are_counted_as_failed(deployment, tmp_path):
+    path = tmp_path / "result.json"
+    run_bench("--addr", deployment.address, "--num-prompts", "4", "--input-len", "16", "--output-len", "64",
+              "--save-result", str(path), timeout_s=0.002, returncode=1)  # fmt: skip
+    result = json.loads(path.read_text())
+    assert result["completed"] == 0 and result["failures"] == {"DEADLINE_EXCEEDED": 4}
+    assert all(e.startswith("DEADLINE_EXCEEDED") for e in result["errors"]) and result["output_lens"] == [0] * 4
