@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 MODELS := models
 PYTEST_ARGS ?=
 
-.PHONY: setup serve demo test bench-engine bench-transfer bench-serve bench-cluster proto gpu-check clean
+.PHONY: setup serve demo test bench-engine bench-transfer bench-serve bench-cluster loadtest proto gpu-check clean
 
 setup: $(STAMP)
 
@@ -46,6 +46,10 @@ bench-serve: setup
 
 bench-cluster: setup
 	$(VPY) scripts/bench_cluster.py $(BENCH_ARGS)
+
+# Simulated multi-node cluster + serve + bench sweep; fails on any failed request or leaked block.
+loadtest: setup
+	$(VPY) scripts/loadtest.py $(LOADTEST_ARGS)
 
 # Regenerate the gRPC stubs in splitserve/rpc from proto/ (a test fails when they drift).
 proto: setup
