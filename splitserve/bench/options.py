@@ -6,6 +6,8 @@ import argparse
 import asyncio
 import json
 import sys
+from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -94,10 +96,11 @@ def run_bench(args: argparse.Namespace) -> int:
                              random_prefix_len=args.random_prefix_len, shared_prefix_groups=args.shared_prefix_groups,
                              shared_prefix_len=args.shared_prefix_len, dataset_path=args.dataset_path,
                              time_scale=args.time_scale, max_model_len=min(limits, default=2048), seed=args.seed)  # fmt: skip
-    requests = make_requests(options, TokenRange.for_vocab(vocab_size))
-    if sweep:
-        return _sweep(args, requests, config, status.model)
-    return _single(args, requests, config, status.model)
+    tokens = TokenRange.for_vocab(vocab_size)
+    if sweep:  # fresh prompts per rate: the prefix cache must not carry over from one rate to the next
+        return _sweep(args, lambda i: make_requests(replace(options, seed=options.seed + i), tokens), config,
+                      status.model)  # fmt: skip
+    return _single(args, make_requests(options, tokens), config, status.model)
 
 
 def _single(args: argparse.Namespace, requests: list[BenchRequest], config: BenchConfig, model_id: str) -> int:
@@ -122,7 +125,8 @@ def _single(args: argparse.Namespace, requests: list[BenchRequest], config: Benc
     return 0 if result["completed"] else 1
 
 
-def _sweep(args: argparse.Namespace, requests: list[BenchRequest], config: BenchConfig, model_id: str) -> int:
+def _sweep(args: argparse.Namespace, requests: Callable[[int], list[BenchRequest]], config: BenchConfig,
+           model_id: str) -> int:  # fmt: skip
     from splitserve.bench.sweep import parse_rates, run_sweep
 
     target = 0.9 if args.attainment is None else args.attainment

@@ -1,5 +1,9 @@
-"""``splitserve bench sweep``: one run per request rate on the same requests, SLO attainment per rate,
-and goodput in DistServe's sense: the highest rate whose attainment reaches the target.
+"""``splitserve bench sweep``: one run per request rate, SLO attainment per rate, and goodput in
+DistServe's sense: the highest rate whose attainment reaches the target.
+
+Every rate gets the same number of requests from the same dataset, but fresh prompts (the dataset's
+seed plus the rate's index): with the same prompts, each run after the first would be served from
+the prefix cache the previous runs filled, and latency would fall as the rate rises.
 
 Attainment at a rate is the fraction of *all* requests (a failed one counts as missing) that meet
 every given SLO. Goodput is found on the measured curve: the highest rate that meets the target,
@@ -12,7 +16,7 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
 
@@ -61,9 +65,9 @@ def describe_goodput(goodput: dict, target: float) -> str:
     return f"goodput: {goodput['rate']:.3g} req/s at {pct} SLO attainment (between {low:g} and {high:g} req/s)"
 
 
-def run_sweep(requests: Sequence[BenchRequest], config: BenchConfig, rates: Sequence[float], target: float,
-              out_dir: str | Path, model_id: str = "", dataset: str = "") -> dict:  # fmt: skip
-    """Runs ``requests`` at each rate (same prompts, same seed for the arrivals), writes
+def run_sweep(requests: Callable[[int], Sequence[BenchRequest]], config: BenchConfig, rates: Sequence[float],
+              target: float, out_dir: str | Path, model_id: str = "", dataset: str = "") -> dict:  # fmt: skip
+    """Runs ``requests(i)`` at the i-th rate (the same arrival seed for every rate), writes
     ``rate_<R>.json`` per rate, ``sweep.json`` and the plots into ``out_dir``; returns sweep.json's content."""
     from splitserve.bench.plots import plot_sweep  # matplotlib: loaded only for a sweep
 
@@ -76,9 +80,10 @@ def run_sweep(requests: Sequence[BenchRequest], config: BenchConfig, rates: Sequ
     # The plots show p50 (the median), p90 and p99 whatever --percentiles says.
     config = replace(config, percentiles=tuple(sorted({*config.percentiles, 90.0, 99.0})))
     per_rate = []
-    for rate in rates:
-        offsets = arrival_offsets(len(requests), rate, config.burstiness, config.seed)
-        result = benchmark(requests, offsets, replace(config, request_rate=rate), model_id, dataset)
+    for i, rate in enumerate(rates):
+        batch = requests(i)
+        offsets = arrival_offsets(len(batch), rate, config.burstiness, config.seed)
+        result = benchmark(batch, offsets, replace(config, request_rate=rate), model_id, dataset)
         result["slo_attainment"] = slo_attainment(result)
         (out / f"rate_{rate:g}.json").write_text(json.dumps(result, indent=2))
         print(format_summary(result, config.percentiles), file=sys.stderr)
@@ -86,7 +91,7 @@ def run_sweep(requests: Sequence[BenchRequest], config: BenchConfig, rates: Sequ
         # sweep.json keeps the summary; the per-request lists stay in rate_<R>.json.
         per_rate.append({k: v for k, v in result.items() if not isinstance(v, list)})
     goodput = goodput_rate(rates, [r["slo_attainment"] for r in per_rate], target)
-    sweep = {"model_id": model_id, "dataset": dataset, "num_prompts": len(requests), "slos_ms": dict(config.goodput),
+    sweep = {"model_id": model_id, "dataset": dataset, "num_prompts": len(batch), "slos_ms": dict(config.goodput),
              "attainment_target": target, "burstiness": config.burstiness, "max_concurrency": config.max_concurrency,
              "rates": list(rates), "goodput": goodput | {"text": describe_goodput(goodput, target)},
              "results": per_rate, "plots": [p.name for p in plot_sweep(per_rate, target, goodput, out)]}  # fmt: skip

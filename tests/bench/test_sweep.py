@@ -60,9 +60,15 @@ def fake_benchmark(requests, offsets, config, model_id="", dataset=""):
 def test_sweep_writes_its_results_and_png_plots(tmp_path, monkeypatch):
     monkeypatch.setattr(sweep_module, "benchmark", fake_benchmark)
     monkeypatch.setattr(sweep_module, "format_summary", lambda result, percentiles: "table")
-    requests = [BenchRequest([5, 6, 7], 4)] * 10
+    asked = []
+
+    def requests(i):  # fresh prompts per rate
+        asked.append(i)
+        return [BenchRequest([5, 6, 7 + i], 4)] * 10
+
     config = BenchConfig(goodput={"ttft": 100.0, "tpot": 20.0}, progress=False)
     sweep = run_sweep(requests, config, [1, 2, 4], 0.9, tmp_path / "out")
+    assert asked == [0, 1, 2]
     assert [r["slo_attainment"] for r in sweep["results"]] == [1.0, 1.0, 0.5]
     assert sweep["goodput"]["status"] == "interpolated" and sweep["goodput"]["rate"] == pytest.approx(2 + 0.1 / 0.5 * 2)
     assert "ttfts" not in sweep["results"][0]  # the per-request lists stay in rate_<R>.json
@@ -76,6 +82,6 @@ def test_sweep_writes_its_results_and_png_plots(tmp_path, monkeypatch):
 
 def test_sweep_needs_slos_and_a_sane_target(tmp_path):
     with pytest.raises(ValueError, match="--goodput"):
-        run_sweep([BenchRequest([1], 1)], BenchConfig(), [1.0], 0.9, tmp_path)
+        run_sweep(lambda i: [BenchRequest([1], 1)], BenchConfig(), [1.0], 0.9, tmp_path)
     with pytest.raises(ValueError, match="--attainment"):
-        run_sweep([BenchRequest([1], 1)], BenchConfig(goodput={"ttft": 1.0}), [1.0], 1.5, tmp_path)
+        run_sweep(lambda i: [BenchRequest([1], 1)], BenchConfig(goodput={"ttft": 1.0}), [1.0], 1.5, tmp_path)
