@@ -38,6 +38,9 @@ class ColocatedWorker(PrefillWorker):
             raise WorkerError("INVALID_ARGUMENT", "destination: a colocated worker decodes its requests itself")
         return super().accept(message)
 
+    def credited(self) -> int:
+        return len(self.jobs)  # the router holds a colocated request's credit until it ends
+
     def handle_command(self, command: tuple) -> None:
         kind, arg = command
         if kind == "drain":  # hand back what has tokens; the rest is handed back at its first token

@@ -91,11 +91,21 @@ class PrefillWorker(WorkerBase):
         with self.lock:
             if message.request_id in self.jobs or self.sender.has_transfer(message.request_id):
                 raise WorkerError("ALREADY_EXISTS", f"request_id: {message.request_id!r} is already here")
-            if len(self.jobs) >= self.config.max_inflight:
-                raise WorkerError("RESOURCE_EXHAUSTED", f"prefill worker has {len(self.jobs)} requests (max_inflight)")
+            held = self.credited()
+            if held >= 2 * self.config.max_inflight:
+                raise WorkerError("RESOURCE_EXHAUSTED", f"{self.config.role} worker has {held} requests "
+                                                        f"(twice its max_inflight)")  # fmt: skip
             self.jobs[message.request_id] = job
         self.submit(("add", job))
         return job
+
+    def credited(self) -> int:
+        """Requests that count against ``max_inflight``: those before their first token. The router
+        gives the credit back at the first token, while the KV may still be moving (the job stays
+        here until then, holding blocks, not compute). The router keeps to ``max_inflight``; this
+        worker refuses only past twice that, because a call the router has ended (a cancel) leaves
+        here a moment later, and the router may already have sent the next one."""
+        return sum(not job.done for job in self.jobs.values())
 
     def cancel(self, job: PrefillJob) -> None:
         """The router's call ended (any reason): drop the job if it is still here. By job, not by id:

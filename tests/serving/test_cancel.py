@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
@@ -23,6 +24,7 @@ def slow(ray_session, serving_model):
     deployment = start_deployment(
         serving_model,
         engine={"num_blocks": 48},
+        prefill={"threads": 1, "max_inflight": 1},  # one request at a time in prefill; see the credit test
         transfer={"whole_request_bytes": 0, "layer_group_size": 1},
         faults={"prefill_delay_s": 1.0, "decode_step_delay_s": 0.02,
                 "transfer": [{"role": "sender", "action": "pause", "after_messages": 1, "seconds": 3.0}]},
@@ -145,4 +147,15 @@ def test_client_deadline_cancels_the_request_everywhere(slow):
     with Client(slow.address) as client, pytest.raises(grpc.RpcError) as e:
         client.generate(token_ids=list(range(1, 60)), max_tokens=50, timeout_s=0.5)  # inside the 1 s prefill
     assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert_everything_freed(slow)
+
+
+def test_credit_comes_back_at_the_first_token_while_the_kv_still_moves(slow):
+    """max_inflight 1: the second request is dispatched as soon as the first has its first token, while
+    the first's KV is held mid-transfer (3 s pause) on the same prefill worker. The worker counts
+    only requests before their first token against max_inflight, as the router does, so it takes it."""
+    with Client(slow.address) as client, ThreadPoolExecutor(2) as pool:
+        futures = [pool.submit(client.generate, token_ids=[5 + i] * 20, max_tokens=3, temperature=0.0) for i in range(2)]
+        results = [f.result(timeout=60) for f in futures]
+    assert [len(r.token_ids) for r in results] == [3, 3]
     assert_everything_freed(slow)
