@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 MODELS := models
 PYTEST_ARGS ?=
 
-.PHONY: setup serve demo test bench-engine bench-transfer bench-serve bench-cluster loadtest proto gpu-check clean
+.PHONY: setup serve demo test bench-engine bench-transfer bench-serve bench-cluster bench-disagg loadtest proto gpu-check clean
 
 setup: $(STAMP)
 
@@ -46,6 +46,10 @@ bench-serve: setup
 
 bench-cluster: setup
 	$(VPY) scripts/bench_cluster.py $(BENCH_ARGS)
+
+# Disaggregated 1P+1D against colocated on the same cores (docs/benchmarks.md).
+bench-disagg: setup
+	$(VPY) scripts/bench_disagg.py $(BENCH_ARGS)
 
 # Simulated multi-node cluster + serve + bench sweep; fails on any failed request or leaked block.
 loadtest: setup

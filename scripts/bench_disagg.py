@@ -132,8 +132,9 @@ def main() -> int:
     shares = ", ".join(f"{s:.1%}" for s in share)
     print(f"KV transfer (first token -> KV landed on the decode worker), mean per rate: {transfers}; "
           f"against mean TTFT: {shares}")
-    ratio = disagg["goodput"]["rate"] / best["goodput"]["rate"] if best["goodput"]["rate"] else float("inf")
-    print(f"best colocated: {best['label']}; goodput disaggregated / colocated = {ratio:.2f}")
+    ratio = disagg["goodput"]["rate"] / best["goodput"]["rate"] if best["goodput"]["rate"] else None
+    print(f"best colocated: {best['label']}; goodput disaggregated / colocated = "
+          f"{'n/a (the best colocated is below the range)' if ratio is None else f'{ratio:.2f}'}")
     summary = {"preset": args.preset, "workload": args.workload, "slos_ms": slos, "runs": runs,
                "best_colocated": best["label"], "goodput_ratio": ratio}  # fmt: skip
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
