@@ -25,7 +25,7 @@ class RouterConfig:
     status_interval_s: float = 0.5  # worker status polls
     worker_timeout_s: float = 5.0  # a status poll, and a worker's first answer
     max_request_id_chars: int = 128
-    max_message_bytes: int = 4 << 20  # largest request accepted
+    max_message_bytes: int = 4 << 20  # largest request accepted; the transport refuses past twice it
 
     def __post_init__(self) -> None:
         if self.routing_policy not in ("prefix_aware", "least_loaded", "round_robin"):

@@ -60,7 +60,9 @@ class Router(pb_grpc.SplitServeServicer):
         await self.pool.start(self.workers)
         self.dispatcher = Dispatcher(self.pool, cfg, self.block_size)
         self.dispatcher.start()
-        options = [("grpc.max_receive_message_length", cfg.max_message_bytes), *SERVER_OPTIONS]
+        # Requests up to twice the limit reach _admit, which refuses them naming the field; past that
+        # the transport refuses them (RESOURCE_EXHAUSTED) without reading them.
+        options = [("grpc.max_receive_message_length", 2 * cfg.max_message_bytes), *SERVER_OPTIONS]
         self.server = grpc.aio.server(options=options)
         pb_grpc.add_SplitServeServicer_to_server(self, self.server)
         wpb_grpc.add_RegistryServicer_to_server(_Registry(self.pool), self.server)
@@ -105,6 +107,10 @@ class Router(pb_grpc.SplitServeServicer):
         """Validate and tokenize; raises RouterError naming the bad field."""
         cfg = self.config
         has_prompt, has_ids = request.HasField("prompt"), len(request.token_ids) > 0
+        size = request.ByteSize()
+        if size > cfg.max_message_bytes:
+            raise RouterError("INVALID_ARGUMENT", f"{'prompt' if has_prompt else 'token_ids'}: the request is {size} "
+                                                  f"bytes, over the limit of {cfg.max_message_bytes}")  # fmt: skip
         if has_prompt == has_ids:
             raise RouterError("INVALID_ARGUMENT", "prompt, token_ids: give exactly one of them")
         if has_prompt:

@@ -64,6 +64,18 @@ def test_bad_input_is_invalid_argument_naming_the_field(served, case, fields, fi
     assert error.details().startswith(f"{field}:"), (case, error.details())
 
 
+def test_a_request_over_the_size_limit_is_refused_without_harm(served):
+    limit = 4 << 20  # router.max_message_bytes
+    error = call(served.address, make_request("a" * (limit + 1000), max_tokens=2))
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and error.details().startswith("prompt:"), error.details()
+    assert str(limit) in error.details()
+    error = call(served.address, make_request(token_ids=[300] * (limit // 2 + 10), max_tokens=2))  # 2 bytes an id
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and error.details().startswith("token_ids:"), error.details()
+    # Far past it, the transport refuses it unread.
+    error = call(served.address, make_request("a" * (3 * limit), max_tokens=2))
+    assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, error.details()
+
+
 def test_a_duplicate_in_flight_request_id_is_already_exists(served):
     started = threading.Event()
     with Client(served.address) as client:
