@@ -98,7 +98,7 @@ class Attention(nn.Module):
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = qkv[:, self.q_size + self.kv_size :].view(tokens, self.num_kv_heads, self.head_dim)
         out = paged_attention(q, k, v, kv_cache.layer(self.layer), meta, self.scale, self.window)
-        return self.o_proj(out.view(tokens, self.q_size))
+        return self.o_proj(out.reshape(tokens, self.q_size))  # SDPA's CUDA output is not contiguous
 
 
 class MLP(nn.Module):

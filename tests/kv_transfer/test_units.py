@@ -203,8 +203,9 @@ def test_transfer_deadline_and_unknown_transfer_are_reported():
 
 def test_real_gloo_pair_on_the_test_device(device):
     """Real gloo groups between two endpoints in this process; on CUDA the payload is staged through
-    pinned host memory."""
-    config = TransferConfig(max_message_bytes=4096, whole_request_bytes=1024, layer_group_size=2, op_timeout_s=5.0)
+    pinned host memory. (gloo is named: NCCL refuses two ranks on one GPU, so a real NCCL pair needs two.)"""
+    config = TransferConfig(max_message_bytes=4096, whole_request_bytes=1024, layer_group_size=2, op_timeout_s=5.0,
+                            backend="gloo")  # fmt: skip
     sender, receiver, peer = make_endpoints(device, config)
     run_transfers(sender, receiver, peer, [2, 16, 45, 100], stream=True, seed=1)
     run_transfers(sender, receiver, peer, [7], stream=False, seed=2)
