@@ -111,7 +111,9 @@ class DecodeWorker(WorkerBase):
         if handle.state is TransferState.DONE:
             self.submit(("admit", job))
             return
-        self._end(job, WorkerError("UNAVAILABLE", f"KV transfer {handle.state.value}: {handle.error}"))
+        # ABORTED, not UNAVAILABLE: this worker is fine (the sender may be the one lost); the router
+        # runs the leg again without counting this worker out.
+        self._end(job, WorkerError("ABORTED", f"KV transfer {handle.state.value}: {handle.error}"))
 
     def cancel(self, job: DecodeJob) -> None:
         """The router's call ended (any reason): drop the job if it is still here (by job, not by id)."""
@@ -166,6 +168,7 @@ class DecodeWorker(WorkerBase):
             self._hand_back(self.jobs[victim.request_id], victim.output_token_ids)
         if output.is_empty:
             return False
+        self.fault_point("decode")
         sampled = self.core.runner.execute(output)
         with self.lock:
             advanced = self.scheduler.update(output, sampled)

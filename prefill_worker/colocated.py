@@ -60,6 +60,8 @@ class ColocatedWorker(PrefillWorker):
         output = self._schedule()
         if output is None:
             return False
+        prompt_work = any(i.request.num_tokens - i.request.num_computed_tokens > 1 for i in output.scheduled)
+        self.fault_point("prefill" if prompt_work else "decode")
         now = time.monotonic()
         for item in output.scheduled:
             job = self.jobs[item.request.request_id]

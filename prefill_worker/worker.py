@@ -148,6 +148,7 @@ class PrefillWorker(WorkerBase):
         output = self._schedule()
         if output is None:
             return False
+        self.fault_point("prefill")
         if self.config.faults.prefill_delay_s:
             time.sleep(self.config.faults.prefill_delay_s)
         now = time.monotonic()

@@ -26,6 +26,7 @@ class RouterConfig:
     worker_timeout_s: float = 5.0  # a status poll, and a worker's first answer
     max_request_id_chars: int = 128
     max_message_bytes: int = 4 << 20  # largest request accepted; the transport refuses past twice it
+    die_after_tokens: int = -1  # fault point (tests): the process exits instead of relaying more tokens than this
 
     def __post_init__(self) -> None:
         if self.routing_policy not in ("prefix_aware", "least_loaded", "round_robin"):
@@ -39,5 +40,7 @@ class RouterConfig:
         for name in ("lease_timeout_s", "status_interval_s", "worker_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}: must be > 0, got {getattr(self, name)}")
+        if self.die_after_tokens < -1:
+            raise ValueError(f"die_after_tokens: must be >= -1, got {self.die_after_tokens}")
         if self.overlap_weight < 0:
             raise ValueError(f"overlap_weight: must be >= 0, got {self.overlap_weight}")

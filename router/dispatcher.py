@@ -9,6 +9,8 @@ lease is taken only now, so decode memory does not sit idle through the prefill 
 from __future__ import annotations
 
 import asyncio
+import logging
+import os
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -19,6 +21,8 @@ from router.config import RouterConfig
 from router.policy import choose_decode, choose_prefill
 from router.workers import DecodeHandle, PrefillHandle, WorkerPool, read_call
 from splitserve.rpc import workers_pb2 as wpb
+
+log = logging.getLogger("splitserve.router")
 
 
 class RouterError(Exception):
@@ -44,6 +48,15 @@ class Dispatcher:
         self.waiting: deque[Ticket] = deque()
         self._turn = 0
         self._watcher: asyncio.Task | None = None
+        self.tokens_relayed = 0
+
+    def relayed(self, count: int) -> None:
+        """Tokens go to clients; the router's kill point (tests) fires instead of token ``after + 1``."""
+        self.tokens_relayed += count
+        if 0 <= self.config.die_after_tokens < self.tokens_relayed:
+            log.error("router: dying after %d tokens relayed (fault point)", self.tokens_relayed)
+            logging.shutdown()
+            os._exit(1)
 
     def start(self) -> None:
         self._watcher = asyncio.create_task(self._watch())

@@ -58,9 +58,10 @@ class Clock:
 class WorkerLost(Exception):
     """A worker call failed at the transport (the worker died, its node was lost, it was drained)."""
 
-    def __init__(self, role: str, worker, message: str) -> None:
+    def __init__(self, role: str, worker, message: str, worker_failed: bool = True) -> None:
         super().__init__(message)
         self.role, self.worker, self.message = role, worker, message
+        self.worker_failed = worker_failed  # False: the leg failed (a KV transfer) but the worker is fine
 
 
 class RequestRun:
@@ -79,6 +80,7 @@ class RequestRun:
         self.clock = Clock()
         self.prefill_worker = self.decode_worker = ""
         self.prefill_retries = self.migrations = 0
+        self.transfer_failure: WorkerLost | None = None  # set when the KV of this leg will not arrive
 
     async def run(self):
         """Legs until finished: a lost prefill worker retries the leg elsewhere, a lost decode worker
@@ -88,7 +90,8 @@ class RequestRun:
                 async for message in self._leg():
                     yield message
             except WorkerLost as lost:
-                self.dispatcher.pool.lost(lost.worker)
+                if lost.worker_failed:
+                    self.dispatcher.pool.lost(lost.worker)
                 log.warning("request %s: %s; %s", self.request_id, lost.message,
                             "retrying its prefill" if not self.output else f"migrating it ({len(self.output)} tokens out)")
                 if not self.output:  # nothing reached the client yet: retry the prefill
@@ -140,10 +143,15 @@ class RequestRun:
                 self._finish(first.finish_reason or pb.FINISH_REASON_LENGTH, first.stop_reason)
             if self.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
                 return
-            transfer = asyncio.create_task(self._await_transfer(prefill_call))
+            self.transfer_failure = None
+            transfer = asyncio.create_task(self._await_transfer(prefill_call, prefill, call))
             try:
                 async for message in self._decode(call, decode):
                     yield message
+            except (WorkerLost, RouterError):
+                if self.transfer_failure is not None:  # the decode call was ended for it, not by its worker
+                    raise self.transfer_failure from None
+                raise
             finally:
                 transfer.cancel()
         finally:
@@ -192,17 +200,33 @@ class RequestRun:
                 self.clock.reprefills += 1
                 return
 
-    async def _await_transfer(self, call) -> None:
+    async def _await_transfer(self, prefill_call, prefill, decode_call) -> None:
+        """After the first token the prefill call reports the KV transfer. If it fails, or the prefill
+        worker is lost before reporting, the KV will never land: the decode call is ended at once (the
+        decode worker frees the lease) and the leg runs again, rather than waiting out the decode
+        worker's transfer deadline."""
         try:
-            async for event in call:
-                if event.WhichOneof("kind") == "transfer" and event.transfer.ok:
+            while (event := await read_call(prefill_call)) is not grpc.aio.EOF:  # read_call: a closed channel too
+                if event.WhichOneof("kind") != "transfer":
+                    continue
+                if event.transfer.ok:
                     self.clock.transfer_ms = event.transfer.transfer_ms
-        except grpc.aio.AioRpcError:
-            pass  # a failed transfer also ends the decode call, which reports it
+                    return
+                failure = WorkerLost("prefill", prefill, f"KV transfer from {prefill.worker_id} failed: "
+                                                         f"{event.transfer.error}", worker_failed=False)  # fmt: skip
+                break
+            else:
+                return
+        except grpc.aio.AioRpcError as e:
+            failure = WorkerLost("prefill", prefill, f"prefill worker {prefill.worker_id} failed before its KV "
+                                                     f"transfer ended: {e.code().name}: {e.details()}")  # fmt: skip
+        self.transfer_failure = failure
+        decode_call.cancel()
 
     def _relay(self, tokens: list[int]) -> pb.GenerateResponse:
         """Tokens to the client, with the text they complete (held back while it may become a stop)."""
         index = len(self.output)
+        self.dispatcher.relayed(len(tokens))
         self.output.extend(tokens)
         text, stop = self.stops.feed(self.detok.add_tokens(tokens))
         if stop is not None:
@@ -241,6 +265,8 @@ async def _read(call, role: str, worker):
         code = e.code()
         if code in _FATAL:
             raise RouterError(code.name, e.details()) from None
+        if code == grpc.StatusCode.ABORTED:
+            raise WorkerLost(role, worker, f"{role} worker {worker.worker_id}: {e.details()}", worker_failed=False) from None
         raise WorkerLost(role, worker, f"{role} worker {worker.worker_id} failed: {code.name}: {e.details()}") from None
     if event is grpc.aio.EOF:
         raise WorkerLost(role, worker, f"{role} worker {worker.worker_id} ended the request without a result")

@@ -83,11 +83,40 @@ class RouterSettings:
     max_prefill_retries: int = 3
 
 
+_KILL_PHASES = {"prefill": ("prefill", "transfer"), "decode": ("transfer", "decode"),
+                "colocated": ("prefill", "decode"), "router": ("decode",)}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class KillPoint:
+    """End one process at once (``os._exit``, as a crash would) at a chosen point, to reach each fault
+    deterministically. ``target``: a worker id (``prefill-0``, ``decode-1``, ``colocated-0``) or
+    ``router`` (the ``serve`` process). ``at``/``after``: a worker dies as its step number ``after + 1``
+    of that phase starts (``prefill``, ``decode``), or after ``after`` KV payload messages (``transfer``:
+    the prefill worker as sender, the decode worker as receiver); the router dies instead of relaying
+    more than ``after`` tokens in all (``decode``). A worker's kill point fires in its first incarnation only:
+    the process Ray restarts runs clean."""
+
+    target: str
+    at: str
+    after: int = 0
+
+    def __post_init__(self) -> None:
+        role = "router" if self.target == "router" else self.target.rpartition("-")[0]
+        if role not in _KILL_PHASES or (role != "router" and not self.target.rpartition("-")[2].isdigit()):
+            raise ValueError(f"target: {self.target!r} is not 'router' or a worker id such as 'decode-0'")
+        if self.at not in _KILL_PHASES[role]:
+            raise ValueError(f"at: a {role} dies at {' or '.join(_KILL_PHASES[role])}, not {self.at!r}")
+        if self.after < 0:
+            raise ValueError(f"after: must be >= 0, got {self.after}")
+
+
 @dataclass(frozen=True)
 class Faults:
     prefill_delay_s: float = 0.0
     decode_step_delay_s: float = 0.0
     transfer: tuple[FaultPoint, ...] = ()
+    kill: tuple[KillPoint, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -154,10 +183,22 @@ class DeploymentConfig:
                             block_size=self.engine.block_size, routing_policy=r.routing_policy,
                             overlap_weight=r.overlap_weight, prefill_credit=getattr(self, self.roles[0]).max_inflight,
                             max_queue=r.max_queue, lease_timeout_s=r.lease_timeout_s,
-                            max_migrations=r.max_migrations, max_prefill_retries=r.max_prefill_retries)  # fmt: skip
+                            max_migrations=r.max_migrations, max_prefill_retries=r.max_prefill_retries,
+                            die_after_tokens=self.router_die_after_tokens)  # fmt: skip
 
-    def worker_faults(self) -> WorkerFaults:
-        return WorkerFaults(self.faults.prefill_delay_s, self.faults.decode_step_delay_s)
+    def worker_faults(self, worker_id: str) -> tuple[WorkerFaults, tuple[FaultPoint, ...]]:
+        """This worker's step faults, and the KV-transfer fault points it runs with."""
+        f = self.faults
+        kills = [k for k in f.kill if k.target == worker_id]
+        step = next((k for k in kills if k.at != "transfer"), None)
+        role = "sender" if worker_id.startswith("prefill") else "receiver"
+        transfer = f.transfer + tuple(FaultPoint(role, "die", k.after) for k in kills if k.at == "transfer")
+        return WorkerFaults(f.prefill_delay_s, f.decode_step_delay_s, step.at if step else "",
+                            step.after if step else 0), transfer  # fmt: skip
+
+    @property
+    def router_die_after_tokens(self) -> int:
+        return next((k.after for k in self.faults.kill if k.target == "router"), -1)
 
 
 MODES = {"disaggregated": ("prefill", "decode"), "colocated": ("colocated",)}
@@ -176,11 +217,12 @@ def _build(cls, raw: dict[str, Any], prefix: str):
             if not isinstance(value, dict):
                 raise ConfigError(f"{name}: must be a mapping")
             values[key] = _build(_NESTED[key], value, f"{name}.")
-        elif cls is Faults and key == "transfer":
-            if not isinstance(value, list):
-                raise ConfigError(f"{name}: must be a list of fault points")
+        elif cls is Faults and key in ("transfer", "kill"):
+            if not isinstance(value, list) or not all(isinstance(point, dict) for point in value):
+                raise ConfigError(f"{name}: must be a list of fault points (mappings)")
+            point_cls = FaultPoint if key == "transfer" else KillPoint
             try:
-                values[key] = tuple(FaultPoint(**point) for point in value)
+                values[key] = tuple(point_cls(**point) for point in value)
             except (TypeError, ValueError) as e:
                 raise ConfigError(f"{name}: {e}") from None
         else:

@@ -70,7 +70,12 @@ class WorkerActor:
             from prefill_worker.colocated import ColocatedWorker as cls
         else:
             from decode_worker.worker import DecodeWorker as cls
-        self.node = ray.get_runtime_context().get_node_id()
+        context = ray.get_runtime_context()
+        self.node = context.get_node_id()
+        if context.was_current_actor_reconstructed:  # fault points that end the process fire once
+            config = replace(config, faults=replace(config.faults, die_at=""),
+                             transfer=replace(config.transfer, faults=tuple(
+                                 f for f in config.transfer.faults if f.action != "die")))  # fmt: skip
         host = config.host or ray.util.get_node_ip_address()
         self.worker = cls(replace(config, node=self.node, host=host))
         self.address = self.worker.start()
@@ -209,10 +214,11 @@ class Deployment:
             enable_prefix_caching=role != "decode",  # decode requests arrive with their KV: nothing to reuse
         )  # fmt: skip
         host = c.worker_host if c.worker_host is not None else ("" if c.ray_address else "127.0.0.1")
-        transfer = replace(c.transfer, faults=c.faults.transfer)
+        faults, transfer_faults = c.worker_faults(worker_id)
         return WorkerConfig(role=role, worker_id=worker_id, engine=engine, host=host, port=0,
-                            router_address=self.address, model_name=c.model_name, transfer=transfer,
-                            max_inflight=role_config.max_inflight, faults=c.worker_faults())  # fmt: skip
+                            router_address=self.address, model_name=c.model_name,
+                            transfer=replace(c.transfer, faults=transfer_faults),
+                            max_inflight=role_config.max_inflight, faults=faults)  # fmt: skip
 
     # ---- scale ----------------------------------------------------------------------------------
 

@@ -16,6 +16,20 @@ def test_defaults_and_overrides():
     assert changed.prefill.replicas == 2 and changed.port == 9000 and changed.model is None
 
 
+def test_kill_points_go_to_their_worker_only():
+    config = DeploymentConfig.from_dict({"faults": {"kill": [
+        {"target": "decode-1", "at": "transfer", "after": 2}, {"target": "prefill-0", "at": "prefill", "after": 3},
+        {"target": "router", "at": "decode", "after": 50}]}})  # fmt: skip
+    step, transfer = config.worker_faults("prefill-0")
+    assert (step.die_at, step.die_after, transfer) == ("prefill", 3, ())
+    step, transfer = config.worker_faults("decode-1")
+    assert step.die_at == "" and [(f.role, f.action, f.after_messages) for f in transfer] == [("receiver", "die", 2)]
+    step, transfer = config.worker_faults("decode-0")
+    assert (step.die_at, transfer) == ("", ())
+    assert config.router_config("m").die_after_tokens == 50
+    assert DeploymentConfig().router_config("m").die_after_tokens == -1
+
+
 def test_from_file(tmp_path):
     path = tmp_path / "deploy.yaml"
     path.write_text("model: /m\nprefill: {replicas: 2, threads: 1}\ntransfer: {op_timeout_s: 2.5}\n"
@@ -42,6 +56,11 @@ def test_from_file(tmp_path):
         ({"prefill": {"label_selector": {"splitserve-role": 1}}}, "prefill.label_selector"),
         ({"decode": {"max_restarts": -2}}, "decode.max_restarts"),
         ({"router": {"max_migrations": -1}}, "router.max_migrations"),
+        ({"faults": {"kill": [{"target": "decoder-0", "at": "decode"}]}}, "faults.kill: target"),
+        ({"faults": {"kill": [{"target": "prefill-0", "at": "decode"}]}}, "faults.kill: at"),
+        ({"faults": {"kill": [{"target": "router", "at": "prefill"}]}}, "faults.kill: at"),
+        ({"faults": {"kill": [{"target": "decode-1", "at": "decode", "after": -1}]}}, "faults.kill: after"),
+        ({"faults": {"kill": ["decode-1"]}}, "faults.kill"),
     ],
 )
 def test_errors_name_the_field(raw, field):

@@ -15,6 +15,7 @@ that could call back into code taking it.
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import socket
 import threading
@@ -65,6 +66,7 @@ class WorkerBase:
         self._thread: threading.Thread | None = None
         self.registration: Registration | None = None
         self.draining = False
+        self._steps = {"prefill": 0, "decode": 0}
 
     # ---- lifecycle ------------------------------------------------------------------------------
 
@@ -150,6 +152,17 @@ class WorkerBase:
 
     def fail_all(self, message: str) -> None:
         raise NotImplementedError
+
+    def fault_point(self, kind: str) -> None:
+        """A step of this kind ("prefill" or "decode") starts: die here if the config says so."""
+        faults = self.config.faults
+        if faults.die_at == kind:
+            if self._steps[kind] == faults.die_after:
+                log.error("%s worker %s: dying at %s step %d (fault point)", self.config.role, self.config.worker_id,
+                          kind, faults.die_after + 1)  # fmt: skip
+                logging.shutdown()
+                os._exit(1)
+            self._steps[kind] += 1
 
     # ---- shared helpers -------------------------------------------------------------------------
 

@@ -15,11 +15,17 @@ class WorkerFaults:
 
     prefill_delay_s: float = 0.0  # prefill worker: sleep before every step that computes prompt tokens
     decode_step_delay_s: float = 0.0  # decode worker: sleep after every decode step
+    # This worker's process exits at once (os._exit, as a crash would) at the start of its step number
+    # ``die_after + 1`` of this kind: "prefill" (a step computing prompt tokens) or "decode". "": never.
+    die_at: str = ""
+    die_after: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("prefill_delay_s", "decode_step_delay_s"):
+        for name in ("prefill_delay_s", "decode_step_delay_s", "die_after"):
             if getattr(self, name) < 0:
                 raise ValueError(f"faults.{name}: must be >= 0, got {getattr(self, name)}")
+        if self.die_at not in ("", "prefill", "decode"):
+            raise ValueError(f"faults.die_at: {self.die_at!r} is not '', 'prefill' or 'decode'")
 
 
 @dataclass(frozen=True)
