@@ -64,6 +64,9 @@ class DecodeWorker(WorkerBase):
     def incarnation(self) -> str:
         return self.receiver.incarnation
 
+    def max_request_calls(self) -> int:
+        return self.config.max_inflight + 16  # leases held, and lease asks being refused
+
     def add_services(self, server: grpc.Server) -> None:
         wpb_grpc.add_DecodeWorkerServicer_to_server(_Servicer(self), server)
         kv_transfer_pb2_grpc.add_KVTransferServicer_to_server(KVTransferServicer(self.receiver), server)
@@ -88,6 +91,10 @@ class DecodeWorker(WorkerBase):
         with self.lock:
             if message.request_id in self.jobs or self.receiver.has_transfer(message.request_id):
                 raise WorkerError("ALREADY_EXISTS", f"request_id: {message.request_id!r} is already here")
+            if len(self.jobs) >= self.config.max_inflight:
+                refusal = wpb.LeaseRefused(reason=f"at capacity ({self.config.max_inflight} requests, its max_inflight)",
+                                           free_blocks=blocks.num_free_blocks)  # fmt: skip
+                return None, wpb.DecodeEvent(refused=refusal)
             # Room for the prompt's KV and the first token of this leg; decoding grows it step by step.
             if not blocks.allocate(message.request_id, len(prompt) + len(output) + 1):
                 refusal = wpb.LeaseRefused(reason="not enough free KV blocks", free_blocks=blocks.num_free_blocks)

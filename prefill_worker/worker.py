@@ -99,6 +99,10 @@ class PrefillWorker(WorkerBase):
         self.submit(("add", job))
         return job
 
+    def max_request_calls(self) -> int:
+        # Twice max_inflight before the first token, and as many again whose KV is still moving.
+        return 4 * self.config.max_inflight
+
     def credited(self) -> int:
         """Requests that count against ``max_inflight``: those before their first token. The router
         gives the credit back at the first token, while the KV may still be moving (the job stays

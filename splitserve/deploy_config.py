@@ -27,7 +27,9 @@ class ConfigError(ValueError):
 class RoleConfig:
     replicas: int = 1
     threads: int | None = None  # torch threads per worker; None: torch's default
-    max_inflight: int = 16  # prefill: requests a worker takes at once
+    # Requests one worker holds at once. prefill: the router's credit (before the first token);
+    # decode: leases (decoding or waiting for KV); colocated: the credit, held to the end.
+    max_inflight: int = 16
     num_blocks: int | None = None  # this role's KV blocks; None: engine.num_blocks (or kv_cache_bytes)
     num_cpus: float = 0.0  # Ray CPUs each worker reserves (0: none; threads are set by `threads`)
     num_gpus: float = 0.0  # Ray GPUs each worker reserves (use 1 with device: cuda)
@@ -135,7 +137,7 @@ class DeploymentConfig:
     # continuous batch (the baseline disaggregation is measured against)
     mode: str = "disaggregated"
     prefill: RoleConfig = field(default_factory=RoleConfig)
-    decode: RoleConfig = field(default_factory=RoleConfig)
+    decode: RoleConfig = field(default_factory=lambda: RoleConfig(max_inflight=128))
     colocated: RoleConfig = field(default_factory=lambda: RoleConfig(max_inflight=64))
     engine: EngineSettings = field(default_factory=EngineSettings)
     router: RouterSettings = field(default_factory=RouterSettings)

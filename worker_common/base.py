@@ -73,8 +73,12 @@ class WorkerBase:
     def start(self) -> str:
         """Serve on the configured address and start the loop; returns "host:port"."""
         cfg = self.config
-        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=64, thread_name_prefix=f"{cfg.role}-rpc"),
-                                   options=SERVER_OPTIONS)  # fmt: skip
+        # Every open call holds a handler thread. The pool is sized for the most calls this worker
+        # admits, and calls past it are refused at once (RESOURCE_EXHAUSTED) instead of queueing
+        # without a deadline behind busy threads.
+        threads = self.max_request_calls() + cfg.transfer.max_pairs + 16  # + status, cache events, pairs
+        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix=f"{cfg.role}-rpc"),
+                                   options=SERVER_OPTIONS, maximum_concurrent_rpcs=threads)  # fmt: skip
         self.add_services(self._server)
         port = self._server.add_insecure_port(f"{cfg.host}:{cfg.port}")
         if port == 0:
@@ -110,6 +114,10 @@ class WorkerBase:
             self._thread.join(5)
 
     def add_services(self, server: grpc.Server) -> None:
+        raise NotImplementedError
+
+    def max_request_calls(self) -> int:
+        """The most request calls (Prefill or Decode streams) this worker holds open at once."""
         raise NotImplementedError
 
     # ---- the loop -------------------------------------------------------------------------------

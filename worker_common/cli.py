@@ -27,7 +27,8 @@ def main(role: str, argv: list[str] | None = None) -> int:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-blocks", type=int, default=None)
     p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--max-inflight", type=int, default=16)
+    p.add_argument("--max-inflight", type=int, default=16 if role == "prefill" else 128,
+                   help="prefill: requests before their first token; decode: leases held")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     engine = EngineConfig(model_dir=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,

@@ -38,7 +38,7 @@ class WorkerConfig:
     router_address: str = ""  # register with this router (host:port) and stay registered while alive
     model_name: str = ""  # part of the KV layout fingerprint; default: the model folder's name
     transfer: TransferConfig = field(default_factory=TransferConfig)
-    max_inflight: int = 16  # prefill, colocated: requests accepted at once (the router's credit)
+    max_inflight: int = 16  # requests held at once: prefill, colocated: the router's credit; decode: leases
     node: str = ""  # where the worker runs (a Ray node id), for status
     faults: WorkerFaults = field(default_factory=WorkerFaults)
 

@@ -1,4 +1,4 @@
-"""Cancellation in every phase, the router's view of a prefill worker's cache, duplicate ids.
+"""Cancellation in every phase (queued, prefill, transfer, decode), the router's view of a prefill worker's cache, duplicate ids.
 
 The deployment here is slowed on purpose by its config-gated fault points: every prefill step waits
 1 s, the first KV transfer pauses for 3 s after its first layer, every decode step waits 20 ms. That
@@ -75,6 +75,27 @@ def test_cancel_during_prefill(slow):
         call.cancel()
         reader.join(5)
     assert not any(m.token_ids for m in got)
+    assert_everything_freed(slow)
+
+
+def test_cancel_while_queued(slow):
+    """max_inflight 1 and a 1 s prefill: the second request waits in the router's queue; cancelled
+    there, it leaves the queue at once and never reaches a worker."""
+    from splitserve.client import make_request
+
+    dispatcher = slow.router.dispatcher
+    with Client(slow.address) as client, ThreadPoolExecutor(1) as pool:
+        first = pool.submit(client.generate, token_ids=list(range(200, 240)), max_tokens=3, temperature=0.0)
+        wait_for(lambda: not dispatcher.waiting and slow.router.pool.prefill[0].view.inflight == 1, 5, 0.02)
+        queued = client.stub.Generate(make_request(token_ids=list(range(300, 340)), max_tokens=50))
+        wait_for(lambda: len(dispatcher.waiting) == 1, 5, 0.02)
+        queued.cancel()
+        wait_for(lambda: not dispatcher.waiting, 2, 0.02)
+        assert not first.done(), "the first request is still in its prefill: the cancelled one was queued"
+        assert len(first.result(timeout=30).token_ids) == 3
+        with pytest.raises(grpc.RpcError) as e:
+            list(queued)
+        assert e.value.code() == grpc.StatusCode.CANCELLED
     assert_everything_freed(slow)
 
 
