@@ -42,6 +42,13 @@ def test_from_file(tmp_path):
         ({"prefill": {"label_selector": {"splitserve-role": 1}}}, "prefill.label_selector"),
         ({"decode": {"max_restarts": -2}}, "decode.max_restarts"),
         ({"router": {"max_migrations": -1}}, "router.max_migrations"),
+        ({"security": {"tls_cert": "server.pem"}}, "security.tls_cert"),
+        ({"security": {"tls_client_ca": "ca.pem"}}, "security.tls_client_ca"),
+        ({"security": {"api_keys": "key"}}, "security.api_keys"),
+        ({"security": {"api_keys": ["a key"]}}, "security.api_keys"),
+        ({"security": {"internal_tls_ca": "ca.pem"}}, "security.internal_tls_cert"),
+        ({"security": {"cluster_token": "a", "cluster_token_file": "b"}}, "security.cluster_token"),
+        ({"security": {"cluster_token": ""}}, "security.cluster_token"),
     ],
 )
 def test_errors_name_the_field(raw, field):
