@@ -158,7 +158,12 @@ class _AioAddMetadata:
 
     async def _intercept(self, continuation, details, request):
         metadata = grpc.aio.Metadata(*_with(tuple(details.metadata or ()), self.metadata))
-        return await continuation(details._replace(metadata=metadata), request)
+        try:
+            return await continuation(details._replace(metadata=metadata), request)
+        except grpc.aio.UsageError:  # the channel closed before the call started (later than without
+            # interceptors): fail as a call cancelled by the closing channel does, with a status
+            raise grpc.aio.AioRpcError(grpc.StatusCode.CANCELLED, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                       "the channel was closed") from None  # fmt: skip
 
 
 class _AioUnaryUnary(_AioAddMetadata, grpc.aio.UnaryUnaryClientInterceptor):

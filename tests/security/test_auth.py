@@ -294,3 +294,22 @@ def test_make_certs_command(tmp_path):
     assert {"127.0.0.1", "10.1.2.3"} <= {str(ip) for ip in san.get_values_for_type(x509.IPAddress)}
     again = run("--out", str(tmp_path / "c"))
     assert again.returncode == 2 and "already holds" in again.stderr
+
+
+def test_a_call_on_a_closed_token_channel_fails_with_a_status():
+    """With interceptors a call reaches the channel a little later, from a task; one whose channel
+    closed by then (its worker left the router's pool) must end as a gRPC error, which the router's
+    status poller handles, not as a UsageError."""
+    server = EchoServer(InternalSecurity(token="t0k3n").policy(), None, aio=True)
+
+    async def call_after_close():
+        channel = open_channel(server.address, token="t0k3n", aio=True)
+        await channel.close()
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await channel.unary_unary(ECHO[0])(b"hi", timeout=5)
+        return e.value.code()
+
+    try:
+        assert asyncio.run(call_after_close()) == grpc.StatusCode.CANCELLED
+    finally:
+        server.stop()
