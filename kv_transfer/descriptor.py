@@ -2,7 +2,8 @@
 
 A descriptor announces one payload message on a pair's FIFO: which transfer, which layers and which
 of the transfer's blocks it carries, and exactly how many bytes follow on the process group.
-Decoding trusts nothing: a size limit, an exact key set, a type and range check per field, and no
+Decoding trusts nothing: a size limit (and limits on every string, bytes, array and map inside), an
+exact key set, a type and range check per field (``commit`` included: a flat map of scalars), and no
 msgpack extension types (nothing is ever unpickled or constructed from the wire).
 """
 
@@ -19,6 +20,8 @@ DTYPES = ("bfloat16", "float16", "float32")
 _MAX_ID_CHARS = 256
 _MAX_SHAPE_DIMS = 8
 _MAX_COMMIT_BYTES = 16 << 10
+_MAX_COMMIT_KEYS = 16
+_MAX_KEY_CHARS = 64
 
 
 class DescriptorError(ValueError):
@@ -107,6 +110,8 @@ def decode_descriptor(data: bytes, max_bytes: int = 64 << 10) -> PayloadDescript
         raise DescriptorError(f"descriptor: not valid msgpack ({type(e).__name__}: {e})") from None
     if not isinstance(raw, dict):
         raise DescriptorError("descriptor: must be a map")
+    if not all(isinstance(key, str) for key in raw):  # msgpack's strict_map_key lets bytes keys through
+        raise DescriptorError(f"descriptor: keys must be strings, got {sorted(map(repr, raw))}")
     if set(raw) != set(_WIRE_KEYS):
         missing, extra = sorted(set(_WIRE_KEYS) - set(raw)), sorted(set(raw) - set(_WIRE_KEYS))
         raise DescriptorError(f"descriptor: missing keys {missing}, unknown keys {extra}")
@@ -132,9 +137,7 @@ def decode_descriptor(data: bytes, max_bytes: int = 64 << 10) -> PayloadDescript
     last = raw["last"]
     if not isinstance(last, bool):
         raise DescriptorError("last: must be a boolean")
-    commit = raw["commit"]
-    if commit is not None and not isinstance(commit, dict):
-        raise DescriptorError("commit: must be a map or nil")
+    commit = _commit(raw["commit"])
     return PayloadDescriptor(
         seq=_int(raw, "seq", 0), transfer_id=transfer_id, layer_start=layer_start, layer_end=layer_end,
         block_start=block_start, block_end=block_end, num_blocks=num_blocks, num_tokens=_int(raw, "num_tokens", 1),
@@ -144,6 +147,21 @@ def decode_descriptor(data: bytes, max_bytes: int = 64 << 10) -> PayloadDescript
 
 def _refuse_ext(code: int, data: bytes) -> Any:
     raise DescriptorError("descriptor: msgpack extension types are not accepted")
+
+
+def _commit(value: Any) -> dict | None:
+    """nil, or a map of at most 16 string keys to nil, booleans, numbers, strings or flat lists of them."""
+    if value is None:
+        return None
+    if not isinstance(value, dict) or len(value) > _MAX_COMMIT_KEYS:
+        raise DescriptorError(f"commit: must be a map of at most {_MAX_COMMIT_KEYS} entries, or nil")
+    for key, item in value.items():
+        if not isinstance(key, str) or not 0 < len(key) <= _MAX_KEY_CHARS:
+            raise DescriptorError(f"commit: keys must be strings of 1 to {_MAX_KEY_CHARS} characters, got {key!r}")
+        items = item if isinstance(item, list) else [item]
+        if not all(v is None or isinstance(v, (bool, int, float, str)) for v in items):
+            raise DescriptorError(f"commit.{key}: must be nil, a boolean, a number, a string or a flat list of them")
+    return value
 
 
 def _int(raw: Mapping, key: str, low: int) -> int:

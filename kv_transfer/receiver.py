@@ -14,6 +14,7 @@ from __future__ import annotations
 import itertools
 import logging
 import queue
+import secrets
 import threading
 import time
 import uuid
@@ -121,7 +122,11 @@ class KVReceiver(Endpoint):
             raise PairRefused("INVALID_ARGUMENT", "the first message of a pair must be hello")
         self._check_hello(first)
         generation = next(self._generations)
-        prefix = f"kv/{first.sender_id}/{first.sender_incarnation}/{self.incarnation}/{generation}/"
+        # The store is unauthenticated: whoever reaches its port may read and write any key they can
+        # name. A fresh secret per pair and generation, told only to this sender over the (authenticated)
+        # control stream, keeps others from guessing this group's keys (docs/security.md).
+        secret = secrets.token_hex(16)
+        prefix = f"kv/{first.sender_id}/{first.sender_incarnation}/{self.incarnation}/{generation}/{secret}/"
         pair = _ReceiverPair(first, generation, prefix, send)
         self._register(pair)
         threading.Thread(target=self._lane, args=(pair,), name=f"kv-recv-{pair.name}", daemon=True).start()

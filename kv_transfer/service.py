@@ -23,6 +23,8 @@ from kv_transfer.receiver import KVReceiver
 from splitserve.rpc import kv_transfer_pb2 as pb
 from splitserve.rpc import kv_transfer_pb2_grpc as pb_grpc
 from splitserve.rpc.options import CLIENT_OPTIONS, SERVER_OPTIONS
+from splitserve.rpc.auth import server_interceptors
+from splitserve.rpc.security import InternalSecurity
 
 # ---- protobuf at the edge ------------------------------------------------------------------------
 
@@ -122,12 +124,15 @@ class KVTransferServicer(pb_grpc.KVTransferServicer):
             yield receiver_to_pb(item)
 
 
-def serve(receiver: KVReceiver, host: str = "127.0.0.1", port: int = 0) -> tuple[grpc.Server, int]:
-    """A standalone gRPC server for a receiver, bound to ``host`` only; returns (server, port)."""
+def serve(receiver: KVReceiver, host: str = "127.0.0.1", port: int = 0,
+          security: InternalSecurity | None = None) -> tuple[grpc.Server, int]:  # fmt: skip
+    """A standalone gRPC server for a receiver, bound to ``host`` only (mTLS and the cluster token
+    when ``security`` says so); returns (server, port)."""
+    security = security or InternalSecurity()
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=receiver.config.max_pairs + 8),
-                         options=SERVER_OPTIONS)  # fmt: skip
+                         options=SERVER_OPTIONS, interceptors=server_interceptors(security.policy(), aio=False))  # fmt: skip
     pb_grpc.add_KVTransferServicer_to_server(KVTransferServicer(receiver), server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    bound = security.add_port(server, f"{host}:{port}")
     if bound == 0:
         raise OSError(f"could not bind the KV transfer service to {host}:{port}")
     server.start()
@@ -140,10 +145,11 @@ _END = object()
 
 
 class GrpcConnection(ControlConnection):
-    """The sender's end of a pair's control stream, dialled to ``target`` ("host:port")."""
+    """The sender's end of a pair's control stream, dialled to ``target`` ("host:port"), over mTLS
+    and with the cluster token when ``security`` says so."""
 
-    def __init__(self, target: str) -> None:
-        self._channel = grpc.insecure_channel(target, options=CLIENT_OPTIONS)
+    def __init__(self, target: str, security: InternalSecurity | None = None) -> None:
+        self._channel = (security or InternalSecurity()).channel(target, CLIENT_OPTIONS)
         self._outbox: queue.Queue = queue.Queue()
         self._inbox: queue.Queue = queue.Queue()
         self._closed = threading.Event()

@@ -53,7 +53,7 @@ class PrefillWorker(WorkerBase):
         super().__init__(config)
         self.scheduler = self.core.make_scheduler(hand_off_after_first_token=True)
         self.sender = KVSender(self.core.kv_cache, self.fingerprint, config.worker_id,
-                               connect=lambda peer: GrpcConnection(peer.control), host=config.host,
+                               connect=lambda peer: GrpcConnection(peer.control, config.security), host=config.host,
                                config=config.transfer)  # fmt: skip
         self.jobs: dict[str, PrefillJob] = {}
         self._subscribers: list[queue.Queue] = []

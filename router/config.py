@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
+
+from splitserve.rpc.security import InternalSecurity, PublicSecurity
 
 Policy = Literal["prefix_aware", "least_loaded", "round_robin"]
 
@@ -27,6 +29,9 @@ class RouterConfig:
     max_request_id_chars: int = 128
     max_message_bytes: int = 4 << 20  # largest request accepted; the transport refuses past twice it
     die_after_tokens: int = -1  # fault point (tests): the process exits instead of relaying more tokens than this
+    internal_port: int = 0  # the port workers register on (Registry); 0: any free port
+    public_security: PublicSecurity = field(default_factory=PublicSecurity)
+    internal_security: InternalSecurity = field(default_factory=InternalSecurity)
 
     def __post_init__(self) -> None:
         if self.routing_policy not in ("prefix_aware", "least_loaded", "round_robin"):

@@ -26,6 +26,7 @@ from splitserve.rpc import workers_pb2 as wpb
 from splitserve.rpc import workers_pb2_grpc as wpb_grpc
 from splitserve.rpc.convert import sampling_from_pb
 from splitserve.rpc.options import SERVER_OPTIONS
+from splitserve.rpc.auth import server_interceptors
 from splitserve.v1 import splitserve_pb2 as pb
 from splitserve.v1 import splitserve_pb2_grpc as pb_grpc
 
@@ -46,36 +47,51 @@ class Router(pb_grpc.SplitServeServicer):
         self.inflight: set[str] = set()
         self._ids = itertools.count()
         self._prefix = uuid.uuid4().hex[:8]
-        self.server: grpc.aio.Server | None = None
+        self.server: grpc.aio.Server | None = None  # the public port: SplitServe, Admin, health, reflection
+        self.internal_server: grpc.aio.Server | None = None  # the internal port: Registry (workers)
+        self.internal_address = ""
         self.health = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
         self.address = ""
 
     # ---- lifecycle ------------------------------------------------------------------------------
 
     async def start(self) -> str:
-        """Connect to the static workers (if any), then serve; returns "host:port". Other workers
-        join by registering (``Registry.Register``)."""
+        """Connect to the static workers (if any), then serve; returns the public "host:port". Other
+        workers join by registering (``Registry.Register``) on the internal port (``internal_address``),
+        which clients never need: each port has its own credentials (docs/security.md)."""
         cfg = self.config
-        self.pool = WorkerPool(cfg.prefill_credit, cfg.status_interval_s, cfg.worker_timeout_s)
+        public, internal = cfg.public_security, cfg.internal_security
+        self.pool = WorkerPool(cfg.prefill_credit, cfg.status_interval_s, cfg.worker_timeout_s, internal)
         await self.pool.start(self.workers)
         self.dispatcher = Dispatcher(self.pool, cfg, self.block_size)
         self.dispatcher.start()
         # Requests up to twice the limit reach _admit, which refuses them naming the field; past that
         # the transport refuses them (RESOURCE_EXHAUSTED) without reading them.
         options = [("grpc.max_receive_message_length", 2 * cfg.max_message_bytes), *SERVER_OPTIONS]
-        self.server = grpc.aio.server(options=options)
+        interceptors = server_interceptors(public.policy(internal.cluster_token()), aio=True)
+        self.server = grpc.aio.server(options=options, interceptors=interceptors)
         pb_grpc.add_SplitServeServicer_to_server(self, self.server)
-        wpb_grpc.add_RegistryServicer_to_server(_Registry(self.pool), self.server)
         wpb_grpc.add_AdminServicer_to_server(_Admin(self), self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server)
-        port = self.server.add_insecure_port(f"{cfg.host}:{cfg.port}")
+        port = public.add_port(self.server, f"{cfg.host}:{cfg.port}")
         if port == 0:
             raise OSError(f"could not bind the router to {cfg.host}:{cfg.port}")
+        self.internal_server = grpc.aio.server(options=SERVER_OPTIONS,
+                                               interceptors=server_interceptors(internal.policy(), aio=True))  # fmt: skip
+        wpb_grpc.add_RegistryServicer_to_server(_Registry(self.pool), self.internal_server)
+        internal_port = internal.add_port(self.internal_server, f"{cfg.host}:{cfg.internal_port}")
+        if internal_port == 0:
+            raise OSError(f"could not bind the router's internal port to {cfg.host}:{cfg.internal_port}")
         await self.server.start()
+        await self.internal_server.start()
         for name in ("", SERVICE_NAME):
             await _maybe_await(self.health.set(name, health_pb2.HealthCheckResponse.SERVING))
         self.address = f"{cfg.host}:{port}"
+        self.internal_address = f"{cfg.host}:{internal_port}"
+        log.info("router serving clients on %s (%s), workers on %s (%s)", self.address,
+                 "TLS" if public.tls_cert else "plaintext", self.internal_address,
+                 "mTLS" if internal.tls else "plaintext")  # fmt: skip
         return self.address
 
     async def stop(self, grace_s: float = 1.0) -> None:
@@ -83,6 +99,8 @@ class Router(pb_grpc.SplitServeServicer):
             for name in ("", SERVICE_NAME):
                 await _maybe_await(self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING))
             await self.server.stop(grace_s)
+        if self.internal_server is not None:
+            await self.internal_server.stop(grace_s)
         if self.dispatcher is not None:
             await self.dispatcher.close()
         if self.pool is not None:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from splitserve.rpc.options import CLIENT_OPTIONS
+from splitserve.rpc.security import InternalSecurity
 from router.policy import DecodeView, PrefillView
 from splitserve.rpc import workers_pb2 as wpb
 from splitserve.rpc import workers_pb2_grpc as wpb_grpc
@@ -74,10 +75,12 @@ class WorkerPool:
     """Workers come from a static list (started with the router) or register themselves; a
     registered worker stays in the pool exactly as long as its registration call is open."""
 
-    def __init__(self, credit: int, status_interval_s: float, timeout_s: float) -> None:
+    def __init__(self, credit: int, status_interval_s: float, timeout_s: float,
+                 security: InternalSecurity | None = None) -> None:  # fmt: skip
         self.prefill: list[PrefillHandle] = []
         self.decode: list[DecodeHandle] = []
         self.credit, self.interval, self.timeout = credit, status_interval_s, timeout_s
+        self.security = security or InternalSecurity()
         self._poller: asyncio.Task | None = None
         self._followers: dict[int, asyncio.Task] = {}
         self.changed = asyncio.Event()  # set when credit or room may have appeared
@@ -100,7 +103,7 @@ class WorkerPool:
         return [*self.prefill, *self.decode]
 
     def add(self, spec: WorkerAddress, credit: int | None = None) -> WorkerHandle:
-        channel = grpc.aio.insecure_channel(spec.address, options=CLIENT_OPTIONS)
+        channel = self.security.channel(spec.address, CLIENT_OPTIONS, aio=True)
         if spec.role in ("prefill", "colocated"):  # a colocated worker is queued and credited like one
             handle = PrefillHandle(spec, channel, wpb_grpc.PrefillWorkerStub(channel))
             handle.view = PrefillView(spec.address, credit or self.credit)

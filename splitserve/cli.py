@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -40,6 +41,25 @@ def _make_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_client_security_arguments(p: argparse.ArgumentParser) -> None:
+    """How a client reaches a router whose public port has TLS or API keys (docs/security.md)."""
+    g = p.add_argument_group("security")
+    g.add_argument("--api-key", default=None, help="bearer token for the API (default: $SPLITSERVE_API_KEY)")
+    g.add_argument("--tls", action="store_true", help="connect over TLS, trusting the system's CAs")
+    g.add_argument("--tls-ca", metavar="PEM", help="connect over TLS, trusting this CA")
+    g.add_argument("--tls-cert", metavar="PEM", help="a client certificate, for a server that requires one")
+    g.add_argument("--tls-key", metavar="PEM", help="the client certificate's key")
+
+
+def client_security(args: argparse.Namespace) -> dict:
+    """The keyword arguments of ``Client`` and ``ClientSecurity`` that the flags ask for."""
+    from splitserve.rpc.security import API_KEY_ENV
+
+    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    return {"api_key": api_key, "tls": args.tls, "tls_ca": args.tls_ca, "tls_cert": args.tls_cert,
+            "tls_key": args.tls_key}  # fmt: skip
+
+
 def _add_generate(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="stream a completion from a running server (or, with --model, the offline engine)")
     p.add_argument("--addr", default="127.0.0.1:50051", help="the router's host:port")
@@ -59,6 +79,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", default="auto", help="with --model")
     p.add_argument("--device", default="cpu", help="with --model")
     p.add_argument("--threads", type=int, default=None, help="with --model")
+    add_client_security_arguments(p)
     p.set_defaults(func=_generate)
 
 
@@ -78,7 +99,7 @@ def _generate(args: argparse.Namespace) -> int:
 
     if bool(args.prompt) == bool(token_ids) or (args.prompt and len(args.prompt) > 1):
         raise ValueError("give exactly one --prompt or --token-ids")
-    with Client(args.addr, timeout_s=args.timeout) as client:
+    with Client(args.addr, timeout_s=args.timeout, **client_security(args)) as client:
         try:
             if args.json:
                 result = client.generate(args.prompt[0] if args.prompt else None, token_ids=token_ids,
@@ -139,7 +160,40 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--ray-address", default=None, help="join this Ray cluster (e.g. auto) instead of starting one")
     p.add_argument("--dtype", default=None)
     p.add_argument("--device", default=None)
+    g = p.add_argument_group("security (the config's security section; docs/security.md)")
+    g.add_argument("--tls-cert", metavar="PEM", help="TLS on the public port: its certificate chain")
+    g.add_argument("--tls-key", metavar="PEM", help="TLS on the public port: its key")
+    g.add_argument("--tls-client-ca", metavar="PEM", help="require client certificates signed by this CA")
+    g.add_argument("--api-key", action="append", default=None,
+                   help="accept this bearer token on the API (repeatable; $SPLITSERVE_API_KEY adds one; "
+                        "other local users can read command lines: prefer --api-key-file)")  # fmt: skip
+    g.add_argument("--api-key-file", metavar="FILE", help="accept the tokens in this file, one a line")
+    g.add_argument("--internal-tls-cert", metavar="PEM", help="mTLS on internal links: this process's certificate")
+    g.add_argument("--internal-tls-key", metavar="PEM", help="mTLS on internal links: its key")
+    g.add_argument("--internal-tls-ca", metavar="PEM", help="mTLS on internal links: the CA that signs them all")
+    g.add_argument("--cluster-token-file", metavar="FILE",
+                   help="require this shared secret on internal calls ($SPLITSERVE_CLUSTER_TOKEN: the value)")  # fmt: skip
     p.set_defaults(func=_serve)
+
+
+def _security_overrides(args: argparse.Namespace, config):
+    """The security flags and variables of ``serve`` on top of the config file's section."""
+    from dataclasses import replace
+
+    from splitserve.rpc.security import API_KEY_ENV, CLUSTER_TOKEN_ENV
+
+    s = config.security
+    flags = {"tls_cert": args.tls_cert, "tls_key": args.tls_key, "tls_client_ca": args.tls_client_ca,
+             "api_key_file": args.api_key_file, "internal_tls_cert": args.internal_tls_cert,
+             "internal_tls_key": args.internal_tls_key, "internal_tls_ca": args.internal_tls_ca}  # fmt: skip
+    values = {k: v for k, v in flags.items() if v is not None}
+    keys = (*s.api_keys, *(args.api_key or ()), *([os.environ[API_KEY_ENV]] if os.environ.get(API_KEY_ENV) else []))
+    values["api_keys"] = tuple(dict.fromkeys(keys))
+    if args.cluster_token_file:
+        values |= {"cluster_token_file": args.cluster_token_file, "cluster_token": None}
+    elif os.environ.get(CLUSTER_TOKEN_ENV) and not (s.cluster_token or s.cluster_token_file):
+        values["cluster_token"] = os.environ[CLUSTER_TOKEN_ENV]
+    return replace(config, security=replace(s, **values))
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -156,6 +210,7 @@ def _serve(args: argparse.Namespace) -> int:
                                    mode=args.mode, num_colocated=args.num_colocated,
                                    host=args.host, port=args.port, ray_address=args.ray_address, dtype=args.dtype,
                                    device=args.device)  # fmt: skip
+    config = _security_overrides(args, config)
     if not config.ray_address:
         use_loopback_ray()  # before Ray is imported
     stop = threading.Event()
@@ -185,6 +240,7 @@ def _add_status(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("status", help="workers, health, load and KV usage of a running server")
     p.add_argument("--addr", default="127.0.0.1:50051")
     p.add_argument("--json", action="store_true")
+    add_client_security_arguments(p)
     p.set_defaults(func=_status)
 
 
@@ -194,7 +250,7 @@ def _status(args: argparse.Namespace) -> int:
 
     from splitserve.client import Client
 
-    with Client(args.addr) as client:
+    with Client(args.addr, **client_security(args)) as client:
         try:
             status = client.status()
         except grpc.RpcError as e:
@@ -221,6 +277,10 @@ def _add_scale(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--decode", type=int, default=None, help="target number of decode workers")
     p.add_argument("--colocated", type=int, default=None, help="target number of colocated workers (mode colocated)")
     p.add_argument("--timeout", type=float, default=600.0)
+    add_client_security_arguments(p)
+    p.add_argument("--cluster-token-file", metavar="FILE",
+                   help="the deployment's cluster token, which scaling needs when it has one "
+                        "(default: $SPLITSERVE_CLUSTER_TOKEN; without either, --api-key is sent)")  # fmt: skip
     p.set_defaults(func=_scale)
 
 
@@ -233,8 +293,15 @@ def _scale(args: argparse.Namespace) -> int:
     targets = {role: getattr(args, role) for role in ("prefill", "decode", "colocated") if getattr(args, role) is not None}
     if not targets:
         raise ValueError("give --prefill, --decode or --colocated")
+    from splitserve.rpc.security import CLUSTER_TOKEN_ENV, ClientSecurity, read_token_file
+
     request = wpb.ScaleRequest(**targets)
-    with grpc.insecure_channel(args.addr) as channel:
+    if args.cluster_token_file:
+        token = read_token_file(args.cluster_token_file, "--cluster-token-file")[0]
+    else:
+        token = os.environ.get(CLUSTER_TOKEN_ENV) or None
+    security = ClientSecurity(**{**client_security(args), **({"api_key": token} if token else {})})
+    with security.channel(args.addr) as channel:
         try:
             reply = wpb_grpc.AdminStub(channel).Scale(request, timeout=args.timeout)
         except grpc.RpcError as e:
@@ -242,6 +309,23 @@ def _scale(args: argparse.Namespace) -> int:
             return 1
     counts = [f"{getattr(reply, role)} {role}" for role in ("prefill", "decode", "colocated") if getattr(reply, role)]
     print(f"{' and '.join(counts)} workers")
+    return 0
+
+
+def _add_make_certs(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("make-certs", help="write a throwaway CA and server and client certificates (for trying TLS)")
+    p.add_argument("--out", required=True, help="output folder (must hold no .pem or .key yet)")
+    p.add_argument("--host", action="append", default=[],
+                   help="another name or address the server certificate is valid for (repeatable)")  # fmt: skip
+    p.add_argument("--days", type=int, default=30, help="validity")
+    p.set_defaults(func=_make_certs)
+
+
+def _make_certs(args: argparse.Namespace) -> int:
+    from splitserve.certs import make_certs
+
+    out = make_certs(args.out, args.host, args.days)
+    print(f"wrote ca.pem, server.pem, client.pem and their keys to {out}")
     return 0
 
 
@@ -269,6 +353,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_status(sub)
     _add_scale(sub)
     _add_bench(sub)
+    _add_make_certs(sub)
     return parser
 
 

@@ -7,16 +7,20 @@
         result = client.generate(token_ids=[1, 2, 3], max_tokens=8)   # the whole completion
         print(result.token_ids, result.finish_reason, result.ttft_ms)
         print(client.status())
+
+Over TLS with an API key (docs/security.md): ``Client(addr, tls_ca="ca.pem", api_key="...")``;
+with no ``api_key`` the variable SPLITSERVE_API_KEY is used when set.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
-import grpc
 
+from splitserve.rpc.security import API_KEY_ENV, ClientSecurity
 from splitserve.v1 import splitserve_pb2 as pb
 from splitserve.v1 import splitserve_pb2_grpc as pb_grpc
 
@@ -59,9 +63,14 @@ def make_request(prompt: str | None = None, token_ids: Sequence[int] | None = No
 
 
 class Client:
-    def __init__(self, address: str = "127.0.0.1:50051", timeout_s: float | None = 600.0) -> None:
+    def __init__(self, address: str = "127.0.0.1:50051", timeout_s: float | None = 600.0, *, api_key: str | None = None,
+                 tls: bool = False, tls_ca: str | None = None, tls_cert: str | None = None,
+                 tls_key: str | None = None) -> None:  # fmt: skip
+        """``tls``: TLS trusting the system's roots; ``tls_ca``: TLS trusting this CA (PEM file);
+        ``tls_cert``/``tls_key``: a client certificate, for a server that requires one."""
         self.address, self.timeout_s = address, timeout_s
-        self.channel = grpc.insecure_channel(address)
+        self.channel = ClientSecurity(api_key or os.environ.get(API_KEY_ENV) or None, tls, tls_ca, tls_cert,
+                                      tls_key).channel(address)  # fmt: skip
         self.stub = pb_grpc.SplitServeStub(self.channel)
 
     def stream(self, prompt: str | None = None, *, token_ids: Sequence[int] | None = None,

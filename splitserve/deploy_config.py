@@ -16,6 +16,7 @@ import yaml
 
 from kv_transfer.config import FaultPoint, TransferConfig
 from router.config import RouterConfig
+from splitserve.rpc.security import InternalSecurity, PublicSecurity
 from worker_common.config import WorkerFaults
 
 
@@ -122,6 +123,39 @@ class Faults:
 
 
 @dataclass(frozen=True)
+class SecuritySettings:
+    """TLS, mTLS and tokens (docs/security.md). Paths are read where used: the router reads the
+    public ones and every process the internal ones, so internal files must exist on every node."""
+
+    tls_cert: str | None = None  # the public port's certificate chain (PEM); with tls_key: TLS
+    tls_key: str | None = None
+    tls_client_ca: str | None = None  # clients must present a certificate signed by this CA
+    api_keys: tuple[str, ...] = ()  # bearer tokens accepted on the public API
+    api_key_file: str | None = None  # more of them, one a line
+    internal_tls_cert: str | None = None  # mTLS on every internal link (all three, or none)
+    internal_tls_key: str | None = None
+    internal_tls_ca: str | None = None
+    internal_tls_server_name: str = "splitserve-internal"  # the name internal certificates carry
+    cluster_token: str | None = None  # required on every internal call (and for Admin.Scale)
+    cluster_token_file: str | None = None
+
+    def __post_init__(self) -> None:
+        for i, key in enumerate(self.api_keys):
+            if not key or key != key.strip() or any(c.isspace() for c in key):
+                raise ValueError(f"api_keys[{i}]: must be a non-empty string without whitespace")
+        if self.cluster_token is not None and (not self.cluster_token or any(c.isspace() for c in self.cluster_token)):
+            raise ValueError("cluster_token: must be a non-empty string without whitespace")
+        self.public(), self.internal()  # their checks name the settings
+
+    def public(self) -> PublicSecurity:
+        return PublicSecurity(self.tls_cert, self.tls_key, self.tls_client_ca, self.api_keys, self.api_key_file)
+
+    def internal(self) -> InternalSecurity:
+        return InternalSecurity(self.internal_tls_cert, self.internal_tls_key, self.internal_tls_ca,
+                                self.internal_tls_server_name, self.cluster_token, self.cluster_token_file)  # fmt: skip
+
+
+@dataclass(frozen=True)
 class DeploymentConfig:
     model: str | None = None
     model_name: str = ""
@@ -129,6 +163,7 @@ class DeploymentConfig:
     device: str = "cpu"
     host: str = "127.0.0.1"
     port: int = 50051
+    internal_port: int = 0  # the router's port for workers (registration); 0: any free port
     ray_address: str | None = None
     worker_host: str | None = None  # address workers bind and advertise; None: 127.0.0.1 on an embedded
     # Ray, else each node's IP as Ray knows it
@@ -143,6 +178,7 @@ class DeploymentConfig:
     router: RouterSettings = field(default_factory=RouterSettings)
     transfer: TransferConfig = field(default_factory=TransferConfig)
     faults: Faults = field(default_factory=Faults)
+    security: SecuritySettings = field(default_factory=SecuritySettings)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -186,7 +222,9 @@ class DeploymentConfig:
                             overlap_weight=r.overlap_weight, prefill_credit=getattr(self, self.roles[0]).max_inflight,
                             max_queue=r.max_queue, lease_timeout_s=r.lease_timeout_s,
                             max_migrations=r.max_migrations, max_prefill_retries=r.max_prefill_retries,
-                            die_after_tokens=self.router_die_after_tokens)  # fmt: skip
+                            die_after_tokens=self.router_die_after_tokens, internal_port=self.internal_port,
+                            public_security=self.security.public(),
+                            internal_security=self.security.internal())  # fmt: skip
 
     def worker_faults(self, worker_id: str) -> tuple[WorkerFaults, tuple[FaultPoint, ...]]:
         """This worker's step faults, and the KV-transfer fault points it runs with."""
@@ -205,7 +243,8 @@ class DeploymentConfig:
 
 MODES = {"disaggregated": ("prefill", "decode"), "colocated": ("colocated",)}
 _NESTED = {"prefill": RoleConfig, "decode": RoleConfig, "colocated": RoleConfig, "engine": EngineSettings,
-           "router": RouterSettings, "transfer": TransferConfig, "faults": Faults}  # fmt: skip
+           "router": RouterSettings, "transfer": TransferConfig, "faults": Faults,
+           "security": SecuritySettings}  # fmt: skip
 
 
 def _build(cls, raw: dict[str, Any], prefix: str):
@@ -237,6 +276,10 @@ def _build(cls, raw: dict[str, Any], prefix: str):
 
 def _check_type(name: str, value: Any, annotation: str) -> Any:
     allowed = {"int": (int,), "float": (int, float), "str": (str,), "bool": (bool,), "dict": (dict,)}
+    if str(annotation) == "tuple[str, ...]":
+        if isinstance(value, list) and all(isinstance(v, str) for v in value):
+            return tuple(value)
+        raise ConfigError(f"{name}: expected a list of strings, got {value!r}")
     parts = [p.strip() for p in str(annotation).split("|")]
     if value is None:
         if "None" in parts:

@@ -93,7 +93,8 @@ class Deployment:
         self.config = config
         self.model_dir = str(config.model) if config.model else str(default_model_dir())
         self.router: Router | None = None
-        self.address = ""  # the router's, as clients and workers dial it
+        self.address = ""  # the router's public port, as clients dial it
+        self.internal_address = ""  # the router's internal port, as workers dial it to register
         self.actors: dict[str, object] = {}  # worker id -> Ray actor
         self._counters = {"prefill": 0, "decode": 0, "colocated": 0}
         self._started_ray = False
@@ -117,6 +118,7 @@ class Deployment:
         self._thread = threading.Thread(target=self._loop.run_forever, name="router-loop", daemon=True)
         self._thread.start()
         self.address = self._advertised(self._run(self.router.start()))
+        self.internal_address = self._advertised(self.router.internal_address)
         for role in self.config.roles:
             for _ in range(getattr(self.config, role).replicas):
                 self._spawn(role)
@@ -216,9 +218,10 @@ class Deployment:
         host = c.worker_host if c.worker_host is not None else ("" if c.ray_address else "127.0.0.1")
         faults, transfer_faults = c.worker_faults(worker_id)
         return WorkerConfig(role=role, worker_id=worker_id, engine=engine, host=host, port=0,
-                            router_address=self.address, model_name=c.model_name,
+                            router_address=self.internal_address, model_name=c.model_name,
                             transfer=replace(c.transfer, faults=transfer_faults),
-                            max_inflight=role_config.max_inflight, faults=faults)  # fmt: skip
+                            max_inflight=role_config.max_inflight, faults=faults,
+                            security=c.security.internal())  # fmt: skip
 
     # ---- scale ----------------------------------------------------------------------------------
 

@@ -61,6 +61,13 @@ def test_from_file(tmp_path):
         ({"faults": {"kill": [{"target": "router", "at": "prefill"}]}}, "faults.kill: at"),
         ({"faults": {"kill": [{"target": "decode-1", "at": "decode", "after": -1}]}}, "faults.kill: after"),
         ({"faults": {"kill": ["decode-1"]}}, "faults.kill"),
+        ({"security": {"tls_cert": "server.pem"}}, "security.tls_cert"),
+        ({"security": {"tls_client_ca": "ca.pem"}}, "security.tls_client_ca"),
+        ({"security": {"api_keys": "key"}}, "security.api_keys"),
+        ({"security": {"api_keys": ["a key"]}}, "security.api_keys"),
+        ({"security": {"internal_tls_ca": "ca.pem"}}, "security.internal_tls_cert"),
+        ({"security": {"cluster_token": "a", "cluster_token_file": "b"}}, "security.cluster_token"),
+        ({"security": {"cluster_token": ""}}, "security.cluster_token"),
     ],
 )
 def test_errors_name_the_field(raw, field):

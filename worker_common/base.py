@@ -31,6 +31,7 @@ from engine.core import EngineCore
 from kv_transfer.descriptor import LayoutFingerprint
 from splitserve.rpc import workers_pb2 as wpb
 from splitserve.rpc.options import SERVER_OPTIONS
+from splitserve.rpc.auth import server_interceptors
 from splitserve.v1 import splitserve_pb2 as pb
 from worker_common.config import WorkerConfig
 from worker_common.registration import Registration
@@ -78,9 +79,10 @@ class WorkerBase:
         # without a deadline behind busy threads.
         threads = self.max_request_calls() + cfg.transfer.max_pairs + 16  # + status, cache events, pairs
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix=f"{cfg.role}-rpc"),
-                                   options=SERVER_OPTIONS, maximum_concurrent_rpcs=threads)  # fmt: skip
+                                   options=SERVER_OPTIONS, maximum_concurrent_rpcs=threads,
+                                   interceptors=server_interceptors(cfg.security.policy(), aio=False))  # fmt: skip
         self.add_services(self._server)
-        port = self._server.add_insecure_port(f"{cfg.host}:{cfg.port}")
+        port = cfg.security.add_port(self._server, f"{cfg.host}:{cfg.port}")
         if port == 0:
             raise OSError(f"could not bind {cfg.role} worker {cfg.worker_id} to {cfg.host}:{cfg.port}")
         self._server.start()
@@ -89,7 +91,7 @@ class WorkerBase:
         self._thread.start()
         log.info("%s worker %s serving on %s", cfg.role, cfg.worker_id, self.address)
         if cfg.router_address:
-            self.registration = Registration(cfg.router_address, self.worker_info, self.drain)
+            self.registration = Registration(cfg.router_address, self.worker_info, self.drain, cfg.security)
             self.registration.start()
         return self.address
 

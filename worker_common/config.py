@@ -7,6 +7,7 @@ from typing import Literal
 
 from engine.core import EngineConfig
 from kv_transfer.config import TransferConfig
+from splitserve.rpc.security import InternalSecurity
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,7 @@ class WorkerConfig:
     max_inflight: int = 16  # requests held at once: prefill, colocated: the router's credit; decode: leases
     node: str = ""  # where the worker runs (a Ray node id), for status
     faults: WorkerFaults = field(default_factory=WorkerFaults)
+    security: InternalSecurity = field(default_factory=InternalSecurity)  # mTLS and the cluster token
 
     def __post_init__(self) -> None:
         if self.role not in ("prefill", "decode", "colocated"):

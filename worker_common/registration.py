@@ -17,13 +17,16 @@ import grpc
 from splitserve.rpc import workers_pb2 as wpb
 from splitserve.rpc import workers_pb2_grpc as wpb_grpc
 from splitserve.rpc.options import CLIENT_OPTIONS
+from splitserve.rpc.security import InternalSecurity
 
 log = logging.getLogger("splitserve.worker")
 
 
 class Registration:
-    def __init__(self, router_address: str, info: Callable[[], wpb.WorkerInfo], on_drain: Callable[[], None]) -> None:
+    def __init__(self, router_address: str, info: Callable[[], wpb.WorkerInfo], on_drain: Callable[[], None],
+                 security: InternalSecurity | None = None) -> None:  # fmt: skip
         self.router_address, self._info, self._on_drain = router_address, info, on_drain
+        self.security = security or InternalSecurity()
         self.registered = threading.Event()
         self._stopped = threading.Event()
         self._call = None
@@ -40,7 +43,7 @@ class Registration:
 
     def _run(self) -> None:
         backoff = 0.1
-        with grpc.insecure_channel(self.router_address, options=CLIENT_OPTIONS) as channel:
+        with self.security.channel(self.router_address, CLIENT_OPTIONS) as channel:
             stub = wpb_grpc.RegistryStub(channel)
             while not self._stopped.is_set():
                 self._call = stub.Register(self._info())

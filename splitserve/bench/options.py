@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from splitserve.bench import DATASETS
+from splitserve.cli import add_client_security_arguments, client_security
 
 if TYPE_CHECKING:
     from splitserve.bench.datasets import BenchRequest
@@ -57,6 +58,7 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--rates", help="comma-separated request rates, e.g. 1,2,4,8")
     s.add_argument("--attainment", type=float, default=None, help="SLO attainment target for goodput (default 0.9)")
     s.add_argument("--out-dir", help="folder for sweep.json, rate_<R>.json and the plots")
+    add_client_security_arguments(p)
 
 
 def run_bench(args: argparse.Namespace) -> int:
@@ -66,6 +68,7 @@ def run_bench(args: argparse.Namespace) -> int:
     from splitserve.bench.datasets import DatasetOptions, TokenRange, make_requests
     from splitserve.bench.metrics import parse_goodput, parse_percentiles
     from splitserve.bench.runner import BenchConfig, get_status
+    from splitserve.rpc.security import ClientSecurity
 
     sweep = args.action == "sweep"
     if not sweep and (given := [f"--{k.replace('_', '-')}" for k in SWEEP_ONLY if getattr(args, k) is not None]):
@@ -80,9 +83,9 @@ def run_bench(args: argparse.Namespace) -> int:
                          max_concurrency=args.max_concurrency, seed=args.seed, temperature=args.temperature,
                          ignore_eos=args.ignore_eos, request_timeout_s=args.request_timeout,
                          percentiles=parse_percentiles(args.percentiles), goodput=parse_goodput(args.goodput),
-                         progress=not args.no_progress)  # fmt: skip
+                         progress=not args.no_progress, security=ClientSecurity(**client_security(args)))  # fmt: skip
     try:
-        status = asyncio.run(get_status(args.addr))
+        status = asyncio.run(get_status(args.addr, security=config.security))
     except grpc.RpcError as e:
         print(f"splitserve bench: cannot read the server's status at {args.addr}: {e.code().name}: {e.details()}",
               file=sys.stderr)  # fmt: skip

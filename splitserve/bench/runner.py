@@ -23,6 +23,7 @@ from splitserve.bench.datasets import BenchRequest
 from splitserve.bench.metrics import SERVER_TIMINGS, RequestRecord, per_request_lists, summarize
 from splitserve.client import make_request
 from splitserve.rpc.options import CLIENT_OPTIONS
+from splitserve.rpc.security import ClientSecurity
 from splitserve.v1 import splitserve_pb2 as pb
 from splitserve.v1 import splitserve_pb2_grpc as pb_grpc
 
@@ -40,6 +41,7 @@ class BenchConfig:
     percentiles: tuple[float, ...] = (90.0, 95.0, 99.0)
     goodput: Mapping[str, float] = field(default_factory=dict)  # SLOs in ms: ttft, tpot, e2el
     progress: bool = True
+    security: ClientSecurity = field(default_factory=ClientSecurity)  # TLS and the API key
 
     def __post_init__(self) -> None:
         if self.max_concurrency is not None and self.max_concurrency < 1:
@@ -52,8 +54,8 @@ class BenchConfig:
             raise ValueError(f"--temperature: must be >= 0, got {self.temperature}")
 
 
-async def get_status(addr: str, timeout_s: float = 10.0) -> pb.GetStatusResponse:
-    async with grpc.aio.insecure_channel(addr, options=CLIENT_OPTIONS) as channel:
+async def get_status(addr: str, timeout_s: float = 10.0, security: ClientSecurity | None = None) -> pb.GetStatusResponse:
+    async with (security or ClientSecurity()).channel(addr, CLIENT_OPTIONS, aio=True) as channel:
         return await pb_grpc.SplitServeStub(channel).GetStatus(pb.GetStatusRequest(), timeout=timeout_s)
 
 
@@ -120,7 +122,7 @@ async def run_requests(requests: Sequence[BenchRequest], offsets_s: Sequence[flo
                              ignore_eos=config.ignore_eos, seed=config.seed + i) for i, r in enumerate(requests)]  # fmt: skip
     slots = asyncio.Semaphore(config.max_concurrency) if config.max_concurrency else None
     progress = Progress(len(requests), config.progress)
-    async with grpc.aio.insecure_channel(config.addr, options=CLIENT_OPTIONS) as channel:
+    async with config.security.channel(config.addr, CLIENT_OPTIONS, aio=True) as channel:
         stub = pb_grpc.SplitServeStub(channel)
         start = time.perf_counter()
         try:
