@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 MODELS := models
 PYTEST_ARGS ?=
 
-.PHONY: setup serve demo test bench-engine bench-transfer bench-serve bench-cluster bench-disagg loadtest proto gpu-check clean
+.PHONY: setup serve demo test bench-engine bench-transfer bench-serve bench-cluster bench-disagg loadtest soak fault-drill proto gpu-check clean
 
 setup: $(STAMP)
 
@@ -54,6 +54,15 @@ bench-disagg: setup
 # Simulated multi-node cluster + serve + bench sweep; fails on any failed request or leaked block.
 loadtest: setup
 	$(VPY) scripts/loadtest.py $(LOADTEST_ARGS)
+
+# Minutes of mixed load with random cancels and one worker killed; fails on a lost request, a leaked
+# block or resident memory growing 10% or more (docs/reliability.md).
+soak: setup
+	$(VPY) scripts/soak.py $(SOAK_ARGS)
+
+# Each kill point (mid-prefill, mid-transfer on either side, mid-decode, the router), timed.
+fault-drill: setup
+	$(VPY) scripts/fault_drill.py $(DRILL_ARGS)
 
 # Regenerate the gRPC stubs in splitserve/rpc from proto/ (a test fails when they drift).
 proto: setup

@@ -234,10 +234,15 @@ class _Servicer(wpb_grpc.DecodeWorkerServicer):
             job, first = self.worker.lease(request)
         except WorkerError as e:
             context.abort(getattr(grpc.StatusCode, e.code), e.message)
+        # Before the first yield: the code after a yield runs only if the caller reads on, and a
+        # caller that cancels right after the grant must still free the lease. add_callback is
+        # False when the call has ended already.
+        if job is not None and not context.add_callback(lambda: self.worker.cancel(job)):
+            self.worker.cancel(job)
+            return
         yield first
         if job is None:
             return
-        context.add_callback(lambda: self.worker.cancel(job))
         while True:
             event = job.events.get()
             if event is END:

@@ -277,7 +277,9 @@ class _Servicer(wpb_grpc.PrefillWorkerServicer):
             job = self.worker.accept(request)
         except WorkerError as e:
             context.abort(getattr(grpc.StatusCode, e.code), e.message)
-        context.add_callback(lambda: self.worker.cancel(job))
+        if not context.add_callback(lambda: self.worker.cancel(job)):  # the call ended already
+            self.worker.cancel(job)
+            return
         yield from stream_events(job.events, context, lambda event: event)
 
     def Status(self, request, context):  # noqa: N802
