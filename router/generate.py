@@ -295,10 +295,11 @@ class RequestRun:
     def summary(self, outcome: Outcome, status: str, message: str = "") -> RequestSummary:
         """How the request ended, with the final message's timing (or the timing so far)."""
         finished = outcome == "finished"
-        timing = self.timing if finished and self.timing is not None else self.clock.timing(self.prefill_worker,
-                                                                                               self.decode_worker)  # fmt: skip
-        return RequestSummary(self.request_id, outcome, status, message,
-                              FINISH_REASON_LABELS.get(self.finish_reason, "") if finished else "", len(self.prompt),
+        timing = self.timing
+        if not finished or timing is None:
+            timing = self.clock.timing(self.prefill_worker, self.decode_worker)
+        finish_reason = FINISH_REASON_LABELS.get(self.finish_reason, "") if finished else ""
+        return RequestSummary(self.request_id, outcome, status, message, finish_reason, len(self.prompt),
                               len(self.output), self.cached_tokens or 0, timing)  # fmt: skip
 
 

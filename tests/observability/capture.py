@@ -17,7 +17,8 @@ def json_log_lines(logger_name: str = "splitserve") -> Iterator[callable]:
     stream = io.StringIO()
     handler = make_handler("json", stream=stream)
     logger = logging.getLogger(logger_name)
-    level, logger.level = logger.level, logging.INFO
+    level = logger.level
+    logger.setLevel(logging.INFO)  # setLevel, not assignment: it clears the loggers' cached levels
     logger.addHandler(handler)
     try:
         yield lambda: [json.loads(line) for line in stream.getvalue().splitlines()]

@@ -25,7 +25,8 @@ def capture():
     def make(log_format: str, static=None) -> tuple[logging.Logger, io.StringIO]:
         stream = io.StringIO()
         logger = logging.getLogger(f"splitserve.test.{len(made)}")
-        logger.propagate, logger.level = False, logging.DEBUG
+        logger.propagate = False
+        logger.setLevel(logging.DEBUG)
         logger.addHandler(make_handler(log_format, static, stream))
         made.append(logger)
         return logger, stream
