@@ -28,6 +28,7 @@ from engine.sampling_params import SamplingParams, SamplingParamsError
 from kv_transfer.handles import TransferHandle, TransferState
 from kv_transfer.receiver import KVReceiver
 from kv_transfer.service import KVTransferServicer
+from splitserve.observability.logs import request_context
 from splitserve.rpc import kv_transfer_pb2_grpc
 from splitserve.rpc import workers_pb2 as wpb
 from splitserve.rpc import workers_pb2_grpc as wpb_grpc
@@ -75,6 +76,9 @@ class DecodeWorker(WorkerBase):
         super().stop(grace_s)
         self.receiver.close()
 
+    def kv_pairs(self) -> int:
+        return self.receiver.num_pairs()
+
     # ---- leases, from handler threads -----------------------------------------------------------
 
     def lease(self, message: wpb.DecodeRequest) -> tuple[DecodeJob | None, wpb.DecodeEvent]:
@@ -115,6 +119,9 @@ class DecodeWorker(WorkerBase):
 
     def _kv_ended(self, job: DecodeJob, handle: TransferHandle) -> None:
         """The transfer ended (transfer or caller thread): admit on success, else give the lease back."""
+        self.metrics.transfer_ended("received", handle)
+        if handle.state is TransferState.FAILED:
+            log.warning("KV transfer of %s failed: %s", job.request_id, handle.error, extra={"request_id": job.request_id})
         if handle.state is TransferState.DONE:
             self.submit(("admit", job))
             return
@@ -166,7 +173,7 @@ class DecodeWorker(WorkerBase):
         with self.lock:
             self.scheduler.add_running(request)
             job.request = request
-        job.events.put(wpb.DecodeEvent(landed=wpb.KVLanded(wait_ms=ms_since(job.leased_at))))
+        job.events.put(wpb.DecodeEvent(landed=wpb.KVLanded(wait_ms=ms_since(job.leased_at), bytes=job.transfer.nbytes)))
 
     def step(self) -> bool:
         with self.lock:
@@ -176,7 +183,7 @@ class DecodeWorker(WorkerBase):
         if output.is_empty:
             return False
         self.fault_point("decode")
-        sampled = self.core.runner.execute(output)
+        sampled = self.run_model(output, "decode")
         with self.lock:
             advanced = self.scheduler.update(output, sampled)
         for request in advanced:
@@ -230,6 +237,10 @@ class _Servicer(wpb_grpc.DecodeWorkerServicer):
         self.worker = worker
 
     def Decode(self, request, context):  # noqa: N802
+        with request_context(request.request_id):
+            yield from self._decode(request, context)
+
+    def _decode(self, request, context):
         try:
             job, first = self.worker.lease(request)
         except WorkerError as e:

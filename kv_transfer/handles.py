@@ -43,7 +43,9 @@ class TransferHandle:
         self._error = ""
         self._terminal = threading.Event()
         self._callbacks: list = []
+        self.started_at: float | None = None  # the first payload was posted (sender) or landed (receiver)
         self.finished_at: float | None = None
+        self.nbytes = 0  # payload bytes posted (sender) or landed (receiver) so far
 
     @property
     def state(self) -> TransferState:
@@ -71,10 +73,18 @@ class TransferHandle:
                 return
         callback(self)
 
+    @property
+    def active_s(self) -> float | None:
+        """First payload to the end, for a transfer that moved anything and ended (metrics)."""
+        if self.started_at is None or self.finished_at is None:
+            return None
+        return self.finished_at - self.started_at
+
     def _start(self) -> None:
         with self.lock:
             if self._state is TransferState.WAITING:
                 self._state = TransferState.TRANSFERRING
+                self.started_at = time.monotonic()
 
     def _end(self, state: TransferState, error: str = "") -> bool:
         """Move to a terminal state; False (and no change) if it already is terminal."""

@@ -240,6 +240,7 @@ class KVReceiver(Endpoint):
                 base = layer * handle.num_blocks
                 handle.landed[base + desc.block_start : base + desc.block_end] = b"\x01" * (desc.block_end - desc.block_start)
             handle.units_landed += desc.num_units
+            handle.nbytes += desc.nbytes
             if desc.last:
                 handle.commit = desc.commit
             if handle.units_landed == len(handle.landed):

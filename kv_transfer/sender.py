@@ -279,6 +279,7 @@ class KVSender(Endpoint):
         )  # fmt: skip
         pair.next_seq += 1
         handle._start()
+        handle.nbytes += desc.nbytes
         pair.conn.send(DescriptorBytes(encode_descriptor(desc)))
         return pair.comm.isend(data.reshape(-1).view(torch.uint8))
 

@@ -67,7 +67,7 @@ class ColocatedWorker(PrefillWorker):
             job = self.jobs[item.request.request_id]
             if job.first_scheduled is None:
                 job.first_scheduled = now
-        sampled = self.core.runner.execute(output)
+        sampled = self.run_model(output, "prefill" if prompt_work else "decode")
         with self.lock:
             advanced = self.scheduler.update(output, sampled)
         for request in advanced:
@@ -83,6 +83,7 @@ class ColocatedWorker(PrefillWorker):
         if not job.done:
             job.done = True
             job.first_token_at = time.monotonic()
+            self.metrics.prefix_cache(request.num_tokens - 1, request.num_cached_tokens)
             job.events.put(wpb.PrefillEvent(first_token=wpb.FirstToken(
                 token_id=token, cached_tokens=request.num_cached_tokens,
                 queue_ms=((job.first_scheduled or job.arrival) - job.arrival) * 1e3,

@@ -27,6 +27,7 @@ from engine.sampling_params import SamplingParamsError
 from kv_transfer.handles import TransferHandle, TransferState
 from kv_transfer.sender import KVSender, PeerAddress, SendHandle
 from kv_transfer.service import GrpcConnection
+from splitserve.observability.logs import request_context
 from splitserve.rpc import workers_pb2 as wpb
 from splitserve.rpc import workers_pb2_grpc as wpb_grpc
 from splitserve.rpc.convert import FINISH_TO_PB, sampling_from_pb, stop_reason_text
@@ -68,6 +69,9 @@ class PrefillWorker(WorkerBase):
     def stop(self, grace_s: float = 1.0) -> None:
         super().stop(grace_s)
         self.sender.close()
+
+    def kv_pairs(self) -> int:
+        return self.sender.num_pairs()
 
     # ---- requests from handler threads ----------------------------------------------------------
 
@@ -167,7 +171,7 @@ class PrefillWorker(WorkerBase):
                 job.transfer = self.sender.start(request.request_id, job.destination, blocks, request.num_tokens)
                 streaming.append(job.transfer)
         hook = (lambda n: [self.sender.layers_ready(h, n) for h in streaming]) if streaming else None
-        sampled = self.core.runner.execute(output, on_layer_done=hook)
+        sampled = self.run_model(output, "prefill", on_layer_done=hook)
         with self.lock:
             handed_off = self.scheduler.update(output, sampled)
         for request in handed_off:
@@ -179,6 +183,7 @@ class PrefillWorker(WorkerBase):
         job.first_token_at = time.monotonic()
         job.done = True
         token = request.token_ids[-1]
+        self.metrics.prefix_cache(request.num_tokens - 1, request.num_cached_tokens)
         event = wpb.FirstToken(
             token_id=token, cached_tokens=request.num_cached_tokens,
             queue_ms=((job.first_scheduled or job.arrival) - job.arrival) * 1e3,
@@ -201,11 +206,15 @@ class PrefillWorker(WorkerBase):
     def _transfer_ended(self, job: PrefillJob, handle: TransferHandle, report: bool) -> None:
         """Runs in whichever thread ended the transfer: free the blocks, tell the router."""
         self._release(job)
+        self.metrics.transfer_ended("sent", handle)
+        if handle.state is TransferState.FAILED:
+            log.warning("KV transfer of %s to %s failed: %s", job.request.request_id, job.destination.receiver_id,
+                        handle.error, extra={"request_id": job.request.request_id})  # fmt: skip
         if report:
             ok = handle.state is TransferState.DONE
             job.events.put(wpb.PrefillEvent(transfer=wpb.TransferResult(
                 ok=ok, error="" if ok else f"{handle.state.value}: {handle.error}",
-                transfer_ms=((handle.finished_at or time.monotonic()) - job.first_token_at) * 1e3,
+                transfer_ms=((handle.finished_at or time.monotonic()) - job.first_token_at) * 1e3, bytes=handle.nbytes,
             )))  # fmt: skip
         self._finish_job(job, END)
 
@@ -273,14 +282,15 @@ class _Servicer(wpb_grpc.PrefillWorkerServicer):
         self.worker = worker
 
     def Prefill(self, request, context):  # noqa: N802
-        try:
-            job = self.worker.accept(request)
-        except WorkerError as e:
-            context.abort(getattr(grpc.StatusCode, e.code), e.message)
-        if not context.add_callback(lambda: self.worker.cancel(job)):  # the call ended already
-            self.worker.cancel(job)
-            return
-        yield from stream_events(job.events, context, lambda event: event)
+        with request_context(request.request_id):
+            try:
+                job = self.worker.accept(request)
+            except WorkerError as e:
+                context.abort(getattr(grpc.StatusCode, e.code), e.message)
+            if not context.add_callback(lambda: self.worker.cancel(job)):  # the call ended already
+                self.worker.cancel(job)
+                return
+            yield from stream_events(job.events, context, lambda event: event)
 
     def Status(self, request, context):  # noqa: N802
         return self.worker.status_message()

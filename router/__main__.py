@@ -4,19 +4,19 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 import signal
 import sys
 
 from router.config import RouterConfig
 from router.server import Router
 from router.workers import WorkerAddress
+from splitserve.observability.logs import configure_logging
 
 
 async def _run(args: argparse.Namespace) -> None:
     workers = [WorkerAddress("prefill", a) for a in args.prefill] + [WorkerAddress("decode", a) for a in args.decode]
     router = Router(RouterConfig(model_dir=args.model, host=args.host, port=args.port, block_size=args.block_size,
-                                 routing_policy=args.policy), workers)  # fmt: skip
+                                 routing_policy=args.policy, metrics_port=args.metrics_port), workers)  # fmt: skip
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
@@ -35,8 +35,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--port", type=int, default=50051)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--policy", default="prefix_aware", choices=["prefix_aware", "least_loaded", "round_robin"])
+    p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics here (0: any free port)")
+    p.add_argument("--log-format", choices=["text", "json"], default="text")
     args = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    configure_logging(args.log_format)
     asyncio.run(_run(args))
     return 0
 

@@ -7,6 +7,8 @@
                                     Finished ─▶ final message (finish reason, usage, timing)
                                     Preempted ─▶ back to the queue with prompt + output (re-prefill)
 
+Metrics are observed from the same clock readings as the final message's timing (router/metrics.py).
+
 The request lives on a worker exactly as long as the router's call to it: whatever ends this
 generator (the last token, a stop string, the client's cancel or deadline, an error) cancels the
 calls still open, and the workers free what they hold.
@@ -28,6 +30,7 @@ from engine.stop_strings import StopStringMatcher
 from engine.tokenizer import Tokenizer
 from router.config import RouterConfig
 from router.dispatcher import Dispatcher, RouterError, Ticket
+from router.metrics import FINISH_REASON_LABELS, Outcome, RequestSummary, RouterMetrics
 from router.workers import read_call
 from splitserve.rpc import workers_pb2 as wpb
 from splitserve.rpc.convert import sampling_to_pb
@@ -41,8 +44,8 @@ class Clock:
     arrival: float = field(default_factory=time.monotonic)
     dispatched: float | None = None
     first_token: float | None = None
-    landed: float | None = None
-    transfer_ms: float = 0.0
+    last_relay: float | None = None
+    transfer_ms: float = 0.0  # the last leg's (LegTransfer.ms)
     reprefills: int = 0
 
     def timing(self, prefill_worker: str, decode_worker: str) -> pb.Timing:
@@ -53,6 +56,21 @@ class Clock:
                          decode_ms=ms(self.first_token, now), total_ms=ms(self.arrival, now),
                          prefill_worker=prefill_worker, decode_worker=decode_worker,
                          reprefills=self.reprefills)  # fmt: skip
+
+
+@dataclass
+class LegTransfer:
+    """One leg's KV transfer, from the prefill worker's result or, if the leg ends before that is read,
+    from the decode worker's landing (both arrive; whichever the router reads first stands in)."""
+
+    first_token: float  # this leg's first token (router clock)
+    landed_ms: float | None = None  # first token until the decode worker said the KV landed
+    result_ms: float | None = None  # the prefill worker's figure: first token until every layer was acknowledged
+    nbytes: int = 0
+
+    @property
+    def ms(self) -> float | None:
+        return self.result_ms if self.result_ms is not None else self.landed_ms
 
 
 class WorkerLost(Exception):
@@ -66,9 +84,10 @@ class WorkerLost(Exception):
 
 class RequestRun:
     def __init__(self, request_id: str, prompt: list[int], sampling: SamplingParams, tokenizer: Tokenizer,
-                 dispatcher: Dispatcher, config: RouterConfig) -> None:  # fmt: skip
+                 dispatcher: Dispatcher, config: RouterConfig, metrics: RouterMetrics | None = None) -> None:  # fmt: skip
         self.request_id, self.prompt, self.sampling = request_id, prompt, sampling
         self.dispatcher, self.config = dispatcher, config
+        self.metrics = metrics or RouterMetrics()
         self.sampling_pb = sampling_to_pb(sampling)
         self.hashes = block_hashes(prompt, config.block_size)
         self.detok = IncrementalDetokenizer(tokenizer, prompt, sampling.skip_special_tokens)
@@ -81,6 +100,7 @@ class RequestRun:
         self.prefill_worker = self.decode_worker = ""
         self.prefill_retries = self.migrations = 0
         self.transfer_failure: WorkerLost | None = None  # set when the KV of this leg will not arrive
+        self.timing: pb.Timing | None = None  # set with the final message
 
     async def run(self):
         """Legs until finished: a lost prefill worker retries the leg elsewhere, a lost decode worker
@@ -96,11 +116,13 @@ class RequestRun:
                             "retrying its prefill" if not self.output else f"migrating it ({len(self.output)} tokens out)")
                 if not self.output:  # nothing reached the client yet: retry the prefill
                     self.prefill_retries += 1
+                    self.metrics.prefill_retries.inc()
                     if self.prefill_retries > self.config.max_prefill_retries:
                         raise RouterError("UNAVAILABLE", f"{lost.message}; gave up after {self.prefill_retries - 1} retries") from None
                 else:
                     self.migrations += 1
                     self.clock.reprefills += 1
+                    self.metrics.migrations.inc()
                     if self.migrations > self.config.max_migrations:
                         raise RouterError("UNAVAILABLE", f"{lost.message}; gave up after {self.migrations - 1} migrations") from None
         yield self._final()
@@ -110,13 +132,15 @@ class RequestRun:
         calls: list = []
         ticket = Ticket(self.request_id, len(self.prompt) + len(self.output), self.hashes)
         prefill = await self.dispatcher.dispatch(ticket)
-        self.clock.dispatched = self.clock.dispatched or time.monotonic()
+        if self.clock.dispatched is None:
+            self.clock.dispatched = time.monotonic()
+            self.metrics.queue.observe(self.clock.dispatched - self.clock.arrival)
         self.prefill_worker = prefill.worker_id
         if prefill.spec.role == "colocated":
             async for message in self._colocated_leg(prefill, ticket):
                 yield message
             return
-        decode = call = grant = None
+        decode = call = grant = leg = None
         try:
             try:
                 if self.sampling.max_tokens - len(self.output) > 1:
@@ -135,18 +159,16 @@ class RequestRun:
                 first = (await _read(prefill_call, "prefill", prefill)).first_token
             finally:
                 self.dispatcher.release(prefill, ticket)
-            if self.cached_tokens is None:
-                self.cached_tokens = first.cached_tokens
-            self.clock.first_token = self.clock.first_token or time.monotonic()
+            leg = LegTransfer(self._first_token(first))
             yield self._relay([first.token_id])
             if first.finish_reason != pb.FINISH_REASON_UNSPECIFIED or call is None:
                 self._finish(first.finish_reason or pb.FINISH_REASON_LENGTH, first.stop_reason)
             if self.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
                 return
             self.transfer_failure = None
-            transfer = asyncio.create_task(self._await_transfer(prefill_call, prefill, call))
+            transfer = asyncio.create_task(self._await_transfer(prefill_call, prefill, call, leg))
             try:
-                async for message in self._decode(call, decode):
+                async for message in self._decode(call, decode, leg=leg):
                     yield message
             except (WorkerLost, RouterError):
                 if self.transfer_failure is not None:  # the decode call was ended for it, not by its worker
@@ -159,6 +181,9 @@ class RequestRun:
                 c.cancel()
             if decode is not None:
                 self.dispatcher.lease_ended(decode)
+            if leg is not None and leg.ms is not None:  # this leg moved KV
+                self.clock.transfer_ms = leg.ms
+                self.metrics.kv_transfer(leg.ms / 1e3, leg.nbytes)
 
     async def _colocated_leg(self, worker, ticket: Ticket):
         """A colocated worker does both phases on one call; it holds the credit to the end."""
@@ -168,9 +193,7 @@ class RequestRun:
         try:
             first = (await _read(call, "colocated", worker)).first_token
             self.dispatcher.prefilled(worker, ticket)
-            if self.cached_tokens is None:
-                self.cached_tokens = first.cached_tokens
-            self.clock.first_token = self.clock.first_token or time.monotonic()
+            self._first_token(first)
             yield self._relay([first.token_id])
             if self.finish_reason == pb.FINISH_REASON_UNSPECIFIED:
                 async for message in self._decode(call, worker, "colocated"):
@@ -179,13 +202,23 @@ class RequestRun:
             call.cancel()  # a finished call ignores this; an open one frees the request on the worker
             self.dispatcher.release(worker, ticket)
 
-    async def _decode(self, call, worker, role: str = "decode"):
+    def _first_token(self, first: wpb.FirstToken) -> float:
+        """A leg's first token arrived; the request's first one sets TTFT and the cached tokens.
+        Returns the time it arrived."""
+        now = time.monotonic()
+        if self.clock.first_token is None:
+            self.clock.first_token, self.cached_tokens = now, first.cached_tokens
+            self.metrics.first_token(now - self.clock.arrival, now - self.clock.dispatched, len(self.prompt),
+                                     first.cached_tokens)  # fmt: skip
+        return now
+
+    async def _decode(self, call, worker, role: str = "decode", leg: LegTransfer | None = None):
         while True:
             event = await _read(call, role, worker)
             kind = event.WhichOneof("kind")
-            if kind == "landed":
-                self.clock.landed = time.monotonic()
-                self.clock.transfer_ms = self.clock.transfer_ms or (self.clock.landed - self.clock.first_token) * 1e3
+            if kind == "landed" and leg is not None:
+                leg.landed_ms = (time.monotonic() - leg.first_token) * 1e3
+                leg.nbytes = leg.nbytes or event.landed.bytes
             elif kind == "tokens":  # skip any the client already has (a re-prefilled leg restarts at len(output))
                 new = list(event.tokens.token_ids)[max(0, len(self.output) - event.tokens.index) :]
                 if new:
@@ -198,9 +231,10 @@ class RequestRun:
             elif kind == "preempted":  # re-prefill prompt + output on another leg
                 self.output = list(event.preempted.output_token_ids)
                 self.clock.reprefills += 1
+                self.metrics.preemptions.inc()
                 return
 
-    async def _await_transfer(self, prefill_call, prefill, decode_call) -> None:
+    async def _await_transfer(self, prefill_call, prefill, decode_call, leg: LegTransfer) -> None:
         """After the first token the prefill call reports the KV transfer. If it fails, or the prefill
         worker is lost before reporting, the KV will never land: the decode call is ended at once (the
         decode worker frees the lease) and the leg runs again, rather than waiting out the decode
@@ -210,8 +244,10 @@ class RequestRun:
                 if event.WhichOneof("kind") != "transfer":
                     continue
                 if event.transfer.ok:
-                    self.clock.transfer_ms = event.transfer.transfer_ms
+                    leg.result_ms = event.transfer.transfer_ms
+                    leg.nbytes = event.transfer.bytes or leg.nbytes
                     return
+                self.metrics.transfer_failures.inc()
                 failure = WorkerLost("prefill", prefill, f"KV transfer from {prefill.worker_id} failed: "
                                                          f"{event.transfer.error}", worker_failed=False)  # fmt: skip
                 break
@@ -226,6 +262,9 @@ class RequestRun:
     def _relay(self, tokens: list[int]) -> pb.GenerateResponse:
         """Tokens to the client, with the text they complete (held back while it may become a stop)."""
         index = len(self.output)
+        now = time.monotonic()
+        self.metrics.relayed(len(tokens), now - self.clock.last_relay if self.clock.last_relay is not None else None)
+        self.clock.last_relay = now
         self.dispatcher.relayed(len(tokens))
         self.output.extend(tokens)
         text, stop = self.stops.feed(self.detok.add_tokens(tokens))
@@ -248,9 +287,20 @@ class RequestRun:
                 self.finish_reason, self.stop_reason = pb.FINISH_REASON_STOP, stop
         usage = pb.Usage(prompt_tokens=len(self.prompt), completion_tokens=len(self.output),
                          cached_tokens=self.cached_tokens or 0)  # fmt: skip
+        self.timing = self.clock.timing(self.prefill_worker, self.decode_worker)
         return pb.GenerateResponse(request_id=self.request_id, text=text, index=len(self.output),
                                    finish_reason=self.finish_reason, stop_reason=self.stop_reason, usage=usage,
-                                   timing=self.clock.timing(self.prefill_worker, self.decode_worker))  # fmt: skip
+                                   timing=self.timing)  # fmt: skip
+
+    def summary(self, outcome: Outcome, status: str, message: str = "") -> RequestSummary:
+        """How the request ended, with the final message's timing (or the timing so far)."""
+        finished = outcome == "finished"
+        timing = self.timing
+        if not finished or timing is None:
+            timing = self.clock.timing(self.prefill_worker, self.decode_worker)
+        finish_reason = FINISH_REASON_LABELS.get(self.finish_reason, "") if finished else ""
+        return RequestSummary(self.request_id, outcome, status, message, finish_reason, len(self.prompt),
+                              len(self.output), self.cached_tokens or 0, timing)  # fmt: skip
 
 
 _FATAL = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.ALREADY_EXISTS)

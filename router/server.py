@@ -21,7 +21,10 @@ from engine.tokenizer import Tokenizer
 from router.config import RouterConfig
 from router.dispatcher import Dispatcher, RouterError
 from router.generate import RequestRun
+from router.metrics import RequestSummary, RouterMetrics, log_request
 from router.workers import WorkerAddress, WorkerPool
+from splitserve.observability.exporter import MetricsServer
+from splitserve.observability.logs import request_context
 from splitserve.rpc import workers_pb2 as wpb
 from splitserve.rpc import workers_pb2_grpc as wpb_grpc
 from splitserve.rpc.convert import sampling_from_pb
@@ -32,6 +35,9 @@ from splitserve.v1 import splitserve_pb2_grpc as pb_grpc
 
 log = logging.getLogger("splitserve.router")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["SplitServe"].full_name
+# A call cancelled this close to its deadline counts as DEADLINE_EXCEEDED: the client's copy of the
+# deadline fires first (ours started when its headers arrived) and its cancel reaches us early.
+DEADLINE_SLACK_S = 0.5
 
 
 class Router(pb_grpc.SplitServeServicer):
@@ -52,6 +58,10 @@ class Router(pb_grpc.SplitServeServicer):
         self.internal_address = ""
         self.health = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
         self.address = ""
+        self.metrics = RouterMetrics()
+        self.metrics.watch(self)
+        self.metrics_server = MetricsServer(self.metrics.registry)
+        self.metrics_address = ""  # "" when metrics are off
 
     # ---- lifecycle ------------------------------------------------------------------------------
 
@@ -83,6 +93,8 @@ class Router(pb_grpc.SplitServeServicer):
         internal_port = internal.add_port(self.internal_server, f"{cfg.host}:{cfg.internal_port}")
         if internal_port == 0:
             raise OSError(f"could not bind the router's internal port to {cfg.host}:{cfg.internal_port}")
+        if cfg.metrics_port is not None:
+            self.metrics_address = self.metrics_server.start(cfg.metrics_host or cfg.host, cfg.metrics_port)
         await self.server.start()
         await self.internal_server.start()
         for name in ("", SERVICE_NAME):
@@ -105,6 +117,7 @@ class Router(pb_grpc.SplitServeServicer):
             await self.dispatcher.close()
         if self.pool is not None:
             await self.pool.close()
+        self.metrics_server.stop()
 
     # ---- the public API ---------------------------------------------------------------------------
 
@@ -112,14 +125,35 @@ class Router(pb_grpc.SplitServeServicer):
         try:
             run = self._admit(request)
         except RouterError as e:
+            self._ended(RequestSummary(request.request_id or "-", "error", e.code, e.message, "", 0, 0, 0, None))
             await context.abort(getattr(grpc.StatusCode, e.code), e.message)
-        try:
-            async for message in run.run():
-                yield message
-        except RouterError as e:
-            await context.abort(getattr(grpc.StatusCode, e.code), e.message)
-        finally:
-            self.inflight.discard(run.request_id)
+        # Unless it finishes or fails, the call was cancelled (the client's cancel, or its deadline).
+        outcome, status, message = "cancelled", "CANCELLED", ""
+        responses = run.run()
+        with request_context(run.request_id):
+            try:
+                async for response in responses:
+                    yield response
+                outcome, status = "finished", "OK"
+            except RouterError as e:
+                outcome, status, message = "error", e.code, e.message
+                await context.abort(getattr(grpc.StatusCode, e.code), e.message)
+            except Exception as e:  # a bug: the call ends UNKNOWN
+                outcome, status, message = "error", "UNKNOWN", f"{type(e).__name__}: {e}"
+                raise
+            finally:
+                # A call cancelled while this generator waited at its yield leaves ``responses``
+                # suspended: close it now, so its legs close their worker calls before the summary.
+                await responses.aclose()
+                self.inflight.discard(run.request_id)
+                remaining = context.time_remaining()
+                if outcome == "cancelled" and remaining is not None and remaining < DEADLINE_SLACK_S:
+                    status = "DEADLINE_EXCEEDED"  # the client gives up at its deadline, a moment before ours
+                self._ended(run.summary(outcome, status, message))
+
+    def _ended(self, summary: RequestSummary) -> None:
+        self.metrics.ended(summary)
+        log_request(summary)
 
     def _admit(self, request: pb.GenerateRequest) -> RequestRun:
         """Validate and tokenize; raises RouterError naming the bad field."""
@@ -165,7 +199,7 @@ class Router(pb_grpc.SplitServeServicer):
         if request_id in self.inflight:
             raise RouterError("ALREADY_EXISTS", f"request_id: {request_id!r} is already in flight")
         self.inflight.add(request_id)
-        return RequestRun(request_id, tokens, sampling, self.tokenizer, self.dispatcher, cfg)
+        return RequestRun(request_id, tokens, sampling, self.tokenizer, self.dispatcher, cfg, self.metrics)
 
     async def GetStatus(self, request, context):  # noqa: N802
         workers = []
@@ -180,7 +214,8 @@ class Router(pb_grpc.SplitServeServicer):
                                     running_requests=len(self.inflight) - len(self.dispatcher.waiting),
                                     model=self.config.model_name or Path(self.config.model_dir).name,
                                     vocab_size=self.tokenizer.vocab_size,
-                                    max_model_len=self.model_config.max_position_embeddings)  # fmt: skip
+                                    max_model_len=self.model_config.max_position_embeddings,
+                                    metrics_address=self.metrics_address)  # fmt: skip
 
 
 async def _maybe_await(result) -> None:

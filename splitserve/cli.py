@@ -160,6 +160,11 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--ray-address", default=None, help="join this Ray cluster (e.g. auto) instead of starting one")
     p.add_argument("--dtype", default=None)
     p.add_argument("--device", default=None)
+    p.add_argument("--metrics-port", type=int, default=None,
+                   help="serve Prometheus /metrics on this port (0: any free port), and on every worker (docs/metrics.md)")  # fmt: skip
+    p.add_argument("--metrics-host", default=None, help="address the router's /metrics binds (default: --host)")
+    p.add_argument("--log-format", choices=["text", "json"], default=None,
+                   help="json: one JSON object a line, with request_id (router and workers)")  # fmt: skip
     g = p.add_argument_group("security (the config's security section; docs/security.md)")
     g.add_argument("--tls-cert", metavar="PEM", help="TLS on the public port: its certificate chain")
     g.add_argument("--tls-key", metavar="PEM", help="TLS on the public port: its key")
@@ -197,20 +202,21 @@ def _security_overrides(args: argparse.Namespace, config):
 
 
 def _serve(args: argparse.Namespace) -> int:
-    import logging
     import signal
     import threading
 
     from splitserve.deploy_config import DeploymentConfig
     from splitserve.launch import Deployment, use_loopback_ray
+    from splitserve.observability.logs import configure_logging
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     config = DeploymentConfig.from_file(args.config) if args.config else DeploymentConfig()
     config = config.with_overrides(model=args.model, num_prefill=args.num_prefill, num_decode=args.num_decode,
                                    mode=args.mode, num_colocated=args.num_colocated,
                                    host=args.host, port=args.port, ray_address=args.ray_address, dtype=args.dtype,
-                                   device=args.device)  # fmt: skip
+                                   device=args.device, metrics_port=args.metrics_port, metrics_host=args.metrics_host,
+                                   log_format=args.log_format)  # fmt: skip
     config = _security_overrides(args, config)
+    configure_logging(config.log_format)
     if not config.ray_address:
         use_loopback_ray()  # before Ray is imported
     stop = threading.Event()
@@ -228,6 +234,8 @@ def _serve(args: argparse.Namespace) -> int:
         for signum in (signal.SIGINT, signal.SIGTERM):
             signal.signal(signum, on_signal)
         print(f"splitserve ready on {address}", flush=True)
+        if deployment.router.metrics_address:
+            print(f"metrics on http://{deployment.router.metrics_address}/metrics", flush=True)
         while not stop.wait(0.5):
             pass
     finally:
@@ -237,18 +245,18 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _add_status(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("status", help="workers, health, load and KV usage of a running server")
+    p = sub.add_parser("status", help="workers, nodes, health, load and KV usage of a running server")
     p.add_argument("--addr", default="127.0.0.1:50051")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="the whole GetStatus reply as one JSON object")
     add_client_security_arguments(p)
     p.set_defaults(func=_status)
 
 
 def _status(args: argparse.Namespace) -> int:
     import grpc
-    from google.protobuf.json_format import MessageToDict
 
     from splitserve.client import Client
+    from splitserve.status_view import format_status, status_json
 
     with Client(args.addr, **client_security(args)) as client:
         try:
@@ -256,17 +264,7 @@ def _status(args: argparse.Namespace) -> int:
         except grpc.RpcError as e:
             print(f"splitserve status: {e.code().name}: {e.details()}", file=sys.stderr)
             return 1
-    if args.json:
-        print(json.dumps(MessageToDict(status, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)))
-        return 0
-    print(f"model {status.model}; {status.running_requests} running, {status.queued_requests} queued")
-    header = ("role", "id", "node", "address", "health", "running", "waiting", "kv total", "kv in use", "kv cached")
-    rows = [(w.role, w.worker_id, w.node_id[:12], w.address, "ok" if w.healthy else "DOWN", str(w.running),
-             str(w.waiting), str(w.kv_blocks_total), str(w.kv_blocks_in_use), str(w.kv_blocks_cached))
-            for w in status.workers]  # fmt: skip
-    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)]
-    for row in (header, *rows):
-        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)))
+    print(json.dumps(status_json(status)) if args.json else format_status(status, args.addr))
     return 0
 
 

@@ -16,6 +16,7 @@ import yaml
 
 from kv_transfer.config import FaultPoint, TransferConfig
 from router.config import RouterConfig
+from splitserve.observability.logs import LOG_FORMATS
 from splitserve.rpc.security import InternalSecurity, PublicSecurity
 from worker_common.config import WorkerFaults
 
@@ -168,6 +169,11 @@ class DeploymentConfig:
     worker_host: str | None = None  # address workers bind and advertise; None: 127.0.0.1 on an embedded
     # Ray, else each node's IP as Ray knows it
     ready_timeout_s: float = 300.0  # workers must have registered by then
+    # Prometheus /metrics over HTTP (docs/metrics.md). None: off; otherwise the router serves it on this
+    # port (0: any free port) and every worker on a free port of its own address.
+    metrics_port: int | None = None
+    metrics_host: str | None = None  # the address the router's /metrics binds; None: host
+    log_format: str = "text"  # text | json (one JSON object a line, with request_id), router and workers
     # disaggregated: prefill and decode workers; colocated: workers that run both phases in one
     # continuous batch (the baseline disaggregation is measured against)
     mode: str = "disaggregated"
@@ -183,6 +189,8 @@ class DeploymentConfig:
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"mode: {self.mode!r} is not {' or '.join(MODES)}")
+        if self.log_format not in LOG_FORMATS:
+            raise ValueError(f"log_format: {self.log_format!r} is not {' or '.join(LOG_FORMATS)}")
 
     @property
     def roles(self) -> tuple[str, ...]:
@@ -223,6 +231,7 @@ class DeploymentConfig:
                             max_queue=r.max_queue, lease_timeout_s=r.lease_timeout_s,
                             max_migrations=r.max_migrations, max_prefill_retries=r.max_prefill_retries,
                             die_after_tokens=self.router_die_after_tokens, internal_port=self.internal_port,
+                            metrics_port=self.metrics_port, metrics_host=self.metrics_host,
                             public_security=self.security.public(),
                             internal_security=self.security.internal())  # fmt: skip
 

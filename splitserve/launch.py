@@ -56,6 +56,17 @@ def _is_loopback(host: str) -> bool:
         return host == "localhost"
 
 
+_WILDCARDS = ("0.0.0.0", "::", "[::]", "")
+
+
+def _unwildcard(address: str) -> str:
+    """A wildcard bind ("0.0.0.0:P") as others dial it: this node's address as Ray knows it."""
+    import ray
+
+    host, port = address.rsplit(":", 1)
+    return f"{ray.util.get_node_ip_address()}:{port}" if host in _WILDCARDS else address
+
+
 class WorkerActor:
     """A prefill, decode or colocated worker inside a Ray actor process. It binds and advertises the node's
     address (or the configured one) and registers with the router itself."""
@@ -63,7 +74,9 @@ class WorkerActor:
     def __init__(self, config: WorkerConfig) -> None:
         import ray
 
-        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+        from splitserve.observability.logs import configure_logging
+
+        configure_logging(config.log_format, static={"worker_id": config.worker_id, "role": config.role})
         if config.role == "prefill":
             from prefill_worker.worker import PrefillWorker as cls
         elif config.role == "colocated":
@@ -119,6 +132,8 @@ class Deployment:
         self._thread.start()
         self.address = self._advertised(self._run(self.router.start()))
         self.internal_address = self._advertised(self.router.internal_address)
+        if self.router.metrics_address:
+            self.router.metrics_address = _unwildcard(self.router.metrics_address)
         for role in self.config.roles:
             for _ in range(getattr(self.config, role).replicas):
                 self._spawn(role)
@@ -138,10 +153,9 @@ class Deployment:
         could never be reached: that is refused here rather than left to time out."""
         import ray
 
-        host, port = address.rsplit(":", 1)
-        node_ip = ray.util.get_node_ip_address()
-        if host in ("0.0.0.0", "::", "[::]", ""):
-            return f"{node_ip}:{port}"
+        host = address.rsplit(":", 1)[0]
+        if host in _WILDCARDS:
+            return _unwildcard(address)
         if _is_loopback(host):
             remote = sorted({n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]} - {"127.0.0.1", "localhost", "::1"})
             if remote:
@@ -221,7 +235,8 @@ class Deployment:
                             router_address=self.internal_address, model_name=c.model_name,
                             transfer=replace(c.transfer, faults=transfer_faults),
                             max_inflight=role_config.max_inflight, faults=faults,
-                            security=c.security.internal())  # fmt: skip
+                            security=c.security.internal(), log_format=c.log_format,
+                            metrics_port=None if c.metrics_port is None else 0)  # fmt: skip
 
     # ---- scale ----------------------------------------------------------------------------------
 

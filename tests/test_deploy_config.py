@@ -68,6 +68,9 @@ def test_from_file(tmp_path):
         ({"security": {"internal_tls_ca": "ca.pem"}}, "security.internal_tls_cert"),
         ({"security": {"cluster_token": "a", "cluster_token_file": "b"}}, "security.cluster_token"),
         ({"security": {"cluster_token": ""}}, "security.cluster_token"),
+        ({"metrics_port": 70000}, "router.metrics_port"),
+        ({"metrics_port": "9400"}, "metrics_port"),
+        ({"log_format": "yaml"}, "log_format"),
     ],
 )
 def test_errors_name_the_field(raw, field):
@@ -108,3 +111,18 @@ def test_cluster_deployment_examples_load(name):
     assert config.prefill.replicas >= 1 and config.decode.replicas >= 1
     if config.device == "cuda":
         assert config.prefill.num_gpus == config.decode.num_gpus == 1
+
+
+def test_metrics_and_log_settings_reach_the_router_and_every_worker():
+    from splitserve.launch import Deployment
+
+    off = Deployment(DeploymentConfig(model="m"))
+    assert off.config.router_config("m").metrics_port is None
+    assert off._worker_config("decode", "decode-0").metrics_port is None
+    on = Deployment(DeploymentConfig.from_dict({"model": "m", "metrics_port": 9400, "metrics_host": "10.0.0.5",
+                                                "log_format": "json"}))  # fmt: skip
+    router = on.config.router_config("m")
+    assert (router.metrics_port, router.metrics_host) == (9400, "10.0.0.5")
+    for role in ("prefill", "decode"):
+        worker = on._worker_config(role, f"{role}-0")
+        assert (worker.metrics_port, worker.log_format) == (0, "json")  # workers: a free port each

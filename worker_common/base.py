@@ -31,9 +31,11 @@ from engine.core import EngineCore
 from kv_transfer.descriptor import LayoutFingerprint
 from splitserve.rpc import workers_pb2 as wpb
 from splitserve.rpc.options import SERVER_OPTIONS
+from splitserve.observability.exporter import MetricsServer
 from splitserve.rpc.auth import server_interceptors
 from splitserve.v1 import splitserve_pb2 as pb
 from worker_common.config import WorkerConfig
+from worker_common.metrics import WorkerMetrics
 from worker_common.registration import Registration
 
 log = logging.getLogger("splitserve.worker")
@@ -68,6 +70,10 @@ class WorkerBase:
         self.registration: Registration | None = None
         self.draining = False
         self._steps = {"prefill": 0, "decode": 0}
+        self.metrics = WorkerMetrics(config.worker_id, config.role)
+        self.metrics.watch(self)
+        self.metrics_server = MetricsServer(self.metrics.registry)
+        self.metrics_address = ""  # "" when metrics are off
 
     # ---- lifecycle ------------------------------------------------------------------------------
 
@@ -87,6 +93,8 @@ class WorkerBase:
             raise OSError(f"could not bind {cfg.role} worker {cfg.worker_id} to {cfg.host}:{cfg.port}")
         self._server.start()
         self.address = f"{cfg.host}:{port}"
+        if cfg.metrics_port is not None:
+            self.metrics_address = self.metrics_server.start(cfg.host, cfg.metrics_port)
         self._thread = threading.Thread(target=self._loop, name=f"{cfg.role}-loop", daemon=True)
         self._thread.start()
         log.info("%s worker %s serving on %s", cfg.role, cfg.worker_id, self.address)
@@ -98,7 +106,8 @@ class WorkerBase:
     def worker_info(self) -> wpb.WorkerInfo:
         return wpb.WorkerInfo(role=self.config.role, worker_id=self.config.worker_id, address=self.address,
                               node=self.config.node or socket.gethostname(), incarnation=self.incarnation,
-                              max_inflight=self.config.max_inflight, block_size=self.config.engine.block_size)  # fmt: skip
+                              max_inflight=self.config.max_inflight, block_size=self.config.engine.block_size,
+                              metrics_address=self.metrics_address)  # fmt: skip
 
     def drain(self) -> None:
         """Take no new request; finish or hand back the ones held (from the registration thread)."""
@@ -114,6 +123,7 @@ class WorkerBase:
             self._server.stop(grace_s).wait(grace_s + 1)
         if self._thread is not None:
             self._thread.join(5)
+        self.metrics_server.stop()
 
     def add_services(self, server: grpc.Server) -> None:
         raise NotImplementedError
@@ -163,6 +173,18 @@ class WorkerBase:
     def fail_all(self, message: str) -> None:
         raise NotImplementedError
 
+    def run_model(self, output, kind: str, **kwargs):
+        """Run one scheduled step on the model (``kind``: "prefill" if it computes prompt tokens, else
+        "decode"), timing it for the metrics; returns the sampled tokens."""
+        start = time.monotonic()
+        sampled = self.core.runner.execute(output, **kwargs)
+        self.metrics.step(kind, time.monotonic() - start, len(output.scheduled), output.num_tokens)
+        return sampled
+
+    def kv_pairs(self) -> int:
+        """Open KV-transfer pair groups (metrics)."""
+        return 0
+
     def fault_point(self, kind: str) -> None:
         """A step of this kind ("prefill" or "decode") starts: die here if the config says so."""
         faults = self.config.faults
@@ -198,7 +220,7 @@ class WorkerBase:
             role=self.config.role, worker_id=self.config.worker_id, node_id=self.config.node or socket.gethostname(),
             address=self.address, healthy=not self._stopped.is_set(), running=running, waiting=waiting,
             kv_blocks_total=total, kv_blocks_in_use=in_use, kv_blocks_cached=cached,
-            incarnation=self.incarnation,
+            incarnation=self.incarnation, metrics_address=self.metrics_address,
         )  # fmt: skip
 
     @property

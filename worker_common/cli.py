@@ -7,12 +7,12 @@ It serves until SIGINT or SIGTERM. Point a router at it with ``python -m router 
 from __future__ import annotations
 
 import argparse
-import logging
 import signal
 import sys
 import threading
 
 from engine.core import EngineConfig
+from splitserve.observability.logs import configure_logging
 from worker_common.config import WorkerConfig
 
 
@@ -29,13 +29,16 @@ def main(role: str, argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--max-inflight", type=int, default=16 if role == "prefill" else 128,
                    help="prefill: requests before their first token; decode: leases held")
+    p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics here (0: any free port)")
+    p.add_argument("--log-format", choices=["text", "json"], default="text")
     args = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    configure_logging(args.log_format, static={"worker_id": args.worker_id, "role": role})
     engine = EngineConfig(model_dir=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
                           num_blocks=args.num_blocks, num_threads=args.threads,
                           enable_prefix_caching=role == "prefill")  # fmt: skip
     config = WorkerConfig(role=role, worker_id=args.worker_id, engine=engine, host=args.host, port=args.port,
-                          max_inflight=args.max_inflight)  # fmt: skip
+                          max_inflight=args.max_inflight, metrics_port=args.metrics_port,
+                          log_format=args.log_format)  # fmt: skip
     if role == "prefill":
         from prefill_worker.worker import PrefillWorker as cls
     else:

@@ -43,6 +43,8 @@ class WorkerConfig:
     node: str = ""  # where the worker runs (a Ray node id), for status
     faults: WorkerFaults = field(default_factory=WorkerFaults)
     security: InternalSecurity = field(default_factory=InternalSecurity)  # mTLS and the cluster token
+    metrics_port: int | None = None  # Prometheus /metrics over HTTP on ``host``; None: off, 0: any free port
+    log_format: Literal["text", "json"] = "text"  # the process's log lines (splitserve.observability.logs)
 
     def __post_init__(self) -> None:
         if self.role not in ("prefill", "decode", "colocated"):
@@ -51,3 +53,7 @@ class WorkerConfig:
             raise ValueError("worker_id: must not be empty")
         if self.max_inflight < 1:
             raise ValueError(f"max_inflight: must be >= 1, got {self.max_inflight}")
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise ValueError(f"metrics_port: must be null or 0 to 65535, got {self.metrics_port}")
+        if self.log_format not in ("text", "json"):
+            raise ValueError(f"log_format: {self.log_format!r} is not text or json")

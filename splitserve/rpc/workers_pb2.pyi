@@ -9,7 +9,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("role", "worker_id", "address", "node", "incarnation", "max_inflight", "block_size")
+    __slots__ = ("role", "worker_id", "address", "node", "incarnation", "max_inflight", "block_size", "metrics_address")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -17,6 +17,7 @@ class WorkerInfo(_message.Message):
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     MAX_INFLIGHT_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    METRICS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     role: str
     worker_id: str
     address: str
@@ -24,7 +25,8 @@ class WorkerInfo(_message.Message):
     incarnation: str
     max_inflight: int
     block_size: int
-    def __init__(self, role: _Optional[str] = ..., worker_id: _Optional[str] = ..., address: _Optional[str] = ..., node: _Optional[str] = ..., incarnation: _Optional[str] = ..., max_inflight: _Optional[int] = ..., block_size: _Optional[int] = ...) -> None: ...
+    metrics_address: str
+    def __init__(self, role: _Optional[str] = ..., worker_id: _Optional[str] = ..., address: _Optional[str] = ..., node: _Optional[str] = ..., incarnation: _Optional[str] = ..., max_inflight: _Optional[int] = ..., block_size: _Optional[int] = ..., metrics_address: _Optional[str] = ...) -> None: ...
 
 class RegistryCommand(_message.Message):
     __slots__ = ("kind",)
@@ -113,14 +115,16 @@ class FirstToken(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., queue_ms: _Optional[float] = ..., compute_ms: _Optional[float] = ..., finish_reason: _Optional[_Union[_splitserve_pb2.FinishReason, str]] = ..., stop_reason: _Optional[str] = ...) -> None: ...
 
 class TransferResult(_message.Message):
-    __slots__ = ("ok", "error", "transfer_ms")
+    __slots__ = ("ok", "error", "transfer_ms", "bytes")
     OK_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_MS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
     ok: bool
     error: str
     transfer_ms: float
-    def __init__(self, ok: _Optional[bool] = ..., error: _Optional[str] = ..., transfer_ms: _Optional[float] = ...) -> None: ...
+    bytes: int
+    def __init__(self, ok: _Optional[bool] = ..., error: _Optional[str] = ..., transfer_ms: _Optional[float] = ..., bytes: _Optional[int] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "output_token_ids", "sampling")
@@ -167,10 +171,12 @@ class LeaseRefused(_message.Message):
     def __init__(self, reason: _Optional[str] = ..., free_blocks: _Optional[int] = ...) -> None: ...
 
 class KVLanded(_message.Message):
-    __slots__ = ("wait_ms",)
+    __slots__ = ("wait_ms", "bytes")
     WAIT_MS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
     wait_ms: float
-    def __init__(self, wait_ms: _Optional[float] = ...) -> None: ...
+    bytes: int
+    def __init__(self, wait_ms: _Optional[float] = ..., bytes: _Optional[int] = ...) -> None: ...
 
 class Tokens(_message.Message):
     __slots__ = ("token_ids", "index")

@@ -119,20 +119,22 @@ class GetStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetStatusResponse(_message.Message):
-    __slots__ = ("workers", "queued_requests", "running_requests", "model", "vocab_size", "max_model_len")
+    __slots__ = ("workers", "queued_requests", "running_requests", "model", "vocab_size", "max_model_len", "metrics_address")
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     QUEUED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    METRICS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     workers: _containers.RepeatedCompositeFieldContainer[WorkerStatus]
     queued_requests: int
     running_requests: int
     model: str
     vocab_size: int
     max_model_len: int
-    def __init__(self, workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., queued_requests: _Optional[int] = ..., running_requests: _Optional[int] = ..., model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ...) -> None: ...
+    metrics_address: str
+    def __init__(self, workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., queued_requests: _Optional[int] = ..., running_requests: _Optional[int] = ..., model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., metrics_address: _Optional[str] = ...) -> None: ...
 
 class WorkerStatus(_message.Message):
     __slots__ = ("role", "worker_id", "node_id", "address", "healthy", "running", "waiting", "kv_blocks_total", "kv_blocks_in_use", "kv_blocks_cached", "metrics_address", "incarnation")

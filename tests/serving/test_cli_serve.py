@@ -1,7 +1,9 @@
-"""`splitserve serve` as a user runs it: ready line, a request, then SIGTERM stops everything it started."""
+"""`splitserve serve` as a user runs it: ready line, a request, then SIGTERM stops everything it started;
+with `--metrics-port` and `--log-format json`, its /metrics and its JSON log lines."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -9,6 +11,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 
 from splitserve.client import Client
@@ -30,9 +33,10 @@ def processes_mentioning(text: str) -> list[int]:
 def test_serve_prints_ready_serves_and_stops_on_sigterm(serving_model):
     tmp = tempfile.mkdtemp(prefix="ss")  # short: Ray's socket paths live under it
     env = {**os.environ, "TMPDIR": tmp, "PYTHONUNBUFFERED": "1"}
+    log = tempfile.TemporaryFile("w+")
     proc = subprocess.Popen([sys.executable, "-m", "splitserve.cli", "serve", "--model", str(serving_model),
-                             "--dtype", "float32", "--port", "0"], stdout=subprocess.PIPE,
-                            stderr=subprocess.DEVNULL, text=True, env=env)  # fmt: skip
+                             "--dtype", "float32", "--port", "0", "--metrics-port", "0", "--log-format", "json"],
+                            stdout=subprocess.PIPE, stderr=log, text=True, env=env)  # fmt: skip
     try:
         deadline = time.monotonic() + 120
         address = None
@@ -43,12 +47,22 @@ def test_serve_prints_ready_serves_and_stops_on_sigterm(serving_model):
                 break
             assert line or proc.poll() is None, "serve exited before it was ready"
         assert address and address.startswith("127.0.0.1:")
+        metrics = proc.stdout.readline().split()
+        assert metrics[:2] == ["metrics", "on"] and metrics[2].startswith("http://127.0.0.1:")
         assert processes_mentioning(tmp), "expected Ray processes under the private temp dir"
         with Client(address) as client:
-            assert len(client.generate(token_ids=[1, 2, 3], max_tokens=4).token_ids) == 4
+            done = client.generate(token_ids=[1, 2, 3], max_tokens=4, request_id="cli-1")
+            assert len(done.token_ids) == 4
+        with urllib.request.urlopen(metrics[2], timeout=10) as response:
+            assert b'splitserve_requests_total{finish_reason="length",outcome="finished",status="OK"} 1.0' in response.read()
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0
         assert "splitserve stopped" in proc.stdout.read()
+        log.seek(0)
+        lines = [json.loads(line) for line in log if line.startswith("{")]  # the router's lines, as JSON
+        request = [line for line in lines if line.get("request_id") == "cli-1"]
+        assert len(request) == 1 and request[0]["total_ms"] == round(done.timing["total_ms"], 3)
+        assert any("serving clients on" in line["message"] for line in lines)
         deadline = time.monotonic() + 10
         while processes_mentioning(tmp) and time.monotonic() < deadline:
             time.sleep(0.2)
@@ -58,4 +72,5 @@ def test_serve_prints_ready_serves_and_stops_on_sigterm(serving_model):
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
+        log.close()
         shutil.rmtree(tmp, ignore_errors=True)

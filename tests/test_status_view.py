@@ -1,0 +1,45 @@
+"""`splitserve status`'s table: the summary line, one aligned row per worker in id order, usage."""
+
+from __future__ import annotations
+
+from splitserve.status_view import COLUMNS, format_status, status_json
+from splitserve.v1 import splitserve_pb2 as pb
+
+
+def make_status(workers=(), **fields) -> pb.GetStatusResponse:
+    return pb.GetStatusResponse(workers=list(workers), model="tiny", **fields)
+
+
+def make_worker(worker_id: str, healthy: bool = True, **fields) -> pb.WorkerStatus:
+    return pb.WorkerStatus(worker_id=worker_id, role=worker_id.split("-")[0], node_id="ab" * 20, healthy=healthy,
+                           address=f"10.0.0.{len(worker_id)}:7000", **fields)  # fmt: skip
+
+
+def test_table_rows_summary_and_alignment():
+    status = make_status([
+        make_worker("prefill-10", kv_blocks_total=1000, kv_blocks_in_use=250, kv_blocks_cached=40, running=3),
+        make_worker("prefill-2", metrics_address="10.0.0.9:9100"),
+        make_worker("decode-0", healthy=False, waiting=12),
+    ], queued_requests=5, running_requests=7, metrics_address="127.0.0.1:9400")  # fmt: skip
+    lines = format_status(status, "127.0.0.1:50051").splitlines()
+    assert lines[0] == ("router 127.0.0.1:50051  model tiny  queued 5  running 7  workers 2/3 healthy  "
+                        "metrics 127.0.0.1:9400")  # fmt: skip
+    assert lines[1].split() == [w for c in COLUMNS for w in c.split()]
+    assert [line.split()[0] for line in lines[2:]] == ["decode-0", "prefill-2", "prefill-10"]
+    decode, small, big = (line.split() for line in lines[2:])
+    assert decode[3] == "DOWN" and decode[5] == "12" and decode[2] == "ab" * 6 and decode[-1] == "-"
+    assert big[6:8] == ["250/1000", "(25%)"] and big[8] == "40" and big[4] == "3"
+    assert small[-1] == "10.0.0.9:9100"
+    for column, prefix in [("ROLE", ("decode", "prefill")), ("ADDRESS", ("10.0.0.",)), ("METRICS", ("-", "10.0"))]:
+        offset = lines[1].index(column)  # every cell starts under its header
+        assert all(line[offset:].startswith(prefix) for line in lines[2:]), column
+    running = lines[1].index("RUN") + len("RUN")  # numbers end under theirs
+    assert [line[:running].split()[-1] for line in lines[2:]] == ["0", "0", "3"]
+
+
+def test_no_workers_and_json_keeps_every_field():
+    lines = format_status(make_status(), "h:1").splitlines()
+    assert "workers 0/0 healthy" in lines[0] and "metrics off" in lines[0] and lines[-1] == "(no workers)"
+    data = status_json(make_status([make_worker("decode-0")]))
+    assert data["metrics_address"] == "" and data["workers"][0]["metrics_address"] == ""
+    assert data["workers"][0]["kv_blocks_in_use"] == 0 and data["model"] == "tiny"
