@@ -6,9 +6,11 @@ detokenizes and relays; the workers compute.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -110,16 +112,25 @@ class Router(pb_grpc.SplitServeServicer):
 
     async def Generate(self, request: pb.GenerateRequest, context):  # noqa: N802
         try:
-            run = self._admit(request)
+            with self.admitted(request) as run:
+                async for message in run.run():
+                    yield message
         except RouterError as e:
             await context.abort(getattr(grpc.StatusCode, e.code), e.message)
+
+    @contextlib.contextmanager
+    def admitted(self, request: pb.GenerateRequest) -> Iterator[RequestRun]:
+        """The request validated, tokenized and in flight (its id taken) until the block ends; raises
+        RouterError naming the bad field. Every front end admits requests this way."""
+        run = self._admit(request)
         try:
-            async for message in run.run():
-                yield message
-        except RouterError as e:
-            await context.abort(getattr(grpc.StatusCode, e.code), e.message)
+            yield run
         finally:
             self.inflight.discard(run.request_id)
+
+    @property
+    def model_name(self) -> str:
+        return self.config.model_name or Path(self.config.model_dir).name
 
     def _admit(self, request: pb.GenerateRequest) -> RequestRun:
         """Validate and tokenize; raises RouterError naming the bad field."""
@@ -178,7 +189,7 @@ class Router(pb_grpc.SplitServeServicer):
             workers.append(status)
         return pb.GetStatusResponse(workers=workers, queued_requests=len(self.dispatcher.waiting),
                                     running_requests=len(self.inflight) - len(self.dispatcher.waiting),
-                                    model=self.config.model_name or Path(self.config.model_dir).name,
+                                    model=self.model_name,
                                     vocab_size=self.tokenizer.vocab_size,
                                     max_model_len=self.model_config.max_position_embeddings)  # fmt: skip
 
