@@ -30,6 +30,7 @@ class RouterConfig:
     max_message_bytes: int = 4 << 20  # largest request accepted; the transport refuses past twice it
     die_after_tokens: int = -1  # fault point (tests): the process exits instead of relaying more tokens than this
     internal_port: int = 0  # the port workers register on (Registry); 0: any free port
+    openai_port: int | None = None  # the OpenAI-compatible HTTP API on the same host; None: off, 0: any free port
     public_security: PublicSecurity = field(default_factory=PublicSecurity)
     internal_security: InternalSecurity = field(default_factory=InternalSecurity)
 
@@ -47,5 +48,7 @@ class RouterConfig:
                 raise ValueError(f"{name}: must be > 0, got {getattr(self, name)}")
         if self.die_after_tokens < -1:
             raise ValueError(f"die_after_tokens: must be >= -1, got {self.die_after_tokens}")
+        if self.openai_port is not None and not 0 <= self.openai_port <= 65535:
+            raise ValueError(f"openai_port: must be a port number (0: any free port), got {self.openai_port}")
         if self.overlap_weight < 0:
             raise ValueError(f"overlap_weight: must be >= 0, got {self.overlap_weight}")

@@ -23,6 +23,7 @@ from engine.tokenizer import Tokenizer
 from router.config import RouterConfig
 from router.dispatcher import Dispatcher, RouterError
 from router.generate import RequestRun
+from router.openai.server import OpenAIServer
 from router.workers import WorkerAddress, WorkerPool
 from splitserve.rpc import workers_pb2 as wpb
 from splitserve.rpc import workers_pb2_grpc as wpb_grpc
@@ -54,6 +55,8 @@ class Router(pb_grpc.SplitServeServicer):
         self.internal_address = ""
         self.health = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
         self.address = ""
+        self.openai: OpenAIServer | None = None  # the OpenAI-compatible HTTP API, when openai_port is set
+        self.openai_address = ""
 
     # ---- lifecycle ------------------------------------------------------------------------------
 
@@ -91,12 +94,19 @@ class Router(pb_grpc.SplitServeServicer):
             await _maybe_await(self.health.set(name, health_pb2.HealthCheckResponse.SERVING))
         self.address = f"{cfg.host}:{port}"
         self.internal_address = f"{cfg.host}:{internal_port}"
+        if cfg.openai_port is not None:
+            self.openai = OpenAIServer(self)
+            self.openai_address = await self.openai.start(cfg.host, cfg.openai_port)
+            log.info("router serving the OpenAI API on %s://%s/v1", "https" if public.tls_cert else "http",
+                     self.openai_address)  # fmt: skip
         log.info("router serving clients on %s (%s), workers on %s (%s)", self.address,
                  "TLS" if public.tls_cert else "plaintext", self.internal_address,
                  "mTLS" if internal.tls else "plaintext")  # fmt: skip
         return self.address
 
     async def stop(self, grace_s: float = 1.0) -> None:
+        if self.openai is not None:
+            await self.openai.stop()
         if self.server is not None:
             for name in ("", SERVICE_NAME):
                 await _maybe_await(self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING))

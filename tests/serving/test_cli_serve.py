@@ -1,7 +1,9 @@
-"""`splitserve serve` as a user runs it: ready line, a request, then SIGTERM stops everything it started."""
+"""`splitserve serve` as a user runs it: ready line, a request (gRPC and the OpenAI API), then SIGTERM
+stops everything it started."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -9,6 +11,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 
 from splitserve.client import Client
@@ -31,13 +34,15 @@ def test_serve_prints_ready_serves_and_stops_on_sigterm(serving_model):
     tmp = tempfile.mkdtemp(prefix="ss")  # short: Ray's socket paths live under it
     env = {**os.environ, "TMPDIR": tmp, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "splitserve.cli", "serve", "--model", str(serving_model),
-                             "--dtype", "float32", "--port", "0"], stdout=subprocess.PIPE,
+                             "--dtype", "float32", "--port", "0", "--openai-port", "0"], stdout=subprocess.PIPE,
                             stderr=subprocess.DEVNULL, text=True, env=env)  # fmt: skip
     try:
         deadline = time.monotonic() + 120
-        address = None
+        address = openai_url = None
         while time.monotonic() < deadline:
             line = proc.stdout.readline()
+            if line.startswith("splitserve OpenAI API on "):
+                openai_url = line.split()[-1]
             if line.startswith("splitserve ready on "):
                 address = line.split()[-1]
                 break
@@ -46,6 +51,9 @@ def test_serve_prints_ready_serves_and_stops_on_sigterm(serving_model):
         assert processes_mentioning(tmp), "expected Ray processes under the private temp dir"
         with Client(address) as client:
             assert len(client.generate(token_ids=[1, 2, 3], max_tokens=4).token_ids) == 4
+        assert openai_url and openai_url.startswith("http://127.0.0.1:") and openai_url.endswith("/v1")
+        with urllib.request.urlopen(f"{openai_url}/models", timeout=10) as response:
+            assert json.load(response)["data"][0]["id"] == serving_model.name
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0
         assert "splitserve stopped" in proc.stdout.read()
