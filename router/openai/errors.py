@@ -43,7 +43,9 @@ class OpenAIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def response(self) -> web.Response:
-        return web.json_response(self.body(), status=self.status, dumps=dumps)
+        # The openai client retries a 409 unless told not to: a duplicate request id stays one.
+        headers = {"x-should-retry": "false"} if self.status == 409 else None
+        return web.json_response(self.body(), status=self.status, dumps=dumps, headers=headers)
 
 
 def invalid(param: str, message: str, code: str = "invalid_value") -> OpenAIError:

@@ -25,7 +25,8 @@ def usage(finals: list[pb.GenerateResponse]) -> dict:
 
 
 def timing(message: pb.Timing) -> dict:
-    return {f.name: getattr(message, f.name) for f in message.DESCRIPTOR.fields}
+    values = {f.name: getattr(message, f.name) for f in message.DESCRIPTOR.fields}
+    return {name: round(v, 3) if isinstance(v, float) else v for name, v in values.items()}  # to the microsecond
 
 
 class Responder:

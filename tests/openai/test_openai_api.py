@@ -188,6 +188,7 @@ def test_closing_a_stream_cancels_the_request_everywhere(served):
     with pytest.raises(openai.ConflictError) as e:  # the id is in flight
         client.completions.create(model=name, prompt="Hi", extra_headers={"X-Request-Id": "long-one"})
     assert e.value.body["message"].startswith("X-Request-Id:")
+    assert e.value.response.headers["x-should-retry"] == "false"  # the client would retry a 409 otherwise
     stream.close()
     assert_idle(served)
 
