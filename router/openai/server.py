@@ -19,9 +19,11 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
 
 from aiohttp import web
 
+from engine.tokenizer import Tokenizer
 from router.dispatcher import RouterError
 from router.openai.chat_template import ChatTemplate, ChatTemplateError
 from router.openai.errors import OpenAIError, dumps
@@ -30,12 +32,15 @@ from router.openai.respond import Responder
 from splitserve.rpc.auth import AUTH_HEADER, Credential
 from splitserve.v1 import splitserve_pb2 as pb
 
+if TYPE_CHECKING:
+    from router.server import Router
+
 log = logging.getLogger("splitserve.openai")
 REQUEST_ID_HEADER = "X-Request-Id"
 
 
 class OpenAIServer:
-    def __init__(self, router) -> None:
+    def __init__(self, router: Router) -> None:
         self.router = router
         cfg = router.config
         self.api_keys = Credential("an API key", cfg.public_security.keys())
@@ -185,7 +190,7 @@ class OpenAIServer:
         return response
 
 
-def _template(tokenizer) -> tuple[ChatTemplate | None, str]:
+def _template(tokenizer: Tokenizer) -> tuple[ChatTemplate | None, str]:
     """The model's chat template and, without one, why not (for the 400 that chat requests get)."""
     try:
         template = ChatTemplate.from_tokenizer(tokenizer)
