@@ -12,6 +12,7 @@ import logging
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -23,7 +24,6 @@ from engine.tokenizer import Tokenizer
 from router.config import RouterConfig
 from router.dispatcher import Dispatcher, RouterError
 from router.generate import RequestRun
-from router.openai.server import OpenAIServer
 from router.workers import WorkerAddress, WorkerPool
 from splitserve.rpc import workers_pb2 as wpb
 from splitserve.rpc import workers_pb2_grpc as wpb_grpc
@@ -32,6 +32,9 @@ from splitserve.rpc.options import SERVER_OPTIONS
 from splitserve.rpc.auth import server_interceptors
 from splitserve.v1 import splitserve_pb2 as pb
 from splitserve.v1 import splitserve_pb2_grpc as pb_grpc
+
+if TYPE_CHECKING:
+    from router.openai.server import OpenAIServer
 
 log = logging.getLogger("splitserve.router")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["SplitServe"].full_name
@@ -95,6 +98,8 @@ class Router(pb_grpc.SplitServeServicer):
         self.address = f"{cfg.host}:{port}"
         self.internal_address = f"{cfg.host}:{internal_port}"
         if cfg.openai_port is not None:
+            from router.openai.server import OpenAIServer  # aiohttp and jinja2 load only when it is on
+
             self.openai = OpenAIServer(self)
             self.openai_address = await self.openai.start(cfg.host, cfg.openai_port)
             log.info("router serving the OpenAI API on %s://%s/v1", "https" if public.tls_cert else "http",
