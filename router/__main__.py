@@ -16,12 +16,16 @@ from splitserve.observability.logs import configure_logging
 async def _run(args: argparse.Namespace) -> None:
     workers = [WorkerAddress("prefill", a) for a in args.prefill] + [WorkerAddress("decode", a) for a in args.decode]
     router = Router(RouterConfig(model_dir=args.model, host=args.host, port=args.port, block_size=args.block_size,
-                                 routing_policy=args.policy, metrics_port=args.metrics_port), workers)  # fmt: skip
+                                 routing_policy=args.policy, metrics_port=args.metrics_port,
+                                 openai_port=args.openai_port), workers)  # fmt: skip
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, stop.set)
-    print(f"splitserve ready on {await router.start()}", flush=True)
+    address = await router.start()
+    if router.openai_address:
+        print(f"splitserve OpenAI API on http://{router.openai_address}/v1", flush=True)
+    print(f"splitserve ready on {address}", flush=True)
     await stop.wait()
     await router.stop()
 
@@ -33,6 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--decode", action="append", required=True, help="a decode worker's host:port (repeatable)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=50051)
+    p.add_argument("--openai-port", type=int, default=None, help="also serve the OpenAI API here (0: any free port)")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--policy", default="prefix_aware", choices=["prefix_aware", "least_loaded", "round_robin"])
     p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics here (0: any free port)")

@@ -32,6 +32,7 @@ class RouterConfig:
     internal_port: int = 0  # the port workers register on (Registry); 0: any free port
     metrics_port: int | None = None  # Prometheus /metrics over HTTP; None: off, 0: any free port
     metrics_host: str | None = None  # the address /metrics binds; None: host
+    openai_port: int | None = None  # the OpenAI-compatible HTTP API on the same host; None: off, 0: any free port
     public_security: PublicSecurity = field(default_factory=PublicSecurity)
     internal_security: InternalSecurity = field(default_factory=InternalSecurity)
 
@@ -51,5 +52,7 @@ class RouterConfig:
             raise ValueError(f"die_after_tokens: must be >= -1, got {self.die_after_tokens}")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             raise ValueError(f"metrics_port: must be null or 0 to 65535, got {self.metrics_port}")
+        if self.openai_port is not None and not 0 <= self.openai_port <= 65535:
+            raise ValueError(f"openai_port: must be a port number (0: any free port), got {self.openai_port}")
         if self.overlap_weight < 0:
             raise ValueError(f"overlap_weight: must be >= 0, got {self.overlap_weight}")

@@ -6,10 +6,13 @@ detokenizes and relays; the workers compute.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import uuid
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -32,6 +35,9 @@ from splitserve.rpc.options import SERVER_OPTIONS
 from splitserve.rpc.auth import server_interceptors
 from splitserve.v1 import splitserve_pb2 as pb
 from splitserve.v1 import splitserve_pb2_grpc as pb_grpc
+
+if TYPE_CHECKING:
+    from router.openai.server import OpenAIServer
 
 log = logging.getLogger("splitserve.router")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["SplitServe"].full_name
@@ -62,6 +68,8 @@ class Router(pb_grpc.SplitServeServicer):
         self.metrics.watch(self)
         self.metrics_server = MetricsServer(self.metrics.registry)
         self.metrics_address = ""  # "" when metrics are off
+        self.openai: OpenAIServer | None = None  # the OpenAI-compatible HTTP API, when openai_port is set
+        self.openai_address = ""
 
     # ---- lifecycle ------------------------------------------------------------------------------
 
@@ -101,12 +109,21 @@ class Router(pb_grpc.SplitServeServicer):
             await _maybe_await(self.health.set(name, health_pb2.HealthCheckResponse.SERVING))
         self.address = f"{cfg.host}:{port}"
         self.internal_address = f"{cfg.host}:{internal_port}"
+        if cfg.openai_port is not None:
+            from router.openai.server import OpenAIServer  # aiohttp and jinja2 load only when it is on
+
+            self.openai = OpenAIServer(self)
+            self.openai_address = await self.openai.start(cfg.host, cfg.openai_port)
+            log.info("router serving the OpenAI API on %s://%s/v1", "https" if public.tls_cert else "http",
+                     self.openai_address)  # fmt: skip
         log.info("router serving clients on %s (%s), workers on %s (%s)", self.address,
                  "TLS" if public.tls_cert else "plaintext", self.internal_address,
                  "mTLS" if internal.tls else "plaintext")  # fmt: skip
         return self.address
 
     async def stop(self, grace_s: float = 1.0) -> None:
+        if self.openai is not None:
+            await self.openai.stop()
         if self.server is not None:
             for name in ("", SERVICE_NAME):
                 await _maybe_await(self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING))
@@ -123,10 +140,32 @@ class Router(pb_grpc.SplitServeServicer):
 
     async def Generate(self, request: pb.GenerateRequest, context):  # noqa: N802
         try:
+            with self.admitted(request) as run:
+                async with contextlib.aclosing(self.observed(run, context.time_remaining)) as messages:
+                    async for message in messages:
+                        yield message
+        except RouterError as e:
+            await context.abort(getattr(grpc.StatusCode, e.code), e.message)
+
+    @contextlib.contextmanager
+    def admitted(self, request: pb.GenerateRequest) -> Iterator[RequestRun]:
+        """The request validated, tokenized and in flight (its id taken) until the block ends; raises
+        RouterError naming the bad field (and counts the refusal). Every front end admits requests
+        this way, then runs them through ``observed``."""
+        try:
             run = self._admit(request)
         except RouterError as e:
             self._ended(RequestSummary(request.request_id or "-", "error", e.code, e.message, "", 0, 0, 0, None))
-            await context.abort(getattr(grpc.StatusCode, e.code), e.message)
+            raise
+        try:
+            yield run
+        finally:
+            self.inflight.discard(run.request_id)
+
+    async def observed(self, run: RequestRun, time_remaining=lambda: None) -> AsyncIterator[pb.GenerateResponse]:
+        """An admitted request's messages; however it ends, it is counted in the metrics and logged
+        (its line carries the timeline). Raises RouterError as ``RequestRun.run`` does.
+        ``time_remaining``: the caller's deadline, to tell a deadline from a cancel."""
         # Unless it finishes or fails, the call was cancelled (the client's cancel, or its deadline).
         outcome, status, message = "cancelled", "CANCELLED", ""
         responses = run.run()
@@ -137,7 +176,7 @@ class Router(pb_grpc.SplitServeServicer):
                 outcome, status = "finished", "OK"
             except RouterError as e:
                 outcome, status, message = "error", e.code, e.message
-                await context.abort(getattr(grpc.StatusCode, e.code), e.message)
+                raise
             except Exception as e:  # a bug: the call ends UNKNOWN
                 outcome, status, message = "error", "UNKNOWN", f"{type(e).__name__}: {e}"
                 raise
@@ -145,8 +184,7 @@ class Router(pb_grpc.SplitServeServicer):
                 # A call cancelled while this generator waited at its yield leaves ``responses``
                 # suspended: close it now, so its legs close their worker calls before the summary.
                 await responses.aclose()
-                self.inflight.discard(run.request_id)
-                remaining = context.time_remaining()
+                remaining = time_remaining()
                 if outcome == "cancelled" and remaining is not None and remaining < DEADLINE_SLACK_S:
                     status = "DEADLINE_EXCEEDED"  # the client gives up at its deadline, a moment before ours
                 self._ended(run.summary(outcome, status, message))
@@ -154,6 +192,10 @@ class Router(pb_grpc.SplitServeServicer):
     def _ended(self, summary: RequestSummary) -> None:
         self.metrics.ended(summary)
         log_request(summary)
+
+    @property
+    def model_name(self) -> str:
+        return self.config.model_name or Path(self.config.model_dir).name
 
     def _admit(self, request: pb.GenerateRequest) -> RequestRun:
         """Validate and tokenize; raises RouterError naming the bad field."""
@@ -212,7 +254,7 @@ class Router(pb_grpc.SplitServeServicer):
             workers.append(status)
         return pb.GetStatusResponse(workers=workers, queued_requests=len(self.dispatcher.waiting),
                                     running_requests=len(self.inflight) - len(self.dispatcher.waiting),
-                                    model=self.config.model_name or Path(self.config.model_dir).name,
+                                    model=self.model_name,
                                     vocab_size=self.tokenizer.vocab_size,
                                     max_model_len=self.model_config.max_position_embeddings,
                                     metrics_address=self.metrics_address)  # fmt: skip

@@ -157,6 +157,8 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--num-colocated", type=int, default=None)
     p.add_argument("--host", default=None, help="address to bind and advertise (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=None, help="router port (default 50051)")
+    p.add_argument("--openai-port", type=int, default=None,
+                   help="also serve the OpenAI-compatible HTTP API on this port (0: any free port; default: off)")
     p.add_argument("--ray-address", default=None, help="join this Ray cluster (e.g. auto) instead of starting one")
     p.add_argument("--dtype", default=None)
     p.add_argument("--device", default=None)
@@ -212,8 +214,9 @@ def _serve(args: argparse.Namespace) -> int:
     config = DeploymentConfig.from_file(args.config) if args.config else DeploymentConfig()
     config = config.with_overrides(model=args.model, num_prefill=args.num_prefill, num_decode=args.num_decode,
                                    mode=args.mode, num_colocated=args.num_colocated,
-                                   host=args.host, port=args.port, ray_address=args.ray_address, dtype=args.dtype,
-                                   device=args.device, metrics_port=args.metrics_port, metrics_host=args.metrics_host,
+                                   host=args.host, port=args.port, openai_port=args.openai_port,
+                                   ray_address=args.ray_address, dtype=args.dtype, device=args.device,
+                                   metrics_port=args.metrics_port, metrics_host=args.metrics_host,
                                    log_format=args.log_format)  # fmt: skip
     config = _security_overrides(args, config)
     configure_logging(config.log_format)
@@ -233,6 +236,9 @@ def _serve(args: argparse.Namespace) -> int:
         # SIGTERM stops the router, the workers and the embedded Ray cleanly.
         for signum in (signal.SIGINT, signal.SIGTERM):
             signal.signal(signum, on_signal)
+        if deployment.openai_address:
+            scheme = "https" if config.security.tls_cert else "http"
+            print(f"splitserve OpenAI API on {scheme}://{deployment.openai_address}/v1", flush=True)
         print(f"splitserve ready on {address}", flush=True)
         if deployment.router.metrics_address:
             print(f"metrics on http://{deployment.router.metrics_address}/metrics", flush=True)

@@ -165,6 +165,7 @@ class DeploymentConfig:
     host: str = "127.0.0.1"
     port: int = 50051
     internal_port: int = 0  # the router's port for workers (registration); 0: any free port
+    openai_port: int | None = None  # the OpenAI-compatible HTTP API on `host`; None: off, 0: any free port
     ray_address: str | None = None
     worker_host: str | None = None  # address workers bind and advertise; None: 127.0.0.1 on an embedded
     # Ray, else each node's IP as Ray knows it
@@ -232,6 +233,7 @@ class DeploymentConfig:
                             max_migrations=r.max_migrations, max_prefill_retries=r.max_prefill_retries,
                             die_after_tokens=self.router_die_after_tokens, internal_port=self.internal_port,
                             metrics_port=self.metrics_port, metrics_host=self.metrics_host,
+                            openai_port=self.openai_port,
                             public_security=self.security.public(),
                             internal_security=self.security.internal())  # fmt: skip
 

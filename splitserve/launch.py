@@ -108,6 +108,7 @@ class Deployment:
         self.router: Router | None = None
         self.address = ""  # the router's public port, as clients dial it
         self.internal_address = ""  # the router's internal port, as workers dial it to register
+        self.openai_address = ""  # the OpenAI-compatible HTTP API ("host:port"), when openai_port is set
         self.actors: dict[str, object] = {}  # worker id -> Ray actor
         self._counters = {"prefill": 0, "decode": 0, "colocated": 0}
         self._started_ray = False
@@ -134,6 +135,7 @@ class Deployment:
         self.internal_address = self._advertised(self.router.internal_address)
         if self.router.metrics_address:
             self.router.metrics_address = _unwildcard(self.router.metrics_address)
+        self.openai_address = self._advertised(self.router.openai_address) if self.router.openai_address else ""
         for role in self.config.roles:
             for _ in range(getattr(self.config, role).replicas):
                 self._spawn(role)

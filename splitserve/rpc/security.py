@@ -16,6 +16,7 @@ A missing or wrong token ends the call with ``UNAUTHENTICATED`` before any handl
 
 from __future__ import annotations
 
+import ssl
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -139,6 +140,23 @@ class PublicSecurity:
         return grpc.ssl_server_credentials([(read_file(self.tls_key, "security.tls_key"),
                                              read_file(self.tls_cert, "security.tls_cert"))],
                                            root_certificates=ca, require_client_auth=ca is not None)  # fmt: skip
+
+    def ssl_context(self) -> ssl.SSLContext | None:
+        """The same TLS for an HTTP server on the router (the OpenAI API): this certificate and key,
+        and client certificates signed by ``tls_client_ca`` when that is set. None without TLS."""
+        if not self.tls_cert:
+            return None
+        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        for setting, path in (("tls_cert", self.tls_cert), ("tls_key", self.tls_key)):
+            read_file(path, f"security.{setting}")  # a missing file is named by its setting
+        try:
+            context.load_cert_chain(Path(self.tls_cert).expanduser(), Path(self.tls_key).expanduser())
+            if self.tls_client_ca:
+                context.load_verify_locations(cadata=read_file(self.tls_client_ca, "security.tls_client_ca").decode())
+                context.verify_mode = ssl.CERT_REQUIRED
+        except (ssl.SSLError, ValueError) as e:
+            raise SecurityError(f"security.tls_cert, tls_key, tls_client_ca: {e}") from None
+        return context
 
     def keys(self) -> tuple[str, ...]:
         return self.api_keys + (read_token_file(self.api_key_file, "security.api_key_file") if self.api_key_file else ())

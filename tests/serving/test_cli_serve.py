@@ -1,5 +1,6 @@
-"""`splitserve serve` as a user runs it: ready line, a request, then SIGTERM stops everything it started;
-with `--metrics-port` and `--log-format json`, its /metrics and its JSON log lines."""
+"""`splitserve serve` as a user runs it: ready line, a request (gRPC and the OpenAI API), then SIGTERM
+stops everything it started; with `--metrics-port` and `--log-format json`, its /metrics and its JSON
+log lines."""
 
 from __future__ import annotations
 
@@ -35,13 +36,15 @@ def test_serve_prints_ready_serves_and_stops_on_sigterm(serving_model):
     env = {**os.environ, "TMPDIR": tmp, "PYTHONUNBUFFERED": "1"}
     log = tempfile.TemporaryFile("w+")
     proc = subprocess.Popen([sys.executable, "-m", "splitserve.cli", "serve", "--model", str(serving_model),
-                             "--dtype", "float32", "--port", "0", "--metrics-port", "0", "--log-format", "json"],
-                            stdout=subprocess.PIPE, stderr=log, text=True, env=env)  # fmt: skip
+                             "--dtype", "float32", "--port", "0", "--openai-port", "0", "--metrics-port", "0",
+                             "--log-format", "json"], stdout=subprocess.PIPE, stderr=log, text=True, env=env)  # fmt: skip
     try:
         deadline = time.monotonic() + 120
-        address = None
+        address = openai_url = None
         while time.monotonic() < deadline:
             line = proc.stdout.readline()
+            if line.startswith("splitserve OpenAI API on "):
+                openai_url = line.split()[-1]
             if line.startswith("splitserve ready on "):
                 address = line.split()[-1]
                 break
@@ -55,6 +58,9 @@ def test_serve_prints_ready_serves_and_stops_on_sigterm(serving_model):
             assert len(done.token_ids) == 4
         with urllib.request.urlopen(metrics[2], timeout=10) as response:
             assert b'splitserve_requests_total{finish_reason="length",outcome="finished",status="OK"} 1.0' in response.read()
+        assert openai_url and openai_url.startswith("http://127.0.0.1:") and openai_url.endswith("/v1")
+        with urllib.request.urlopen(f"{openai_url}/models", timeout=10) as response:
+            assert json.load(response)["data"][0]["id"] == serving_model.name
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0
         assert "splitserve stopped" in proc.stdout.read()

@@ -1,0 +1,235 @@
+"""OpenAI request bodies -> the router's own requests (``GenerateRequest``), one per prompt.
+
+Translation only: types are checked here (a protobuf field cannot hold a string or a negative
+``max_tokens``), ranges are left to the router's admission, which checks them for every front end
+alike. Parameters this server cannot honour are refused by name rather than ignored; parameters
+it does not know are ignored, as vLLM does (clients send vendor extras).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from engine.tokenizer import Tokenizer
+from router.dispatcher import RouterError
+from router.openai.chat_template import ChatTemplate, ChatTemplateError
+from router.openai.errors import OpenAIError, invalid, unsupported
+from splitserve.v1 import splitserve_pb2 as pb
+
+Kind = Literal["completion", "chat"]
+
+# Sampling parameters (OpenAI's, and vLLM's extras) -> their type; the protobuf field has the same name.
+SAMPLING = {
+    "temperature": "number", "top_p": "number", "top_k": "int32", "min_p": "number", "seed": "uint64",
+    "presence_penalty": "number", "frequency_penalty": "number", "repetition_penalty": "number",
+    "min_tokens": "uint32", "ignore_eos": "bool", "skip_special_tokens": "bool", "include_stop_str_in_output": "bool",
+}  # fmt: skip
+_BOUNDS = {"int32": (-(2**31), 2**31), "uint32": (0, 2**32), "uint64": (0, 2**64)}
+
+# Parameters refused unless they ask for nothing (the values listed, or null): why.
+REFUSED = {
+    "n": ((1,), "only 1 choice per prompt is supported; send the request again (with another seed) for more"),
+    "best_of": ((1,), "only 1 is supported"),
+    "logprobs": ((False,), "log probabilities are not returned by this server"),
+    "top_logprobs": ((0,), "log probabilities are not returned by this server"),
+    "echo": ((False,), "echoing the prompt is not supported"),
+    "suffix": (("",), "suffixes (insertion) are not supported"),
+    "logit_bias": (({},), "logit bias is not supported"),
+    "tools": (([],), "tool calling is not supported"),
+    "functions": (([],), "function calling is not supported"),
+    "function_call": (("none", "auto"), "function calling is not supported"),
+    "tool_choice": (("none", "auto"), "tool calling is not supported"),
+    "response_format": (({"type": "text"},), "only plain text responses are supported"),
+    "continue_final_message": ((False,), "continuing the final message is not supported"),
+}
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """What parsing needs to know of the model the router serves."""
+
+    name: str
+    tokenizer: Tokenizer
+    max_model_len: int
+    chat_template: ChatTemplate | None
+    no_template_reason: str  # why chat_template is None
+    max_prompts: int  # prompts in one completions request (the router's queue bound)
+
+
+@dataclass
+class Job:
+    """One OpenAI request, translated: a router request per prompt, and how to answer."""
+
+    kind: Kind
+    requests: list[pb.GenerateRequest]
+    stream: bool = False
+    include_usage: bool = False
+    # The router's field names -> this request's parameter names, to point errors at what was sent.
+    params: dict[str, str] = field(default_factory=dict)
+
+    def error(self, e: RouterError) -> OpenAIError:
+        """The router's error, its field renamed to the OpenAI parameter it came from."""
+        name, sep, rest = e.message.partition(": ")
+        if e.code not in ("INVALID_ARGUMENT", "ALREADY_EXISTS") or not sep:
+            return OpenAIError.from_status(e.code, e.message)
+        param = self.params.get(name, name.removeprefix("sampling."))
+        error = OpenAIError.from_status(e.code, f"{param}: {rest}", param)
+        if "exceeds the context length" in rest:
+            error.code = "context_length_exceeded"
+        return error
+
+
+def parse_completion(body: object, model: ServedModel, request_id: str) -> Job:
+    body = _common(body, model)
+    prompts = _prompts(body.get("prompt"))
+    if len(prompts) > model.max_prompts:
+        raise invalid("prompt", f"at most {model.max_prompts} prompts in one request, got {len(prompts)}")
+    sampling = _sampling(body, "max_tokens")
+    requests = []
+    for i, prompt in enumerate(prompts):
+        message = pb.GenerateRequest(sampling=sampling, request_id=_nth(request_id, i, len(prompts)))
+        if isinstance(prompt, str):
+            message.prompt = prompt
+        else:
+            message.token_ids.extend(prompt)
+        requests.append(message)
+    params = {"prompt": "prompt", "token_ids": "prompt", "prompt, token_ids": "prompt",
+              "request_id": "X-Request-Id"}  # fmt: skip
+    return Job("completion", requests, *_streaming(body), params)
+
+
+def parse_chat(body: object, model: ServedModel, request_id: str) -> Job:
+    body = _common(body, model)
+    if model.chat_template is None:
+        raise OpenAIError(400, f"messages: {model.no_template_reason}", "messages", "chat_template_missing")
+    kwargs = _typed(body, "chat_template_kwargs", dict) or {}
+    add_generation_prompt = _typed(body, "add_generation_prompt", bool)
+    try:
+        text = model.chat_template.render(_messages(body.get("messages")),
+                                          add_generation_prompt=add_generation_prompt is not False, **kwargs)  # fmt: skip
+        token_ids = model.tokenizer.encode(text, add_special_tokens=False)  # the template wrote them
+    except ChatTemplateError as e:
+        raise invalid("messages", f"the chat template cannot render them: {e}") from None
+    except ValueError as e:
+        raise invalid("messages", str(e)) from None
+    if not token_ids:
+        raise invalid("messages", "the chat template rendered them to no tokens")
+    if len(token_ids) >= model.max_model_len:
+        raise invalid("messages", f"the prompt is {len(token_ids)} tokens, the context length is "
+                                  f"{model.max_model_len}", "context_length_exceeded")  # fmt: skip
+    limit = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    sampling = _sampling(body, limit)
+    if not sampling.HasField("max_tokens"):  # as vLLM: the rest of the context
+        sampling.max_tokens = model.max_model_len - len(token_ids)
+    request = pb.GenerateRequest(token_ids=token_ids, sampling=sampling, request_id=request_id)
+    params = {"token_ids": "messages", "prompt, token_ids": "messages", "sampling.max_tokens": limit,
+              "request_id": "X-Request-Id"}  # fmt: skip
+    return Job("chat", [request], *_streaming(body), params)
+
+
+def _nth(request_id: str, i: int, count: int) -> str:
+    return request_id if count == 1 else f"{request_id}-{i}"
+
+
+def _common(body: object, model: ServedModel) -> dict:
+    if not isinstance(body, dict):
+        raise OpenAIError(400, "the request body must be a JSON object", None, "invalid_type")
+    name = body.get("model")
+    if name is not None and name != model.name:
+        raise OpenAIError(404, f"The model `{name}` does not exist (this server serves `{model.name}`).", "model",
+                          "model_not_found")  # fmt: skip
+    for param, (nothing, why) in REFUSED.items():
+        value = body.get(param)
+        if value is not None and not any(value == x and type(value) is type(x) for x in nothing):
+            raise unsupported(param, why)
+    return body
+
+
+def _streaming(body: dict) -> tuple[bool, bool]:
+    stream = bool(_typed(body, "stream", bool))
+    options = _typed(body, "stream_options", dict)
+    if options is not None and not stream:
+        raise invalid("stream_options", "only allowed when stream is true")
+    include_usage = (options or {}).get("include_usage")
+    if include_usage is not None and not isinstance(include_usage, bool):
+        raise invalid("stream_options.include_usage", "must be a boolean", "invalid_type")
+    return stream, bool(include_usage)
+
+
+def _typed(body: dict, name: str, kind: type):
+    value = body.get(name)
+    if value is not None and not isinstance(value, kind):
+        raise invalid(name, f"must be {'a boolean' if kind is bool else 'an object'}", "invalid_type")
+    return value
+
+
+def _sampling(body: dict, max_tokens_param: str) -> pb.SamplingParams:
+    values = {}
+    for name, kind in {**SAMPLING, max_tokens_param: "uint32"}.items():
+        value = body.get(name)
+        if value is None:
+            continue
+        if kind == "bool":
+            if not isinstance(value, bool):
+                raise invalid(name, f"must be a boolean, got {value!r}", "invalid_type")
+        elif isinstance(value, bool) or not isinstance(value, (int, float)) or (kind != "number" and isinstance(value, float)):
+            raise invalid(name, f"must be {'a number' if kind == 'number' else 'an integer'}, got {value!r}", "invalid_type")
+        elif kind in _BOUNDS:
+            low, high = _BOUNDS[kind]
+            low = 1 if name == max_tokens_param else low
+            if not low <= value < high:
+                raise invalid(name, f"must be >= {low}, got {value}" if value < low else f"must be < {high}, got {value}")
+        values["max_tokens" if name == max_tokens_param else name] = value
+    message = pb.SamplingParams(**values)
+    stop = body.get("stop")
+    stops = [stop] if isinstance(stop, str) else stop
+    if stops is not None and not (isinstance(stops, list) and all(isinstance(s, str) for s in stops)):
+        raise invalid("stop", "must be a string or a list of strings", "invalid_type")
+    message.stop.extend(stops or ())
+    stop_ids = body.get("stop_token_ids")
+    if stop_ids is not None and not (isinstance(stop_ids, list) and all(_is_id(t) for t in stop_ids)):
+        raise invalid("stop_token_ids", "must be a list of token ids", "invalid_type")
+    message.stop_token_ids.extend(stop_ids or ())
+    return message
+
+
+def _is_id(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**32
+
+
+def _prompts(value: object) -> list[str | list[int]]:
+    """A string, a list of token ids, or a list of either (a batch: one choice per prompt)."""
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, list) and value:
+        if all(_is_id(t) for t in value):
+            return [value]
+        if all(isinstance(p, str) for p in value):
+            return value
+        if all(isinstance(p, list) and p and all(_is_id(t) for t in p) for p in value):
+            return value
+    raise invalid("prompt", "must be a string, a non-empty list of token ids, or a non-empty list of either",
+                  "invalid_type")  # fmt: skip
+
+
+def _messages(value: object) -> list[dict]:
+    """Messages as templates expect them: null fields dropped (as transformers does), text parts joined."""
+    if not isinstance(value, list) or not value:
+        raise invalid("messages", "must be a non-empty list of messages", "invalid_type")
+    messages = []
+    for i, message in enumerate(value):
+        where = f"messages[{i}]"
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise invalid(where, "must be an object with a string role", "invalid_type")
+        message = {k: v for k, v in message.items() if v is not None}
+        content = message.get("content")
+        if isinstance(content, list):
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
+                raise invalid(f"{where}.content", "only text parts ({\"type\": \"text\", \"text\": ...}) are supported",
+                              "unsupported_value")  # fmt: skip
+            message["content"] = "\n".join(p["text"] for p in content)
+        elif content is not None and not isinstance(content, str):
+            raise invalid(f"{where}.content", "must be a string or a list of text parts", "invalid_type")
+        messages.append(message)
+    return messages
