@@ -29,7 +29,10 @@ def test_a_worker_killed_at_its_fault_point(ray_session, serving_model, referenc
         assert stream["tokens"] == want, "a retried or migrated request must finish exactly"
         assert stream["finish"] == 2  # FINISH_REASON_LENGTH
     assert result["longest_pause_s"] < MAX_PAUSE_S, result["longest_pause_s"]
-    if DRILLS[drill][1]["at"] != "prefill":  # mid-transfer or mid-decode: tokens had reached the client
+    # A decode worker's requests had their first token out: they move. (A prefill worker's KV streams
+    # by layer while the prompt computes, so it may die mid-transfer before the first token left it:
+    # then its requests are retried, not moved; the exact outputs above cover both.)
+    if DRILLS[drill][1]["target"].startswith("decode"):
         assert result["moved"] >= 1, "some request must have moved"
     # The worker died at its point (a new incarnation) and came back; nobody holds a block.
     assert result["incarnation_changed"]
