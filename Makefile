@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 MODELS := models
 PYTEST_ARGS ?=
 
-.PHONY: setup serve demo test bench-engine bench-transfer bench-serve bench-cluster bench-disagg loadtest soak fault-drill proto gpu-check clean
+.PHONY: setup serve demo test bench-engine bench-transfer bench-serve bench-cluster bench-disagg loadtest soak fault-drill bench-frontends proto gpu-check clean
 
 setup: $(STAMP)
 
@@ -63,6 +63,10 @@ soak: setup
 # Each kill point (mid-prefill, mid-transfer on either side, mid-decode, the router), timed.
 fault-drill: setup
 	$(VPY) scripts/fault_drill.py $(DRILL_ARGS)
+
+# The OpenAI HTTP API against gRPC on one deployment, and what a /metrics scrape costs.
+bench-frontends: setup
+	$(VPY) scripts/bench_frontends.py $(BENCH_ARGS)
 
 # Regenerate the gRPC stubs in splitserve/rpc from proto/ (a test fails when they drift).
 proto: setup

@@ -25,6 +25,7 @@ from splitserve.launch import use_loopback_ray  # noqa: E402
 
 use_loopback_ray()  # before Ray is imported
 
+from splitserve.make_model import make_model  # noqa: E402
 from splitserve.drill import DRILLS, reference_outputs, run_drill, run_router_drill  # noqa: E402
 
 
@@ -35,12 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="drill") as tmp:
-        model = args.model
-        if model is None:
-            from splitserve.make_model import make_model
-
-            model = str(Path(tmp) / "tiny")
-            make_model("tiny", model, dtype="float32", seed=0)
+        model = args.model or str(make_model("tiny", Path(tmp) / "tiny", dtype="float32", seed=0))
         reference = reference_outputs(model)
         rows = []
         for name in args.drills.split(","):

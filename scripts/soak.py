@@ -47,6 +47,7 @@ import grpc  # noqa: E402
 
 from splitserve.client import Client, make_request  # noqa: E402
 from splitserve.rpc.options import CLIENT_OPTIONS  # noqa: E402
+from splitserve.make_model import make_model  # noqa: E402
 from splitserve.sim_cluster import ServeProcess  # noqa: E402
 from splitserve.v1 import splitserve_pb2_grpc as pb_grpc  # noqa: E402
 
@@ -230,13 +231,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    model = args.model
     tmp = tempfile.TemporaryDirectory(prefix="soak")
-    if model is None:
-        from splitserve.make_model import make_model
-
-        model = str(Path(tmp.name) / "tiny")
-        make_model("tiny", model, dtype="float32", seed=0)
+    model = args.model or str(make_model("tiny", Path(tmp.name) / "tiny", dtype="float32", seed=0))
     config = {"model": model, "dtype": "float32", "port": 0, "prefill": {"threads": 1},
               "decode": {"replicas": 2, "threads": 1},
               "faults": {"kill": [{"target": "decode-0", "at": "decode", "after": args.kill_after_steps}]}}  # fmt: skip

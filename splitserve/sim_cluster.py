@@ -181,6 +181,7 @@ class ServeProcess:
                                      stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                                      env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})  # fmt: skip
         self.address = ""
+        self.openai_url = ""  # "http(s)://host:port/v1" when the config sets openai_port
         try:
             self.address = self._await_ready(started + timeout_s)
         except Exception:
@@ -189,18 +190,30 @@ class ServeProcess:
         self.ready_s = time.monotonic() - started
 
     def _await_ready(self, deadline: float) -> str:
-        import selectors
+        """Read serve's stdout until its ready line. A thread reads it (and keeps draining it): lines
+        that arrive together sit in the pipe's reader buffer, where waiting on the pipe would miss them."""
+        import queue
+        import threading
 
-        with selectors.DefaultSelector() as selector:
-            selector.register(self.proc.stdout, selectors.EVENT_READ)
-            while (left := deadline - time.monotonic()) > 0:
-                if not selector.select(left):
-                    continue
-                line = self.proc.stdout.readline()
-                if line.startswith("splitserve ready on "):
-                    return line.split()[-1]
-                if not line:
-                    raise RuntimeError(f"serve exited with {self.proc.wait(10)} before it was ready")
+        lines: queue.Queue = queue.Queue()
+
+        def pump() -> None:
+            for line in self.proc.stdout:
+                lines.put(line)
+            lines.put("")
+
+        threading.Thread(target=pump, name="serve-stdout", daemon=True).start()
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                line = lines.get(timeout=left)
+            except queue.Empty:
+                break
+            if line.startswith("splitserve OpenAI API on "):
+                self.openai_url = line.split()[-1]
+            if line.startswith("splitserve ready on "):
+                return line.split()[-1]
+            if not line:
+                raise RuntimeError(f"serve exited with {self.proc.wait(10)} before it was ready")
         raise TimeoutError("serve was not ready in time")
 
     def cli(self, *args: str, timeout_s: float = 300.0) -> str:
