@@ -19,7 +19,7 @@ import grpc
 
 from router.config import RouterConfig
 from router.policy import choose_decode, choose_prefill
-from router.workers import DecodeHandle, PrefillHandle, WorkerPool, read_call
+from router.workers import DecodeHandle, PrefillHandle, WorkerPool, read_call, start_call
 from splitserve.rpc import workers_pb2 as wpb
 
 log = logging.getLogger("splitserve.router")
@@ -145,9 +145,9 @@ class Dispatcher:
             # instead of all choosing the same one while their leases are in flight.
             view.requests += 1
             view.free_blocks -= needed
-            granted, reserved = False, True
-            call = worker.stub.Decode(request, timeout=None)
+            granted, reserved, call = False, True, None
             try:
+                call = start_call(worker.stub.Decode, request, timeout=None)
                 first = await asyncio.wait_for(read_call(call), self.config.worker_timeout_s)
                 if first.WhichOneof("kind") == "lease":
                     view.free_blocks += needed - first.lease.blocks
@@ -162,7 +162,8 @@ class Dispatcher:
                 refused.add(view.worker_id)
             finally:
                 if not granted:  # refused, failed, or this request was cancelled meanwhile
-                    call.cancel()
+                    if call is not None:
+                        call.cancel()
                     view.requests -= 1
                     view.free_blocks += needed if reserved else 0
 

@@ -31,7 +31,7 @@ from engine.tokenizer import Tokenizer
 from router.config import RouterConfig
 from router.dispatcher import Dispatcher, RouterError, Ticket
 from router.metrics import FINISH_REASON_LABELS, Outcome, RequestSummary, RouterMetrics
-from router.workers import read_call
+from router.workers import read_call, start_call
 from splitserve.rpc import workers_pb2 as wpb
 from splitserve.rpc.convert import sampling_to_pb
 from splitserve.v1 import splitserve_pb2 as pb
@@ -151,10 +151,10 @@ class RequestRun:
                                                                       deadline)  # fmt: skip
                     calls.append(call)
                     self.decode_worker = decode.worker_id
-                prefill_call = prefill.stub.Prefill(wpb.PrefillRequest(
+                prefill_call = _start(prefill.stub.Prefill, wpb.PrefillRequest(
                     request_id=self.request_id, prompt_token_ids=self.prompt, output_token_ids=self.output,
                     sampling=self.sampling_pb, destination=grant.destination if grant else None,
-                ))  # fmt: skip
+                ), "prefill", prefill)  # fmt: skip
                 calls.append(prefill_call)
                 first = (await _read(prefill_call, "prefill", prefill)).first_token
             finally:
@@ -188,8 +188,9 @@ class RequestRun:
     async def _colocated_leg(self, worker, ticket: Ticket):
         """A colocated worker does both phases on one call; it holds the credit to the end."""
         self.decode_worker = worker.worker_id
-        call = worker.stub.Prefill(wpb.PrefillRequest(request_id=self.request_id, prompt_token_ids=self.prompt,
-                                                      output_token_ids=self.output, sampling=self.sampling_pb))  # fmt: skip
+        call = _start(worker.stub.Prefill, wpb.PrefillRequest(request_id=self.request_id, prompt_token_ids=self.prompt,
+                                                              output_token_ids=self.output, sampling=self.sampling_pb),
+                      "colocated", worker)  # fmt: skip
         try:
             first = (await _read(call, "colocated", worker)).first_token
             self.dispatcher.prefilled(worker, ticket)
@@ -306,18 +307,31 @@ class RequestRun:
 _FATAL = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.ALREADY_EXISTS)
 
 
+def _call_failed(e: grpc.aio.AioRpcError, role: str, worker) -> Exception:
+    """What a failed worker call means: a request error ends the client's call (RouterError); a
+    transport failure (the worker or its node lost) is WorkerLost, which retries or migrates."""
+    code = e.code()
+    if code in _FATAL:
+        return RouterError(code.name, e.details())
+    if code == grpc.StatusCode.ABORTED:
+        return WorkerLost(role, worker, f"{role} worker {worker.worker_id}: {e.details()}", worker_failed=False)
+    return WorkerLost(role, worker, f"{role} worker {worker.worker_id} failed: {code.name}: {e.details()}")
+
+
+def _start(method, request, role: str, worker):
+    """A worker call, started; a worker that left the pool since it was chosen is WorkerLost."""
+    try:
+        return start_call(method, request)
+    except grpc.aio.AioRpcError as e:
+        raise _call_failed(e, role, worker) from None
+
+
 async def _read(call, role: str, worker):
-    """The next event of a worker call. A request error ends the client's call (RouterError); a
-    transport failure (the worker or its node lost) raises WorkerLost, which retries or migrates."""
+    """The next event of a worker call (errors as ``_call_failed`` says)."""
     try:
         event = await read_call(call)
     except grpc.aio.AioRpcError as e:
-        code = e.code()
-        if code in _FATAL:
-            raise RouterError(code.name, e.details()) from None
-        if code == grpc.StatusCode.ABORTED:
-            raise WorkerLost(role, worker, f"{role} worker {worker.worker_id}: {e.details()}", worker_failed=False) from None
-        raise WorkerLost(role, worker, f"{role} worker {worker.worker_id} failed: {code.name}: {e.details()}") from None
+        raise _call_failed(e, role, worker) from None
     if event is grpc.aio.EOF:
         raise WorkerLost(role, worker, f"{role} worker {worker.worker_id} ended the request without a result")
     return event

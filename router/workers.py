@@ -21,6 +21,21 @@ from splitserve.v1 import splitserve_pb2 as pb
 log = logging.getLogger("splitserve.router")
 
 
+def _left_the_pool() -> grpc.aio.AioRpcError:
+    return grpc.aio.AioRpcError(grpc.StatusCode.CANCELLED, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                "the worker left the pool")
+
+
+def start_call(method, request, **kwargs):
+    """``method(request, **kwargs)`` on a worker's stub. A worker can leave the pool (its channel is
+    closed) between being chosen and being called; that call then fails like one the closing channel
+    cancelled (an AioRpcError), not with grpc's UsageError, which nothing would handle."""
+    try:
+        return method(request, **kwargs)
+    except grpc.aio.UsageError:
+        raise _left_the_pool() from None
+
+
 async def read_call(call):
     """``call.read()``, settled like ``settle``."""
     return await settle(call.read())
@@ -35,8 +50,7 @@ async def settle(awaitable):
         task = asyncio.current_task()
         if task is not None and task.cancelling():
             raise
-        raise grpc.aio.AioRpcError(grpc.StatusCode.CANCELLED, grpc.aio.Metadata(), grpc.aio.Metadata(),
-                                   "the worker left the pool") from None  # fmt: skip
+        raise _left_the_pool() from None
 
 
 @dataclass(frozen=True)
