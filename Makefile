@@ -30,8 +30,10 @@ serve: setup
 demo: setup $(MODELS)/tiny/config.json
 	$(VENV)/bin/splitserve generate --model $(MODELS)/tiny --max-tokens 32
 
-# The suite, then the GPU checks rehearsed on the CPU so that scripts/gpu_check.sh cannot rot.
+# First a test that cannot fail (no assert) fails the run; then the suite, then the GPU checks
+# rehearsed on the CPU so that scripts/gpu_check.sh cannot rot.
 test: setup
+	$(VPY) scripts/check_test_asserts.py
 	$(VPY) -m pytest $(PYTEST_ARGS)
 	PYTHON=$(VPY) scripts/gpu_check.sh --device cpu
 

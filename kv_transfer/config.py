@@ -11,18 +11,26 @@ Role = Literal["sender", "receiver"]
 
 @dataclass(frozen=True)
 class FaultPoint:
-    """Misbehave on purpose after this endpoint has moved ``after_messages`` payload messages.
+    """Misbehave on purpose once a transfer has moved ``after_messages`` payload messages.
 
     - ``pause``: sleep ``seconds`` (a silent but live peer; the other side's deadline must fire);
     - ``drop``: abort the pair's group and control stream without a word (a broken connection);
     - ``die``: end the whole process at once (``os._exit``), as a crash or a lost node would.
-    Counting is per endpoint, over all its pairs, from its start.
+
+    Counting is per transfer: the point fires in every transfer this endpoint moves whose id (a
+    worker's transfer id is its request id) starts with ``request_id_prefix`` ("": every transfer),
+    when that transfer's own count reaches ``after_messages``. So a long-lived deployment pauses each
+    matching request, not only the first one it ever sees. The sender fires after posting that many
+    of the transfer's messages and before posting the next (0: before the first), so a pause holds
+    the rest of the transfer back and a transfer of ``after_messages`` messages or fewer is untouched;
+    the receiver fires once that many have arrived.
     """
 
     role: Role
     action: FaultAction
     after_messages: int
     seconds: float = 0.0
+    request_id_prefix: str = ""
 
     def __post_init__(self) -> None:
         if self.role not in ("sender", "receiver"):
@@ -31,6 +39,15 @@ class FaultPoint:
             raise ValueError(f"fault.action: {self.action!r} is not 'pause', 'drop' or 'die'")
         if self.after_messages < 0:
             raise ValueError(f"fault.after_messages: must be >= 0, got {self.after_messages}")
+        if not self.seconds >= 0:
+            raise ValueError(f"fault.seconds: must be >= 0, got {self.seconds}")
+        if not isinstance(self.request_id_prefix, str):
+            raise ValueError(f"fault.request_id_prefix: must be a string, got {self.request_id_prefix!r}")
+
+    def fires(self, role: Role, transfer_id: str, messages_done: int) -> bool:
+        """Whether this point fires for ``transfer_id`` once it has moved ``messages_done`` messages."""
+        return (self.role == role and self.after_messages == messages_done
+                and transfer_id.startswith(self.request_id_prefix))  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -58,5 +75,6 @@ class TransferConfig:
         if self.whole_request_bytes < 0:
             raise ValueError(f"whole_request_bytes: must be >= 0, got {self.whole_request_bytes}")
 
-    def fault(self, role: Role, messages_done: int) -> FaultPoint | None:
-        return next((f for f in self.faults if f.role == role and f.after_messages == messages_done), None)
+    def fault(self, role: Role, transfer_id: str, messages_done: int) -> FaultPoint | None:
+        """The fault point that fires for this transfer after its ``messages_done``-th message, if any."""
+        return next((f for f in self.faults if f.fires(role, transfer_id, messages_done)), None)

@@ -21,7 +21,6 @@ class Endpoint:
         self._lock = threading.RLock()
         self._transfers: dict[str, TransferHandle] = {}
         self._pairs: dict = {}
-        self._messages_done = 0
         self._closed = threading.Event()
         threading.Thread(target=self._watch_deadlines, name=f"kv-{self.role}-deadlines", daemon=True).start()
 
@@ -44,14 +43,18 @@ class Endpoint:
         """Tell the peer that a transfer failed on its deadline."""
         raise NotImplementedError
 
-    def _after_message(self) -> None:
-        """Count a moved payload message and trigger the configured fault point, if any."""
-        with self._lock:
-            done = self._messages_done = self._messages_done + 1
-        fault = self.config.fault(self.role, done)
+    def _fault_point(self, handle: TransferHandle | None, messages_done: int) -> None:
+        """Trigger the fault point that fires for this transfer at ``messages_done`` of its messages,
+        if any. The sender checks before it posts the next message (so a pause holds the rest of the
+        transfer back), the receiver once a message has arrived. ``None``: a message for a transfer
+        this endpoint does not know (refused anyway)."""
+        if handle is None or not self.config.faults:
+            return
+        fault = self.config.fault(self.role, handle.transfer_id, messages_done)
         if fault is None:
             return
-        log.warning("kv %s fault point: %s after %d messages", self.role, fault.action, done)
+        log.warning("kv %s fault point: %s after %d messages of transfer %s", self.role, fault.action,
+                    messages_done, handle.transfer_id)  # fmt: skip
         if fault.action == "die":
             os._exit(17)
         if fault.action == "pause":

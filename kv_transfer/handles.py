@@ -46,6 +46,7 @@ class TransferHandle:
         self.started_at: float | None = None  # the first payload was posted (sender) or landed (receiver)
         self.finished_at: float | None = None
         self.nbytes = 0  # payload bytes posted (sender) or landed (receiver) so far
+        self.messages_moved = 0  # payload messages sent or received for it, counted for fault points
 
     @property
     def state(self) -> TransferState:

@@ -216,7 +216,10 @@ class KVReceiver(Endpoint):
                 self._break(pair, f"receive failed: {e}")
                 return
             landing = (pair, desc, view)
-            self._after_message()
+            handle = self._transfers.get(desc.transfer_id)
+            if handle is not None:  # only this pair's lane thread receives for the handle
+                handle.messages_moved += 1
+                self._fault_point(handle, handle.messages_moved)
         if landing is not None:
             self._land(*landing)
 

@@ -229,6 +229,11 @@ class KVSender(Endpoint):
                 if message is None:
                     ending = not in_flight or pair.queue_closed
                     break
+                self._fault_point(message.handle, message.handle.messages_moved)  # may pause, drop or die
+                if pair.broken.is_set():
+                    return
+                if message.handle.terminal:  # cancelled while a fault point held it
+                    continue
                 data = self._gather(message, pair)
                 try:
                     in_flight.append(self._post(pair, message, data))
@@ -242,7 +247,6 @@ class KVSender(Endpoint):
             except TransferError as e:
                 self._break(pair, f"send failed: {e}")
                 return
-            self._after_message()
 
     def _next_message(self, pair: _SenderPair, block: bool) -> _Message | None:
         """The next message of a live transfer; None when the queue is empty (not blocking) or closed."""
@@ -278,6 +282,7 @@ class KVSender(Endpoint):
             commit=message.commit,
         )  # fmt: skip
         pair.next_seq += 1
+        handle.messages_moved += 1  # only this pair's lane thread posts for the handle
         handle._start()
         handle.nbytes += desc.nbytes
         pair.conn.send(DescriptorBytes(encode_descriptor(desc)))

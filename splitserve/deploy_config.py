@@ -96,8 +96,8 @@ class KillPoint:
     """End one process at once (``os._exit``, as a crash would) at a chosen point, to reach each fault
     deterministically. ``target``: a worker id (``prefill-0``, ``decode-1``, ``colocated-0``) or
     ``router`` (the ``serve`` process). ``at``/``after``: a worker dies as its step number ``after + 1``
-    of that phase starts (``prefill``, ``decode``), or after ``after`` KV payload messages (``transfer``:
-    the prefill worker as sender, the decode worker as receiver); the router dies instead of relaying
+    of that phase starts (``prefill``, ``decode``), or after ``after`` KV payload messages of a transfer
+    (``transfer``: the prefill worker as sender, the decode worker as receiver); the router dies instead of relaying
     more than ``after`` tokens in all (``decode``). A worker's kill point fires in its first incarnation only:
     the process Ray restarts runs clean."""
 

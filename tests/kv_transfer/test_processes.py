@@ -213,7 +213,8 @@ def test_receiver_killed_mid_transfer():
 
 
 def test_silent_receiver_times_out_and_the_pair_is_rebuilt():
-    p, d = pair_of(receiver_faults=[FaultPoint("receiver", "pause", after_messages=2, seconds=3 * FAST["op_timeout_s"])])
+    p, d = pair_of(receiver_faults=[FaultPoint("receiver", "pause", after_messages=2, seconds=3 * FAST["op_timeout_s"],
+                                                request_id_prefix="stalled")])
     try:
         start_transfer(p, d, "stalled", 200)
         sent = p.call("wait", "stalled")
@@ -232,7 +233,7 @@ def test_silent_receiver_times_out_and_the_pair_is_rebuilt():
 
 
 def test_dropped_connection_fails_both_sides_then_recovers():
-    p, d = pair_of(sender_faults=[FaultPoint("sender", "drop", after_messages=2)])
+    p, d = pair_of(sender_faults=[FaultPoint("sender", "drop", after_messages=2, request_id_prefix="dropped")])
     try:
         start_transfer(p, d, "dropped", 200)
         assert p.call("wait", "dropped")["state"] == "failed"
@@ -250,7 +251,8 @@ def test_dropped_connection_fails_both_sides_then_recovers():
 @pytest.mark.parametrize("side", ["receiver", "sender"])
 def test_cancel_mid_transfer_frees_both_sides_and_keeps_the_pair(side):
     # The sender pauses after its third message, so the transfer is reliably mid-way when cancelled.
-    p, d = pair_of(sender_faults=[FaultPoint("sender", "pause", after_messages=3, seconds=1.5)])
+    p, d = pair_of(sender_faults=[FaultPoint("sender", "pause", after_messages=3, seconds=1.5,
+                                              request_id_prefix="cancelled")])
     try:
         start_transfer(p, d, "cancelled", 200)
         wait_until(lambda: d.call("state", "cancelled") == "transferring")

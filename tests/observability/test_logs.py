@@ -77,7 +77,8 @@ def test_each_task_and_thread_keeps_its_own_request_id(capture):
     threads = [threading.Thread(target=handle, args=(f"t{i}",)) for i in range(3)]
     for t in threads:
         t.start()
-        t.join()
+        t.join(5)
+        assert not t.is_alive()
     logger.info("main thread")
     ids = [line.get("request_id") for line in json_lines(stream)]
     assert sorted(ids[:5]) == [f"r{i}" for i in range(5)] and sorted(ids[5:8]) == ["t0", "t1", "t2"]

@@ -22,7 +22,7 @@ from splitserve.rpc.security import ClientSecurity, InternalSecurity
 from splitserve.v1 import splitserve_pb2 as pb
 from splitserve.v1 import splitserve_pb2_grpc as pb_grpc
 from tests.serving.conftest import start_deployment, wait_for
-from tests.serving.netstat import LOOPBACK, listening_sockets
+from tests.serving.netstat import assert_listens_on_loopback_only
 
 CLUSTER_TOKEN = "cluster-secret-5f2a"
 API_KEYS = ("key-alpha", "key-beta")
@@ -160,8 +160,6 @@ def test_internal_services_refuse_callers_without_the_cluster_credentials(secure
 
 
 def test_everything_listens_on_loopback_only(ray_session, secure):
-    new = listening_sockets() - ray_session["listening_before"]
-    ports = {int(a.rsplit(":", 1)[1]) for a in (secure.address, secure.internal_address, *(w["address"] for w in secure.workers))}
-    assert ports <= {port for _, port in new}
-    outside = sorted((a, p) for a, p in new if a not in LOOPBACK)
-    assert not outside, f"listening beyond loopback: {outside}"
+    # By PID: the router's two ports and every worker's are among its processes' listeners, all on loopback.
+    listeners = assert_listens_on_loopback_only(secure)
+    assert {"router", "decode-0", "prefill-0"} <= set(listeners)

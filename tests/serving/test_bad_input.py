@@ -5,8 +5,6 @@ docs/serving.md (Errors)."""
 
 from __future__ import annotations
 
-import threading
-
 import grpc
 import pytest
 
@@ -14,6 +12,7 @@ from splitserve.client import Client, make_request
 from splitserve.v1 import splitserve_pb2 as pb
 from splitserve.v1 import splitserve_pb2_grpc as pb_grpc
 from tests.serving.conftest import start_deployment, wait_for
+from tests.threads import Background
 
 VOCAB, CONTEXT = 2048, 4096  # the tiny preset
 
@@ -77,17 +76,15 @@ def test_a_request_over_the_size_limit_is_refused_without_harm(served):
 
 
 def test_a_duplicate_in_flight_request_id_is_already_exists(served):
-    started = threading.Event()
     with Client(served.address) as client:
-        def first():
-            for message in client.stream(token_ids=[1, 2, 3], request_id="dup", max_tokens=200, ignore_eos=True):
-                started.set()
+        def first() -> int:
+            return len(client.generate(token_ids=[1, 2, 3], request_id="dup", max_tokens=200, ignore_eos=True).token_ids)
 
-        thread = threading.Thread(target=first)
-        thread.start()
-        assert started.wait(20)
+        running = Background(first)
+        wait_for(lambda: "dup" in served.router.inflight, 20, 0.02)
         error = call(served.address, make_request(token_ids=[4, 5], request_id="dup", max_tokens=2))
-        thread.join(60)
+        assert not running.done(), "the first request must still be in flight when the duplicate arrives"
+        assert running.result(60) == 200, "the first request is unharmed by the refused duplicate"
     assert error.code() == grpc.StatusCode.ALREADY_EXISTS and error.details().startswith("request_id:")
 
 

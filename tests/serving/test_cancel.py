@@ -1,22 +1,25 @@
 """Cancellation in every phase (queued, prefill, transfer, decode), the router's view of a prefill worker's cache, duplicate ids.
 
 The deployment here is slowed on purpose by its config-gated fault points: every prefill step waits
-1 s, the first KV transfer pauses for 3 s after its first layer, every decode step waits 20 ms. That
-holds requests in each phase long enough to cancel them there, deterministically.
+1 s, the KV transfer of every request whose id starts with ``hold-`` pauses for 3 s after its first
+layer (per request, so each test that needs the pause gets it, in any order), every decode step waits
+20 ms. That holds requests in each phase long enough to cancel them there; each test asserts, from the
+workers' own status, which phase its request was in.
 """
 
 from __future__ import annotations
 
 import asyncio
-import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
 
-from splitserve.client import Client
+from splitserve.client import Client, make_request
 from tests.serving.conftest import start_deployment, wait_for
+from tests.threads import Background
+
+HOLD_S = 3.0  # the pause of a ``hold-`` request's transfer
 
 
 @pytest.fixture(scope="module")
@@ -27,10 +30,17 @@ def slow(ray_session, serving_model):
         prefill={"threads": 1, "max_inflight": 1},  # one request at a time in prefill; see the credit test
         transfer={"whole_request_bytes": 0, "layer_group_size": 1},
         faults={"prefill_delay_s": 1.0, "decode_step_delay_s": 0.02,
-                "transfer": [{"role": "sender", "action": "pause", "after_messages": 1, "seconds": 3.0}]},
+                "transfer": [{"role": "sender", "action": "pause", "after_messages": 1, "seconds": HOLD_S,
+                              "request_id_prefix": "hold-"}]},
     )  # fmt: skip
     yield deployment
     deployment.stop()
+
+
+@pytest.fixture(autouse=True)
+def idle(slow):
+    """Each test starts on an idle deployment, whatever the one before it left running."""
+    wait_for(lambda: not slow.router.inflight and blocks_in_use(slow) == [0, 0], timeout_s=15)
 
 
 def blocks_in_use(deployment) -> list[int]:
@@ -39,6 +49,33 @@ def blocks_in_use(deployment) -> list[int]:
 
 def assert_everything_freed(deployment) -> None:
     wait_for(lambda: blocks_in_use(deployment) == [0, 0], timeout_s=10)
+
+
+def worker_status(deployment, role: str):
+    """The worker's own status (not the router's last poll): ``running``/``waiting`` as it sees them.
+    On a decode worker ``waiting`` counts leases whose KV has not landed yet."""
+    from splitserve.rpc import workers_pb2 as wpb
+    from splitserve.rpc import workers_pb2_grpc as wpb_grpc
+
+    handle = getattr(deployment.router.pool, role)[0]
+    stub = wpb_grpc.PrefillWorkerStub if role == "prefill" else wpb_grpc.DecodeWorkerStub
+    with grpc.insecure_channel(handle.spec.address) as channel:
+        return stub(channel).Status(wpb.StatusRequest(), timeout=5)
+
+
+def tokens_in(messages) -> int:
+    return sum(len(m.token_ids) for m in messages)
+
+
+def drain_until_cancelled(call) -> tuple[list, grpc.StatusCode | None]:
+    """Read a call to its end; returns the messages and the status code it ended with (None: OK)."""
+    messages = []
+    try:
+        for message in call:
+            messages.append(message)
+    except grpc.RpcError as e:
+        return messages, e.code()
+    return messages, None
 
 
 def cancel_after(deployment, predicate, **sampling):
@@ -55,34 +92,42 @@ def cancel_after(deployment, predicate, **sampling):
 
 
 def test_cancel_during_transfer(slow):
-    # The first token is back and the KV is mid-transfer (paused after its first layer): cancel now.
-    messages = cancel_after(slow, lambda m: sum(len(x.token_ids) for x in m) >= 1, max_tokens=100)
-    assert sum(len(m.token_ids) for m in messages) == 1  # decoding never started
-    assert max(blocks_in_use(slow)) >= 0
+    # The first token is back and this request's KV is held mid-transfer (paused after its first
+    # layer): cancel now, having read the decode worker's own view of the request.
+    seen = {}
+
+    def first_token_out(messages) -> bool:
+        if tokens_in(messages) < 1:
+            return False
+        seen["decode"] = worker_status(slow, "decode")
+        return True
+
+    messages = cancel_after(slow, first_token_out, max_tokens=100, request_id="hold-cancel-during-transfer")
+    assert tokens_in(messages) == 1  # decoding never started
+    decode = seen["decode"]
+    assert (decode.waiting, decode.running) == (1, 0), "the decode worker must still wait for the KV"
+    assert decode.kv_blocks_in_use > 0, "the request's lease is held while its KV moves"
     assert_everything_freed(slow)
 
 
 def test_cancel_during_prefill(slow):
-    from splitserve.client import make_request
-
     with Client(slow.address) as client:
-        call = client.stub.Generate(make_request(token_ids=list(range(1, 60)), max_tokens=50, temperature=0.0))
-        got = []
-        reader = threading.Thread(target=lambda: got.extend(_drain(call)), daemon=True)
-        reader.start()
-        time.sleep(0.4)  # well inside the 1 s prefill
-        assert not got
+        call = client.stub.Generate(make_request(token_ids=list(range(1, 60)), max_tokens=50, temperature=0.0),
+                                    timeout=30)  # fmt: skip
+        reader = Background(drain_until_cancelled, call)
+        # Scheduled on the prefill worker, inside its 1 s step: no token can be out yet.
+        wait_for(lambda: worker_status(slow, "prefill").running == 1, 5, 0.02)
+        assert not reader.done()
         call.cancel()
-        reader.join(5)
-    assert not any(m.token_ids for m in got)
+        messages, code = reader.result(10)
+    assert code == grpc.StatusCode.CANCELLED
+    assert tokens_in(messages) == 0
     assert_everything_freed(slow)
 
 
 def test_cancel_while_queued(slow):
     """max_inflight 1 and a 1 s prefill: the second request waits in the router's queue; cancelled
     there, it leaves the queue at once and never reaches a worker."""
-    from splitserve.client import make_request
-
     dispatcher = slow.router.dispatcher
     with Client(slow.address) as client, ThreadPoolExecutor(1) as pool:
         first = pool.submit(client.generate, token_ids=list(range(200, 240)), max_tokens=3, temperature=0.0)
@@ -99,30 +144,30 @@ def test_cancel_while_queued(slow):
     assert_everything_freed(slow)
 
 
-def _drain(call):
-    try:
-        yield from call
-    except grpc.RpcError as e:
-        assert e.code() == grpc.StatusCode.CANCELLED
-
-
 def test_cancel_during_decode(slow):
-    messages = cancel_after(slow, lambda m: sum(len(x.token_ids) for x in m) >= 6, max_tokens=400)
-    assert sum(len(m.token_ids) for m in messages) >= 6
+    seen = {}
+
+    def decoding(messages) -> bool:
+        if tokens_in(messages) < 6:
+            return False
+        seen["decode"] = worker_status(slow, "decode")
+        return True
+
+    messages = cancel_after(slow, decoding, max_tokens=400)
+    assert tokens_in(messages) >= 6
     assert messages[-1].finish_reason == 0  # not finished: cancelled mid-decode
+    assert (seen["decode"].running, seen["decode"].waiting) == (1, 0), "the request was in the decode batch"
     assert_everything_freed(slow)
 
 
 def test_duplicate_inflight_request_id_is_refused(slow):
     with Client(slow.address) as client:
-        first = threading.Thread(target=client.generate, kwargs={"token_ids": [7, 8, 9], "max_tokens": 3,
-                                                                 "request_id": "dup-1"})  # fmt: skip
-        first.start()
-        time.sleep(0.3)
+        first = Background(client.generate, token_ids=[7, 8, 9], max_tokens=3, request_id="dup-1")
+        wait_for(lambda: "dup-1" in slow.router.inflight, 5, 0.02)  # in its 1 s prefill from here on
         with pytest.raises(grpc.RpcError) as e:
             client.generate(token_ids=[7, 8, 9], max_tokens=3, request_id="dup-1")
         assert e.value.code() == grpc.StatusCode.ALREADY_EXISTS and "dup-1" in e.value.details()
-        first.join(10)
+        assert len(first.result(30).token_ids) == 3, "the first request is unharmed"
         again = client.generate(token_ids=[7, 8, 9], max_tokens=3, request_id="dup-1")  # free again once done
         assert len(again.token_ids) == 3
     assert_everything_freed(slow)
@@ -131,8 +176,6 @@ def test_duplicate_inflight_request_id_is_refused(slow):
 def test_router_view_of_prefix_cache_converges_after_evictions(slow):
     from splitserve.rpc import workers_pb2 as wpb
     from splitserve.rpc import workers_pb2_grpc as wpb_grpc
-
-    from concurrent.futures import ThreadPoolExecutor
 
     # 2 full blocks each, all distinct: 60 full blocks cannot all stay in the 48-block cache.
     prompts = [[100 + 41 * i + j for j in range(40)] for i in range(30)]
@@ -174,9 +217,18 @@ def test_client_deadline_cancels_the_request_everywhere(slow):
 def test_credit_comes_back_at_the_first_token_while_the_kv_still_moves(slow):
     """max_inflight 1: the second request is dispatched as soon as the first has its first token, while
     the first's KV is held mid-transfer (3 s pause) on the same prefill worker. The worker counts
-    only requests before their first token against max_inflight, as the router does, so it takes it."""
-    with Client(slow.address) as client, ThreadPoolExecutor(2) as pool:
-        futures = [pool.submit(client.generate, token_ids=[5 + i] * 20, max_tokens=3, temperature=0.0) for i in range(2)]
-        results = [f.result(timeout=60) for f in futures]
-    assert [len(r.token_ids) for r in results] == [3, 3]
+    only requests before their first token against max_inflight, as the router does, so it takes it:
+    the second has its first token (1 s of prefill) while the first is still waiting for its KV."""
+    with Client(slow.address) as client:
+        held = Background(client.generate, token_ids=[5] * 20, max_tokens=3, temperature=0.0, request_id="hold-credit")
+        wait_for(lambda: slow.router.pool.prefill[0].view.inflight == 1, 5, 0.02)  # the first holds the credit
+        stream = client.stream(token_ids=[6] * 20, max_tokens=3, temperature=0.0, timeout_s=60)
+        messages = [next(stream)]
+        while not messages[-1].token_ids:
+            messages.append(next(stream))
+        assert not held.done(), "the second request's first token came only after the first request ended"
+        messages.extend(stream)
+        first = held.result(60)
+    assert len(first.token_ids) == 3 and tokens_in(messages) == 3
+    assert first.timing["transfer_ms"] >= HOLD_S * 1e3 * 2 / 3, "the first request's transfer was held"
     assert_everything_freed(slow)

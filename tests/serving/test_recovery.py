@@ -37,6 +37,22 @@ def cluster(ray_session, serving_model):
     deployment.stop()
 
 
+@pytest.fixture
+def whole_cluster(cluster):
+    """The module's cluster as the fixture made it (2 prefill, 2 decode workers, all registered),
+    whatever a test before left: a worker still restarting, or a scale-down."""
+    if len(healthy(cluster, "prefill")) != 2 or len(cluster.router.pool.decode) != 2:
+        _scale(cluster.address, prefill=2, decode=2)
+    wait_for(lambda: healthy(cluster, "decode") == ["decode-0", "decode-1"]
+             and healthy(cluster, "prefill") == ["prefill-0", "prefill-1"], 60)  # fmt: skip
+    return cluster
+
+
+def router_count(deployment, name: str) -> float:
+    """A counter of the router's own metrics registry (``splitserve_request_*_total``)."""
+    return deployment.router.metrics.registry.get_sample_value(f"{name}_total") or 0.0
+
+
 def healthy(deployment, role: str) -> list[str]:
     return sorted(w["worker_id"] for w in deployment.workers if w["role"] == role and w["healthy"])
 
@@ -58,7 +74,8 @@ def assert_no_blocks_in_use(deployment) -> None:
     wait_for(lambda: all(w.kv_blocks_in_use == 0 for w in Client(deployment.address).status().workers), 15)
 
 
-def test_decode_worker_lost_mid_stream_migrates_and_comes_back(cluster, reference):
+def test_decode_worker_lost_mid_stream_migrates_and_comes_back(whole_cluster, reference):
+    cluster = whole_cluster
     before = incarnations(cluster)
     started = threading.Event()
     futures = stream_all(cluster.address, PROMPTS, SAMPLING, started)
@@ -79,8 +96,9 @@ def test_decode_worker_lost_mid_stream_migrates_and_comes_back(cluster, referenc
     assert_no_blocks_in_use(cluster)
 
 
-def test_a_frozen_decode_worker_is_noticed_by_keepalive(cluster, reference):
+def test_a_frozen_decode_worker_is_noticed_by_keepalive(whole_cluster, reference):
     """A stopped process (as behind a lost node) sends no reset: keepalive pings must notice it."""
+    cluster = whole_cluster
     started = threading.Event()
     futures = stream_all(cluster.address, PROMPTS, SAMPLING, started)
     assert started.wait(30)
@@ -103,17 +121,22 @@ def test_a_frozen_decode_worker_is_noticed_by_keepalive(cluster, reference):
 
 
 def test_prefill_worker_lost_mid_prefill_is_retried_elsewhere(ray_session, serving_model, reference):
-    slow = start_deployment(serving_model, prefill={"replicas": 2, "threads": 1}, faults={"prefill_delay_s": 1.5},
-                            router={"routing_policy": "round_robin"})  # fmt: skip
+    """prefill-0's kill point ends its process as its first prefill step starts (first incarnation
+    only); round robin sends one of the two requests there, so it is lost mid-prefill, for certain."""
+    slow = start_deployment(serving_model, prefill={"replicas": 2, "threads": 1}, router={"routing_policy": "round_robin"},
+                            faults={"kill": [{"target": "prefill-0", "at": "prefill", "after": 0}]})  # fmt: skip
     try:
+        before = incarnations(slow)["prefill-0"]
+        retries_before = router_count(slow, "splitserve_request_prefill_retries")
         with Client(slow.address) as client, ThreadPoolExecutor(2) as pool:
             futures = [pool.submit(client.generate, token_ids=p, **SAMPLING) for p in PROMPTS[:2]]
-            time.sleep(0.5)  # both are inside their 1.5 s prefill, one on each worker
-            slow.kill_worker("prefill-0")
             results = [f.result(timeout=120) for f in futures]
         for prompt, result in zip(PROMPTS, results):
             assert result.token_ids == reference[tuple(prompt)]
+            assert result.timing["prefill_worker"] == "prefill-1", "the lost request was retried on the other worker"
+        assert router_count(slow, "splitserve_request_prefill_retries") - retries_before == 1, "one prefill retried"
         wait_for(lambda: healthy(slow, "prefill") == ["prefill-0", "prefill-1"], 60)
+        assert incarnations(slow)["prefill-0"] != before, "prefill-0 died and Ray restarted it"
         assert_no_blocks_in_use(slow)
     finally:
         slow.stop()
@@ -145,7 +168,8 @@ def test_a_request_that_cannot_migrate_fails_clearly(ray_session, serving_model,
         alone.stop()
 
 
-def test_scale_up_and_down_under_load(cluster, reference):
+def test_scale_up_and_down_under_load(whole_cluster, reference):
+    cluster = whole_cluster
     with Client(cluster.address) as client:
         futures = stream_all(cluster.address, PROMPTS, SAMPLING)
         reply = _scale(cluster.address, decode=3)
