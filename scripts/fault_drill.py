@@ -4,10 +4,11 @@ mid-decode) and the router's death, timed, for docs/reliability.md.
 
 For each worker drill (``splitserve.drill``): the longest pause any client stream saw, how many
 streams moved (re-prefilled elsewhere), whether every output equalled the offline engine, when the
+kill point fired (the worker's process ended, from the start of the streams), how long after that the
 killed worker was back (Ray restart, re-registered) and when no block was held. For the router: how
-long the streams took to end with UNAVAILABLE after the last token, how long until the dead
-deployment's workers were gone, and ``serve`` to ready again. Prints a table; ``--json`` prints one
-JSON object.
+long the streams took to end with UNAVAILABLE after the last token, how long after the last token until
+the dead deployment's workers were gone (their ports closed), and ``serve`` to ready again. Prints a
+table; ``--json`` prints one JSON object.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
             r = run_drill(model, name)
             rows.append({"drill": name, "exact": [s["tokens"] for s in r["streams"]] == reference,
                          "longest_pause_s": r["longest_pause_s"], "moved": r["moved"],
-                         "worker_back_within_s": r["worker_back_within_s"],
+                         "killed_after_s": r["killed_after_s"], "worker_back_within_s": r["worker_back_within_s"],
                          "blocks_zero_after_s": r["blocks_zero_after_s"], "streams_s": r["streams_s"]})  # fmt: skip
     if args.json:
         print(json.dumps(rows))
