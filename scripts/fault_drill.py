@@ -4,10 +4,12 @@ mid-decode) and the router's death, timed, for docs/reliability.md.
 
 For each worker drill (``splitserve.drill``): the longest pause any client stream saw, how many
 streams moved (re-prefilled elsewhere), whether every output equalled the offline engine, when the
+kill point fired (the worker's process ended, from the start of the streams), how long after that the
 killed worker was back (Ray restart, re-registered) and when no block was held. For the router: how
-long the streams took to end with UNAVAILABLE after the last token, how long until the dead
-deployment's workers were gone, and ``serve`` to ready again. Prints a table; ``--json`` prints one
-JSON object.
+long the streams took to end with UNAVAILABLE after the last token, how long after the last token until
+the dead deployment's workers were gone (their ports closed), and ``serve`` to ready again. Prints a
+table; ``--json`` prints one JSON object. A drill that breaks is printed with its error and the others
+still run; the exit status is then 1.
 """
 
 from __future__ import annotations
@@ -29,6 +31,20 @@ from splitserve.make_model import make_model  # noqa: E402
 from splitserve.drill import DRILLS, reference_outputs, run_drill, run_router_drill  # noqa: E402
 
 
+def drill_row(model: str, name: str, reference: list[list[int]], folder: Path) -> dict:
+    if name == "router":
+        r = run_router_drill(model, folder)
+        return {"drill": "router_mid_stream", "codes": sorted({s["code"].name for s in r["streams"]}),
+                "streams_ended_within_s": r["streams_ended_within_s"],
+                "workers_gone_within_s": r["workers_gone_within_s"], "restart_ready_s": r["restart_ready_s"],
+                "exact_after_restart": [s["tokens"] for s in r["after"]] == reference}  # fmt: skip
+    r = run_drill(model, name)
+    return {"drill": name, "exact": [s["tokens"] for s in r["streams"]] == reference,
+            "longest_pause_s": r["longest_pause_s"], "moved": r["moved"], "killed_after_s": r["killed_after_s"],
+            "worker_back_within_s": r["worker_back_within_s"], "blocks_zero_after_s": r["blocks_zero_after_s"],
+            "streams_s": r["streams_s"]}  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="checkpoint folder (default: a tiny random-weight one)")
@@ -41,24 +57,17 @@ def main(argv: list[str] | None = None) -> int:
         rows = []
         for name in args.drills.split(","):
             print(f"drill: {name}", file=sys.stderr, flush=True)
-            if name == "router":
-                r = run_router_drill(model, Path(tmp))
-                rows.append({"drill": "router_mid_stream", "codes": sorted({s["code"].name for s in r["streams"]}),
-                             "streams_ended_within_s": r["streams_ended_within_s"],
-                             "workers_gone_within_s": r["workers_gone_within_s"], "restart_ready_s": r["restart_ready_s"],
-                             "exact_after_restart": [s["tokens"] for s in r["after"]] == reference})  # fmt: skip
-                continue
-            r = run_drill(model, name)
-            rows.append({"drill": name, "exact": [s["tokens"] for s in r["streams"]] == reference,
-                         "longest_pause_s": r["longest_pause_s"], "moved": r["moved"],
-                         "worker_back_within_s": r["worker_back_within_s"],
-                         "blocks_zero_after_s": r["blocks_zero_after_s"], "streams_s": r["streams_s"]})  # fmt: skip
+            try:
+                rows.append(drill_row(model, name, reference, Path(tmp)))
+            except Exception as e:  # a drill that breaks is a finding: say so, and run the others
+                rows.append({"drill": name, "error": f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"})
+    failed = any("error" in row for row in rows)
     if args.json:
         print(json.dumps(rows))
-        return 0
+        return int(failed)
     for row in rows:
         print("  ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))
-    return 0
+    return int(failed)
 
 
 if __name__ == "__main__":

@@ -5,12 +5,15 @@ figures; ``make fault-drill`` (scripts/fault_drill.py) measures them for docs/re
 Each drill: 1 prefill + 2 decode workers (or 2 + 1 where a prefill worker dies), KV moved one layer
 per message (so "after 1 message" is mid-transfer), decode steps slowed to >= 20 ms (so streams are
 mid-way). Four greedy streams run concurrently; then the same four again once the worker is back.
+The victim's death is read from its process (``DeathWatch``), so "back within" counts from the kill.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 from splitserve.client import Client
 
@@ -65,6 +68,36 @@ def _wait(predicate, timeout_s: float) -> float:
     return time.monotonic() - start
 
 
+class DeathWatch:
+    """Notes when a process on this machine ends (gone from /proc, or a zombie not yet reaped): the
+    moment of a kill point firing, to 10 ms, read while the drill's streams run."""
+
+    def __init__(self, pid: int, timeout_s: float) -> None:
+        self.pid, self.died_at = pid, None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, args=(timeout_s,), name=f"death-watch-{pid}", daemon=True)
+        self._thread.start()
+
+    def _alive(self) -> bool:
+        try:
+            state = Path(f"/proc/{self.pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            return False
+        return state not in ("Z", "X")
+
+    def _watch(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not self._stop.is_set() and time.monotonic() < deadline:
+            if not self._alive():
+                self.died_at = time.monotonic()
+                return
+            time.sleep(0.01)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+
 def run_drill(model_dir: str, drill: str) -> dict:
     """Run one drill on an embedded Ray (or the one this process has); returns what happened."""
     from splitserve.deploy_config import DeploymentConfig
@@ -75,23 +108,30 @@ def run_drill(model_dir: str, drill: str) -> dict:
     deployment.start()
     try:
         first = _workers(deployment.address)[victim].incarnation
-        started = time.monotonic()
-        with ThreadPoolExecutor(len(PROMPTS)) as pool:
-            streams = list(pool.map(lambda p: timed_stream(deployment.address, p), PROMPTS))
-        streams_s = time.monotonic() - started
+        death = DeathWatch(deployment.worker_pid(victim), timeout_s=120)
+        try:
+            started = time.monotonic()
+            with ThreadPoolExecutor(len(PROMPTS)) as pool:
+                streams = list(pool.map(lambda p: timed_stream(deployment.address, p), PROMPTS))
+            streams_s = time.monotonic() - started
 
-        def back() -> bool:
-            w = _workers(deployment.address).get(victim)
-            return w is not None and w.healthy and w.incarnation != first
+            def back() -> bool:
+                w = _workers(deployment.address).get(victim)
+                return w is not None and w.healthy and w.incarnation != first
 
-        back_s = _wait(back, 60) + streams_s  # from the start of the streams: the kill is inside them
+            _wait(back, 60)
+            back_at = time.monotonic()
+        finally:
+            death.stop()
+        if death.died_at is None:
+            raise RuntimeError(f"{drill}: {victim} (pid {death.pid}) came back without its process having ended")
         blocks_zero_s = _wait(lambda: all(w.kv_blocks_in_use == 0 for w in _workers(deployment.address).values()), 15)
         with ThreadPoolExecutor(len(PROMPTS)) as pool:
             again = list(pool.map(lambda p: timed_stream(deployment.address, p), PROMPTS))
         return {"drill": drill, "streams": streams, "again": again, "streams_s": streams_s,
                 "longest_pause_s": max(s["longest_pause_s"] for s in streams),
-                "moved": sum(s["reprefills"] > 0 for s in streams), "worker_back_within_s": back_s,
-                "blocks_zero_after_s": blocks_zero_s,
+                "moved": sum(s["reprefills"] > 0 for s in streams), "killed_after_s": death.died_at - started,
+                "worker_back_within_s": back_at - death.died_at, "blocks_zero_after_s": blocks_zero_s,
                 "incarnation_changed": _workers(deployment.address)[victim].incarnation != first}  # fmt: skip
     finally:
         deployment.stop()
@@ -160,7 +200,8 @@ def run_router_drill(model_dir: str, folder) -> dict:
                 streams = list(pool.map(lambda p: _until_it_ends(doomed.address, p), PROMPTS))
             exit_code = doomed.proc.wait(10)
             died_at = max(s["last_token"] for s in streams)
-            workers_gone_s = _wait(lambda: not any(accepts(a) for a in workers), 60) + time.monotonic() - died_at
+            _wait(lambda: not any(accepts(a) for a in workers), 60)
+            workers_gone_s = time.monotonic() - died_at  # from the router's death (its last token relayed)
         finally:
             doomed.stop()
         config["port"] = int(doomed.address.rsplit(":", 1)[1])

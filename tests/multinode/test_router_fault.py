@@ -21,8 +21,9 @@ def test_router_killed_mid_stream_then_restarted(serving_model, tmp_path):
     assert r["streams_ended_within_s"] < 5
     for stream, want in zip(r["streams"], reference):
         assert stream["tokens"] == want[: len(stream["tokens"])]
-    # Ray ended the dead driver's workers; serve again on the same port serves exactly and stops cleanly.
-    assert r["workers_gone_within_s"] < 30
+    # Ray ended the dead driver's workers (their ports closed), counted from the router's last token: under
+    # half a second measured; serve again on the same port serves exactly and stops cleanly.
+    assert 0 < r["workers_gone_within_s"] < 5, r["workers_gone_within_s"]
     assert r["same_port"] and r["again_exit"] == 0
     assert [s["tokens"] for s in r["after"]] == reference
     assert all(s["code"] == grpc.StatusCode.OK for s in r["after"])

@@ -15,6 +15,7 @@ import pytest
 from splitserve.drill import DRILLS, reference_outputs, run_drill
 
 MAX_PAUSE_S = 5.0
+MAX_BACK_S = 30.0  # Ray restarts the process and it registers again: 3-12 s measured on the shared 2 cores
 
 
 @pytest.fixture(scope="module")
@@ -34,9 +35,12 @@ def test_a_worker_killed_at_its_fault_point(ray_session, serving_model, referenc
     # then its requests are retried, not moved; the exact outputs above cover both.)
     if DRILLS[drill][1]["target"].startswith("decode"):
         assert result["moved"] >= 1, "some request must have moved"
-    # The worker died at its point (a new incarnation) and came back; nobody holds a block.
+    # The worker died at its point, while the streams ran (its process ended), and came back under a new
+    # incarnation, timed from its death; nobody holds a block.
     assert result["incarnation_changed"]
-    assert result["worker_back_within_s"] < 60 and result["blocks_zero_after_s"] < 15
+    assert 0 < result["killed_after_s"] < result["streams_s"], (result["killed_after_s"], result["streams_s"])
+    assert 0 < result["worker_back_within_s"] < MAX_BACK_S, result["worker_back_within_s"]
+    assert result["blocks_zero_after_s"] < 15
     # It runs clean now: the same requests again, exactly, none moved.
     assert [s["tokens"] for s in result["again"]] == reference
     assert not any(s["reprefills"] for s in result["again"])
