@@ -125,14 +125,15 @@ def _yes_no(flag: bool) -> str:
 
 def header_lines(
     dtype: str | None = None,
-    threads: int | None = None,
+    threads: int | str | None = None,
     device: str | None = None,
     machine: dict[str, Any] | None = None,
 ) -> str:
     """The header every benchmark prints first: machine, ISA flags, cores, versions, dtype, threads.
 
-    ``machine`` is a ``describe_machine()`` result (computed here when omitted), so the printed header
-    and the JSON a benchmark writes describe the same thing.
+    ``threads`` is a count or a phrase ("1 per worker"). ``machine`` is a ``describe_machine()`` result
+    (computed here when omitted), so the printed header and the JSON a benchmark writes describe the
+    same thing.
     """
     m = describe_machine(device) if machine is None else machine
     isa = m["isa"]
@@ -156,7 +157,7 @@ def header_lines(
 
 def print_header(
     dtype: str | None = None,
-    threads: int | None = None,
+    threads: int | str | None = None,
     device: str | None = None,
     machine: dict[str, Any] | None = None,
     to_stderr: bool = False,
