@@ -123,6 +123,14 @@ def _yes_no(flag: bool) -> str:
     return "yes" if flag else "no"
 
 
+def cpu_summary(machine: dict[str, Any]) -> str:
+    """One short line for a table row: model, usable cores and the widest vector ISA with bf16."""
+    isa = machine["isa"]
+    widest = "AVX-512" if isa["avx512f"] else "AVX2" if isa["avx2"] else "no AVX2"
+    bf16 = "AMX" if isa["amx_bf16"] else "BF16" if isa["avx512_bf16"] or isa["avx_ne_convert"] else "no BF16"
+    return f"{machine['cpu_model'] or 'unknown'}, {machine['usable_cores']} cores, {widest}, {bf16}"
+
+
 def header_lines(
     dtype: str | None = None,
     threads: int | str | None = None,

@@ -136,6 +136,7 @@ def main() -> int:
         start = time.perf_counter()
         llm.step()
         plain.append(time.perf_counter() - start)
+    lengths = sorted(r.num_tokens for r in llm.scheduler.running)
     add_ranges(llm.model)
     log(f"profiling {args.steps} decode steps at batch {args.batch} ...")
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
@@ -156,10 +157,11 @@ def main() -> int:
         "attention over the paged cache": per_step["attn"] - per_step["attn_proj"],
     }
     parts["the rest (element-wise, sampling, scheduling, Python)"] = per_step["step"] - sum(parts.values())
-    context = sum(r.num_tokens for r in llm.scheduler.running) / args.batch
+    context = sum(lengths) / len(lengths)
     result = {
         "machine": machine, "model": str(model_dir), "dtype": args.dtype, "threads": args.threads,
-        "batch": args.batch, "steps": steps, "mean_context_after": context,
+        "batch": args.batch, "steps": steps, "context_tokens": {"min": lengths[0], "mean": context, "max": lengths[-1]},
+        "preemptions": llm.scheduler.num_preemptions,
         "step_ms_profiled": per_step["step"], "step_ms_unprofiled": 1e3 * min(plain),
         "parts_ms": parts, "parts_fraction": {k: v / per_step["step"] for k, v in parts.items()},
         "top_level_ops_per_step": top_level_ops(events) / steps,
@@ -168,7 +170,8 @@ def main() -> int:
     if args.json:
         print(json.dumps(result))
         return 0
-    print(f"\n{args.batch} requests decoding, mean context {context:.0f} tokens; {steps} steps profiled; "
+    print(f"\n{args.batch} requests decoding, contexts {lengths[0]}-{lengths[-1]} tokens (mean {context:.0f}, "
+          f"{result['preemptions']} preemptions); {steps} steps profiled; "
           f"step {result['step_ms_profiled']:.1f} ms under the profiler, {result['step_ms_unprofiled']:.1f} ms "
           f"without (best of {steps})\n")  # fmt: skip
     print("| part of a decode step | ms | fraction |")

@@ -115,3 +115,12 @@ def test_describe_without_torch_probe_does_not_import_torch():
     assert reply["torch_loaded"] is False
     assert reply["heavy"] == []
     assert reply["torch"]  # read from the installed metadata
+
+
+def test_cpu_summary_names_model_cores_and_isa():
+    m = hardware.describe_machine(probe_torch=False, cpuinfo_text=AVX512_CPUINFO)
+    assert hardware.cpu_summary(m) == f"AMD EPYC 9R45 64-Core Processor, {m['usable_cores']} cores, AVX-512, BF16"
+    m = hardware.describe_machine(probe_torch=False, cpuinfo_text=AVX2_CPUINFO)
+    assert hardware.cpu_summary(m).endswith("AVX2, no BF16")
+    m = hardware.describe_machine(probe_torch=False, cpuinfo_text=AMX_CPUINFO)
+    assert hardware.cpu_summary(m).endswith("AVX-512, AMX")
