@@ -177,7 +177,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
-    machine = print_header("float32 (tiny preset)", "torch's default for the embedded start, 1 per worker otherwise", "cpu")
+    threads = "torch's default for the embedded start, 1 per worker otherwise"
+    machine = print_header("float32 (tiny preset)", threads, "cpu")
     from splitserve.make_model import make_model
 
     with tempfile.TemporaryDirectory(prefix="ssbc") as tmp:
