@@ -309,6 +309,10 @@ def main() -> int:
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     _Proc.threads = args.threads
+    from engine.hardware import print_header
+
+    machine = print_header("bfloat16 (KV cache and the KV-heavy model)", f"{args.threads} in each of the two processes",
+                           "cpu", to_stderr=args.json)  # fmt: skip
 
     from kv_transfer.config import TransferConfig
 
@@ -316,7 +320,7 @@ def main() -> int:
                             max_message_bytes=args.message_mib << 20)
     sizes = [int(s) for s in args.sizes.split(",")]
     log("transfer of the qwen2.5-0.5b preset's KV between two processes ...")
-    result: dict = {"config": {"max_message_bytes": config.max_message_bytes, "whole_request_bytes":
+    result: dict = {"machine": machine, "config": {"max_message_bytes": config.max_message_bytes, "whole_request_bytes":
                                config.whole_request_bytes, "layer_group_size": config.layer_group_size},
                     "results": measure_sizes(sizes, args.repeats, config)}  # fmt: skip
     if not args.skip_layer_groups:

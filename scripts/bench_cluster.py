@@ -41,6 +41,8 @@ use_loopback_ray()  # before Ray is imported; children inherit it
 from splitserve.client import Client  # noqa: E402
 from splitserve.sim_cluster import ServeProcess, SimCluster  # noqa: E402
 
+from engine.hardware import print_header  # noqa: E402
+
 PROMPTS = [list(range(1, 30)), list(range(100, 140)), list(range(300, 320)), list(range(500, 545))]
 SAMPLING = dict(max_tokens=150, temperature=0.0, ignore_eos=True)
 
@@ -175,6 +177,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
+    threads = "torch's default for the embedded start, 1 per worker otherwise"
+    machine = print_header("float32 (tiny preset)", threads, "cpu")
     from splitserve.make_model import make_model
 
     with tempfile.TemporaryDirectory(prefix="ssbc") as tmp:
@@ -207,7 +211,7 @@ def main() -> int:
         print(f"{label:52s} {results[key]:8.2f} {results[key] / base:15.2f}")
     print(f"streams migrated off the lost node: {results['migrated_streams']} of {len(PROMPTS)}")
     if args.json:
-        print(json.dumps(results))
+        print(json.dumps(results | {"machine": machine}))
     return 0
 
 

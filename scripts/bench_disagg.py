@@ -80,6 +80,9 @@ def main() -> int:
     p.add_argument("--out-dir", default="results/disagg")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
+    from engine.hardware import print_header
+
+    machine = print_header(args.dtype, f"{args.threads} per disaggregated worker, {2 * args.threads} colocated", "cpu")
 
     from splitserve.bench.datasets import DatasetOptions, TokenRange, make_requests
     from splitserve.bench.metrics import parse_goodput
@@ -135,7 +138,7 @@ def main() -> int:
     ratio = disagg["goodput"]["rate"] / best["goodput"]["rate"] if best["goodput"]["rate"] else None
     print(f"best colocated: {best['label']}; goodput disaggregated / colocated = "
           f"{'n/a (the best colocated is below the range)' if ratio is None else f'{ratio:.2f}'}")
-    summary = {"preset": args.preset, "workload": args.workload, "slos_ms": slos, "runs": runs,
+    summary = {"machine": machine, "preset": args.preset, "workload": args.workload, "slos_ms": slos, "runs": runs,
                "best_colocated": best["label"], "goodput_ratio": ratio}  # fmt: skip
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     if args.json:

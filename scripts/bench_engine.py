@@ -35,6 +35,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from engine import LLM, ModelConfig, SamplingParams  # noqa: E402
+from engine.hardware import print_header  # noqa: E402
 
 
 def log(msg: str) -> None:
@@ -185,13 +186,14 @@ def main() -> int:
 
     torch.set_num_threads(args.threads)
     dev = args.device
+    machine = print_header(args.dtype, args.threads, dev, to_stderr=args.json)
     model_dir = ensure_model(args.model, args.preset, args.dtype)
     cfg = ModelConfig.from_model_dir(model_dir)
     dtype = getattr(torch, args.dtype)
     decode_batches = [int(b) for b in args.decode_batches.split(",")]
     hf_batches = [int(b) for b in args.hf_batches.split(",")]
     result: dict = {"model": str(model_dir), "dtype": args.dtype, "device": dev, "threads": args.threads,
-                    "prompt_len": args.prompt_len, "new_tokens": args.new_tokens}  # fmt: skip
+                    "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "machine": machine}  # fmt: skip
 
     log("bounds ...")
     bw = copy_bandwidth(dev)

@@ -31,6 +31,8 @@ from splitserve.client import Client  # noqa: E402
 from splitserve.make_model import make_model  # noqa: E402
 from splitserve.sim_cluster import ServeProcess  # noqa: E402
 
+from engine.hardware import print_header  # noqa: E402
+
 
 def post(url: str, body: dict, stream: bool) -> None:
     request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
@@ -50,6 +52,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
+    machine = print_header("float32" if args.model is None else "float32 (--model)", "1 per worker", "cpu",
+                           to_stderr=args.json)  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="fe") as tmp:
         model = args.model or str(make_model("tiny", Path(tmp) / "tiny", dtype="float32", seed=0))
         served = ServeProcess({"model": model, "dtype": "float32", "port": 0, "openai_port": 0, "metrics_port": 0,
@@ -78,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
                             post(url, {**body, "stream": kind == "openai_stream"}, kind == "openai_stream")
                         times[kind].append(time.perf_counter() - start)
             base = statistics.mean(times["grpc"])
-            result = {"requests": args.requests, "max_tokens": args.max_tokens, "frontends": {
+            result = {"machine": machine, "requests": args.requests, "max_tokens": args.max_tokens, "frontends": {
                 kind: {"mean_ms": statistics.mean(t) * 1e3, "p50_ms": statistics.median(t) * 1e3,
                        "vs_grpc": statistics.mean(t) / base} for kind, t in times.items()}, "scrapes": {}}  # fmt: skip
             for label, address in [("router", router_metrics), *((f"worker {i}", a) for i, a in enumerate(workers))]:

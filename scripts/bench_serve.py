@@ -36,6 +36,8 @@ use_loopback_ray()  # before Ray is imported
 
 import torch  # noqa: E402
 
+from engine.hardware import print_header  # noqa: E402
+
 
 def log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
@@ -123,6 +125,7 @@ def main() -> int:
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    machine = print_header(args.dtype, args.threads, "cpu", to_stderr=args.json)
     if not (args.model / "config.json").is_file():
         from splitserve.make_model import make_model
 
@@ -168,7 +171,7 @@ def main() -> int:
     h1, hn = best(runs["hf_1"], "decode_tok_s"), best(runs["hf_n"], "output_tok_s")
     result = {
         "model": str(args.model), "dtype": args.dtype, "threads": args.threads, "prompt_len": args.prompt_len,
-        "new_tokens": args.new_tokens, "streams": args.streams,
+        "new_tokens": args.new_tokens, "streams": args.streams, "machine": machine,
         "served_single": s1, "served_concurrent": sn, "transformers_batch1": h1,
         f"transformers_batch{args.streams}": hn, "offline_single": off_single, "offline_concurrent": off_conc,
         "ratios": {

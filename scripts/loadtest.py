@@ -31,6 +31,8 @@ use_loopback_ray()  # before Ray is imported; every child inherits it
 
 from splitserve.sim_cluster import ServeProcess, SimCluster  # noqa: E402
 
+from engine.hardware import print_header  # noqa: E402
+
 
 def log(message: str) -> None:
     print(f"loadtest: {message}", file=sys.stderr, flush=True)
@@ -58,6 +60,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    machine = print_header(args.dtype, f"{args.threads} per worker", "cpu")
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="sslt") as tmp:
@@ -92,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
         sweep = json.loads((out / "sweep.json").read_text())
         failed = {str(r["request_rate"]): r["failed"] for r in sweep["results"] if r["failed"]}
         checks = {"no_request_failed": not failed, "no_block_leaked": not leaked, "serve_stopped_cleanly": exit_code == 0}
-        verdict = {"passed": all(checks.values()), "checks": checks, "failed_by_rate": failed, "leaked_blocks": leaked,
+        verdict = {"machine": machine, "passed": all(checks.values()), "checks": checks, "failed_by_rate": failed, "leaked_blocks": leaked,
                    "workers": [{k: w[k] for k in ("role", "worker_id", "node_id", "address")} for w in workers],
                    "serve_ready_s": served.ready_s, "wall_s": time.monotonic() - started,
                    "goodput": sweep["goodput"], "results": sweep["results"]}  # fmt: skip

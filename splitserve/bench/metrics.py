@@ -167,6 +167,10 @@ def format_summary(result: Mapping, percentiles: Sequence[float] = (90, 95, 99))
     def row(label: str, value, fmt: str = "") -> None:
         lines.append(f"{label:<40} {'None' if value is None else format(value, fmt)}")
 
+    if "client_machine" in result:
+        from engine.hardware import cpu_summary
+
+        row("Client machine:", cpu_summary(result["client_machine"]))
     row("Successful requests:", result["completed"])
     row("Failed requests:", result["failed"])
     for code, count in sorted(result["failures"].items()):

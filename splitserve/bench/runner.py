@@ -19,6 +19,7 @@ from datetime import datetime
 
 import grpc
 
+from engine.hardware import describe_machine
 from splitserve.bench.datasets import BenchRequest
 from splitserve.bench.metrics import SERVER_TIMINGS, RequestRecord, per_request_lists, summarize
 from splitserve.client import make_request
@@ -150,6 +151,8 @@ def benchmark(requests: Sequence[BenchRequest], offsets_s: Sequence[float], conf
         "max_concurrency": config.max_concurrency,
         "temperature": config.temperature,
         "ignore_eos": config.ignore_eos,
+        # The load generator's machine (torch is not imported); the workers' is in their benchmark's header.
+        "client_machine": describe_machine(probe_torch=False),
         **summarize(records, duration, config.percentiles, config.goodput),
         **per_request_lists(records),
     }

@@ -60,6 +60,8 @@ def test_open_loop_at_a_rate(deployment, tmp_path):
     assert "============ Serving Benchmark Result ============" in out.stdout
     result = json.loads(path.read_text())
     assert [k for k in RESULT_KEYS if k not in result] == []
+    assert result["client_machine"]["logical_cores"] >= 1 and "avx2" in result["client_machine"]["isa"]
+    assert "Client machine:" in out.stdout
     assert_all_served(result, 12)
     assert len(set(result["output_lens"])) > 1 and min(result["output_lens"]) >= 4  # lengths in 8 * [0.5, 1.5]
     assert result["request_rate"] == 20 and result["max_concurrency"] is None

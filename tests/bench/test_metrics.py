@@ -109,3 +109,14 @@ def test_summary_table_reads_like_vllms():
     assert any(line.startswith("P99 TTFT (ms):") for line in lines)
     assert any(line.startswith("  UNAVAILABLE:") and line.split()[-1] == "2" for line in lines)
     assert "Time per Output Token (excl. 1st token)" in text and "Client-side Queue Time" in text
+
+
+def test_summary_names_the_client_machine_when_the_result_has_it():
+    from engine.hardware import cpu_summary, describe_machine
+
+    m = summarize(make_records(), 2.0) | {"request_rate": 4.0, "max_concurrency": None}
+    assert not any(line.startswith("Client machine:") for line in format_summary(m).splitlines())
+    machine = describe_machine(probe_torch=False)
+    lines = format_summary(m | {"client_machine": machine}).splitlines()
+    assert lines[0] == "============ Serving Benchmark Result ============"
+    assert lines[1] == f"{'Client machine:':<40} {cpu_summary(machine)}"

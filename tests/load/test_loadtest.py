@@ -19,6 +19,8 @@ def test_short_multinode_loadtest_serves_everything_and_leaks_nothing(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     verdict = json.loads((out / "loadtest.json").read_text())
     assert verdict["passed"] and all(verdict["checks"].values())
+    assert verdict["machine"]["logical_cores"] >= 1 and "avx512f" in verdict["machine"]["isa"]
+    assert done.stdout.startswith("cpu: "), done.stdout[:200]  # the machine header comes first
     assert [r["completed"] for r in verdict["results"]] == [16, 16]
     assert all(r["failed"] == 0 and r["output_throughput"] > 0 for r in verdict["results"])
     roles = {w["worker_id"]: (w["role"], w["node_id"]) for w in verdict["workers"]}

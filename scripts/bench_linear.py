@@ -1,0 +1,174 @@
+#!/usr/bin/env python3
+"""The linear-layer paths at the engine's own shapes: oneDNN prepacked against ``F.linear``.
+
+A decode step multiplies the batch by every weight matrix of the model once (fused q/k/v and
+gate/up, as splitserve runs them, and the LM head). For each dtype and batch size m this times one
+whole pass over those matrices, three ways:
+
+- ``F.linear`` on the plain ``[out, in]`` weight (MKL for float32, oneDNN or an emulation for bf16);
+- oneDNN prepacked (``mkldnn._reorder_linear_weight`` once, then ``mkldnn._linear_pointwise``), the
+  path ``engine.model.Linear.pack()`` takes; where this CPU refuses it the reason is printed;
+- the engine's choice, matrix by matrix (``engine.model.can_pack``),
+
+and reports ms per pass, GB/s of weights read and GFLOP/s. Beside it, one large ``torch.mm``
+(2048 x 2048 x 2048) per dtype: what the cores reach when the product is compute-bound (skipped for
+bf16 where this CPU only emulates it: minutes for one product). Each figure is
+the best of --repeats after one warm-up call; the machine header is printed first.
+
+    python scripts/bench_linear.py [--preset qwen2.5-0.5b] [--dtypes float32,bfloat16] [--batches 1,8,32]
+                                   [--threads 2] [--repeats 3] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from engine.hardware import print_header  # noqa: E402
+from engine.model import can_pack  # noqa: E402
+from engine.model_config import ModelConfig  # noqa: E402
+
+
+def log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def best_seconds(fn: Callable[[], object], repeats: int) -> float:
+    fn()  # warm-up: kernel selection and first-touch of the output
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def decode_weight_shapes(cfg: ModelConfig) -> Counter[tuple[int, int]]:
+    """[out, in] of every matrix one decode step multiplies by, with how many times it occurs."""
+    per_layer = [
+        (cfg.q_size + 2 * cfg.kv_size, cfg.hidden_size),  # fused q/k/v
+        (cfg.hidden_size, cfg.q_size),  # o
+        (2 * cfg.intermediate_size, cfg.hidden_size),  # fused gate/up
+        (cfg.hidden_size, cfg.intermediate_size),  # down
+    ]
+    shapes = Counter({s: cfg.num_layers for s in per_layer})
+    shapes[(cfg.vocab_size, cfg.hidden_size)] += 1  # LM head
+    return shapes
+
+
+def packed_or_reason(weight: torch.Tensor) -> tuple[torch.Tensor | None, str | None]:
+    try:
+        return torch.ops.mkldnn._reorder_linear_weight(weight), None
+    except RuntimeError as e:
+        return None, str(e).splitlines()[0]
+
+
+def measure_dtype(shapes: Counter, dtype: torch.dtype, batches: list[int], repeats: int) -> dict:
+    """Seconds per whole pass at each m for F.linear, prepacked and the engine's choice."""
+    weights = {s: torch.randn(s, dtype=dtype) * 0.02 for s in shapes}
+    packed, reason = {}, None
+    for s, w in weights.items():
+        packed[s], why = packed_or_reason(w)
+        reason = reason or why
+    engine_packs = {s: can_pack(w) and packed[s] is not None for s, w in weights.items()}
+    numel = sum(o * i * n for (o, i), n in shapes.items())
+    weight_bytes = numel * weights[next(iter(weights))].element_size()
+    rows = []
+    for m in batches:
+        per_path = {"F.linear": 0.0, "packed": 0.0 if reason is None else None, "engine": 0.0}
+        for s, w in weights.items():
+            x = torch.randn(m, s[1], dtype=dtype)
+            t_plain = best_seconds(lambda: F.linear(x, w), repeats)
+            per_path["F.linear"] += t_plain * shapes[s]
+            t_packed = None
+            if packed[s] is not None:
+                p = packed[s]
+                t_packed = best_seconds(lambda: torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], ""), repeats)
+                if per_path["packed"] is not None:
+                    per_path["packed"] += t_packed * shapes[s]
+            per_path["engine"] += (t_packed if engine_packs[s] else t_plain) * shapes[s]
+        for path, seconds in per_path.items():
+            row = {"m": m, "path": path, "ms": None, "weight_gb_s": None, "gflop_s": None}
+            if seconds is not None:
+                row.update(ms=1e3 * seconds, weight_gb_s=weight_bytes / seconds / 1e9,
+                           gflop_s=2 * m * numel / seconds / 1e9)  # fmt: skip
+            rows.append(row)
+        log(f"  {dtype} m={m}: " + ", ".join(f"{r['path']} {r['ms']:.1f} ms" for r in rows[-3:] if r["ms"] is not None))
+    return {"weights": numel, "weight_bytes": weight_bytes, "packed_refused": reason,
+            "engine_packs_all": all(engine_packs.values()), "rows": rows}  # fmt: skip
+
+
+def large_gemm_gflop_s(dtype: torch.dtype, n: int, repeats: int) -> float:
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    return 2 * n**3 / best_seconds(lambda: torch.mm(a, b), repeats) / 1e9
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="qwen2.5-0.5b", help="a make-model preset whose shapes are used")
+    ap.add_argument("--dtypes", default=None,
+                    help="comma-separated; default bfloat16 where oneDNN runs it natively, else float32 (bf16 is "
+                         "emulated there and takes minutes at m = 32)")  # fmt: skip
+    ap.add_argument("--batches", default="1,8,32")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--gemm-size", type=int, default=2048)
+    ap.add_argument("--json", action="store_true", help="print one JSON object with every figure")
+    args = ap.parse_args()
+    from splitserve.make_model import PRESETS
+
+    if args.preset not in PRESETS:
+        ap.error(f"--preset: unknown {args.preset!r}; valid: {', '.join(PRESETS)}")
+    torch.set_num_threads(args.threads)
+    if args.dtypes is None:
+        args.dtypes = "bfloat16" if torch.ops.mkldnn._is_mkldnn_bf16_supported() else "float32"
+    dtypes = args.dtypes.split(",")
+    machine = print_header(args.dtypes, args.threads, "cpu", to_stderr=args.json)
+    cfg = ModelConfig.from_dict(PRESETS[args.preset])
+    shapes = decode_weight_shapes(cfg)
+    batches = [int(b) for b in args.batches.split(",")]
+    result: dict = {"machine": machine, "preset": args.preset, "threads": args.threads, "repeats": args.repeats,
+                    "shapes": [[o, i, n] for (o, i), n in shapes.items()], "dtypes": {}}  # fmt: skip
+    with torch.inference_mode():
+        for name in dtypes:
+            dtype = getattr(torch, name)
+            log(f"{name}: a whole weight pass per m, then one {args.gemm_size}^3 mm ...")
+            entry = measure_dtype(shapes, dtype, batches, args.repeats)
+            native = dtype not in (torch.bfloat16, torch.float16) or entry["packed_refused"] is None
+            # Emulated bf16 takes minutes for one 2048^3 product: skipped, and said so.
+            entry["large_gemm_gflop_s"] = large_gemm_gflop_s(dtype, args.gemm_size, args.repeats) if native else None
+            result["dtypes"][name] = entry
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    print(f"\n{args.preset} decode weights ({sum(shapes.values())} matrices per step), {args.threads} threads, "
+          f"best of {args.repeats}\n")  # fmt: skip
+    print("| dtype | m | path | ms per pass | GB/s of weights | GFLOP/s |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for name, entry in result["dtypes"].items():
+        for r in entry["rows"]:
+            cells = ("refused", "-", "-") if r["ms"] is None else (f"{r['ms']:.1f}", f"{r['weight_gb_s']:.1f}",
+                                                                  f"{r['gflop_s']:.0f}")  # fmt: skip
+            print(f"| {name} | {r['m']} | {r['path']} | " + " | ".join(cells) + " |")
+    print()
+    for name, entry in result["dtypes"].items():
+        gemm = entry["large_gemm_gflop_s"]
+        gemm_text = f"{gemm:.0f} GFLOP/s" if gemm is not None else "skipped (emulated on this CPU)"
+        print(f"{name}: {entry['weight_bytes'] / 1e9:.2f} GB of weights; torch.mm {args.gemm_size}^3 {gemm_text}"
+              + (f"; prepacked refused: {entry['packed_refused']}" if entry["packed_refused"] else ""))  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
