@@ -172,6 +172,14 @@ class CausalLM(nn.Module):
         if self.lm_head is None and can_pack(self.embed_tokens.weight):
             self.lm_head = Linear.packed_from(self.embed_tokens.weight)
 
+    def linear_paths(self) -> dict[str, str]:
+        """Module name -> the kernel that linear layer runs: "packed" (oneDNN, prepacked weight) or
+        "plain" (``F.linear``; cuBLAS on CUDA). "lm_head" is listed even when it is the tied embedding."""
+        linears = ((name, m) for name, m in self.named_modules() if isinstance(m, Linear))
+        paths = {name: "plain" if m.packed is None else "packed" for name, m in linears}
+        paths.setdefault("lm_head", "plain")
+        return paths
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head on the selected rows only: logits [rows, vocab] in the model's dtype."""
         hidden = self.norm(hidden)
