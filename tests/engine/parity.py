@@ -1,0 +1,87 @@
+"""Helpers shared by the parity tests: prompts, transformers' greedy loop, and the tie rule."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+from engine import LLM
+
+
+@contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    """Run with n intra-op threads (TESTING.md: one per process in tests). On the 2 shared cores, two
+    OpenMP threads made these one-sequence decodes 5-10x slower in CPU time, mostly spinning."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def make_prompts(seed: int, lengths: list[int], vocab: int = 2000) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab) for _ in range(n)] for n in lengths]
+
+
+@torch.inference_mode()
+def hf_greedy(model, prompt: list[int], n: int) -> tuple[list[int], list[float]]:
+    """transformers' own greedy loop with its KV cache; returns tokens and the top-1 minus top-2 gaps."""
+    device = model.device
+    out = model(torch.tensor([prompt], device=device), use_cache=True)
+    tokens, gaps = [], []
+    for _ in range(n):
+        logits = out.logits[0, -1].float()
+        top = logits.topk(2).values
+        gaps.append(float(top[0] - top[1]))
+        token = int(logits.argmax())
+        tokens.append(token)
+        out = model(torch.tensor([[token]], device=device), past_key_values=out.past_key_values, use_cache=True)
+    return tokens, gaps
+
+
+def first_tie(gaps: list[float], tie_gap: float) -> int:
+    """The first step whose gap is below tie_gap (len(gaps) when there is none)."""
+    return next((i for i, gap in enumerate(gaps) if gap < tie_gap), len(gaps))
+
+
+def assert_matches(ours: list[int], ref: list[int], gaps: list[float], tie_gap: float, what: str) -> int:
+    """Identical token for token until the first difference, which must fall on a step where
+    transformers' top-1 minus top-2 gap is below tie_gap; nothing after it is compared (the contexts
+    differ from there on). Returns how many tokens matched."""
+    assert len(ours) == len(ref), f"{what}: {len(ours)} tokens vs {len(ref)}"
+    for i, (a, b) in enumerate(zip(ours, ref)):
+        if a != b:
+            assert gaps[i] < tie_gap, f"{what}: token {i} differs ({a} vs {b}) with logit gap {gaps[i]:.4g}"
+            return i
+    return len(ours)
+
+
+def assert_greedy_parity(
+    outputs: list[list[int]], refs: list[tuple[list[int], list[float]]], tie_gap: float, min_tie_free: int, what: str
+) -> list[int]:
+    """``assert_matches`` for every prompt, so a run whose reference has no gap below tie_gap must match
+    in full; and at least ``min_tie_free`` of the reference runs have none. Ties belong to the
+    checkpoint, not the engine: that floor keeps the comparison from passing because every run stopped
+    at an early tie. Returns the matched lengths."""
+    tie_free = sum(first_tie(gaps, tie_gap) == len(gaps) for _, gaps in refs)
+    assert tie_free >= min_tie_free, f"{what}: only {tie_free} reference runs without a tie, {min_tie_free} needed"
+    matched = []
+    for i, (out, (ref, gaps)) in enumerate(zip(outputs, refs)):
+        matched.append(assert_matches(out, ref, gaps, tie_gap, f"{what} prompt {i}"))
+    return matched
+
+
+def assert_not_degenerate(outputs: list[list[int]]) -> None:
+    for out in outputs:
+        assert len(set(out)) >= 8, f"degenerate output {out}"
+    assert len({tuple(o) for o in outputs}) == len(outputs), "different prompts gave the same output"
+
+
+def assert_no_blocks_in_use(llm: LLM) -> None:
+    llm.check_integrity()
+    assert llm.kv_status()["in_use"] == 0
