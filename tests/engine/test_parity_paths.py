@@ -1,0 +1,227 @@
+"""Parity with transformers on the linear-layer paths we ship and time, once per path.
+
+The models (tests/conftest.py ``PACKABLE_ARCH_CONFIGS``: hidden 512, intermediate 1536, 4 layers of
+Llama, Qwen2 and Mistral) are large enough that every projection and the LM head reach the engine's
+packing floor, so the prepacked oneDNN path is the one compared. The paths are those this machine
+offers (``available_paths``): on CPU "packed" (oneDNN, where it runs the dtype) and "plain"
+(``F.linear``, forced with ``pack_weights=False``); on CUDA "cublas". Each test first asserts that every
+linear layer, the LM head included, really runs the path its id names.
+
+- fp32: prefill logits allclose, and greedy identical token for token for 64 tokens on a batch of
+  mixed lengths; a difference is accepted only where transformers-fp32's top-1 minus top-2 logit gap
+  is below 1e-3, and nothing after it is compared.
+- bf16: prefill logits within 1.5x the relative L2 error that transformers-bf16 itself reaches against
+  transformers-fp32 on the same weights; greedy identical to transformers-bf16 (on the same device) for
+  64 tokens on 4 prompts of 64, where a difference is accepted only at a near-tie, a gap below 2e-2.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from tests.conftest import PACKABLE_ARCH_CONFIGS
+from tests.engine.parity import (
+    assert_greedy_parity,
+    assert_matches,
+    assert_no_blocks_in_use,
+    assert_not_degenerate,
+    first_tie,
+    hf_greedy,
+    make_prompts,
+    torch_threads,
+)
+
+ARCHS = list(PACKABLE_ARCH_CONFIGS)
+NEW_TOKENS = 64
+FP32_TIE_GAP = 1e-3
+BF16_TIE_GAP = 2e-2
+BF16_ERROR_FACTOR = 1.5  # ours-bf16 may be this many times as far from fp32 as transformers-bf16 is
+FP32_LENGTHS = [3, 17, 30, 47, 64]
+BF16_LENGTHS = [64, 64, 64, 64]
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def available_paths(device: str, dtype: torch.dtype) -> list[str]:
+    """The linear-layer paths the engine can take here, from the machine's capability (not the engine's)."""
+    if device.startswith("cuda"):
+        return ["cublas"]
+    packs = torch.backends.mkldnn.is_available() and (
+        dtype == torch.float32 or (dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    )
+    return ["packed", "plain"] if packs else ["plain"]
+
+
+# Measured on the AVX2 machine (docs/testing.md): the engine's batched decode attention rounds the
+# scores to bf16 before its float32 softmax, transformers' SDPA does not, and the greedy runs part at
+# gaps of 1-2 bf16 steps (0.03-0.06) within 11-27 tokens. With SDPA for the decodes, Llama matched all
+# 4 x 64 tokens. Strict: the test fails once the engine is fixed, so this mark must then go.
+BF16_DECODE_XFAIL = pytest.mark.xfail(
+    strict=True, reason="engine/attention.py _decode rounds attention scores to bf16; transformers keeps float32"
+)
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    device = metafunc.config.getoption("--device")
+    known_to_fail = metafunc.function.__name__ == "test_bf16_greedy_matches_transformers_bf16" and device == "cpu"
+    for name, dtype in DTYPES.items():
+        if f"{name}_path" in metafunc.fixturenames:
+            marks = [BF16_DECODE_XFAIL] if known_to_fail else []
+            paths = [pytest.param(path, marks=marks) for path in available_paths(device, dtype)]
+            metafunc.parametrize(f"{name}_path", paths)
+
+
+class Engines:
+    """One LLM per (arch, dtype, path), built on first use and kept for the module."""
+
+    def __init__(self, model_dirs, device: str) -> None:
+        self.model_dirs, self.device, self._built = model_dirs, device, {}
+
+    def get(self, arch: str, dtype: str, path: str) -> LLM:
+        pack = path != "plain"  # "packed", "cublas" and "default" are the default config
+        if (arch, dtype, pack) not in self._built:
+            model_dir = self.model_dirs[arch]
+            llm = LLM(model_dir, dtype=dtype, device=self.device, block_size=16, num_blocks=96, pack_weights=pack)
+            self._built[arch, dtype, pack] = llm
+        return self._built[arch, dtype, pack]
+
+
+class References:
+    """transformers on the same checkpoints: fp32 on the CPU, bf16 on the test device; greedy runs cached."""
+
+    def __init__(self, model_dirs, device: str) -> None:
+        self.model_dirs, self.device, self._models, self._greedy = model_dirs, device, {}, {}
+
+    def model(self, arch: str, dtype: str):
+        from transformers import AutoModelForCausalLM
+
+        if (arch, dtype) not in self._models:
+            device = "cpu" if dtype == "fp32" else self.device
+            model = AutoModelForCausalLM.from_pretrained(self.model_dirs[arch], dtype=DTYPES[dtype])
+            self._models[arch, dtype] = model.to(device).eval()
+        return self._models[arch, dtype]
+
+    def greedy(self, arch: str, dtype: str, prompts: list[list[int]]) -> list[tuple[list[int], list[float]]]:
+        key = (arch, dtype, tuple(map(tuple, prompts)))
+        if key not in self._greedy:
+            self._greedy[key] = [hf_greedy(self.model(arch, dtype), p, NEW_TOKENS) for p in prompts]
+        return self._greedy[key]
+
+    @torch.inference_mode()
+    def prompt_logits(self, arch: str, dtype: str, prompt: list[int]) -> torch.Tensor:
+        model = self.model(arch, dtype)
+        return model(torch.tensor([prompt], device=model.device)).logits[0].float().cpu()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    with torch_threads(1):
+        yield
+
+
+@pytest.fixture(scope="module")
+def engines(packable_model_dirs, device) -> Engines:
+    return Engines(packable_model_dirs, device)
+
+
+@pytest.fixture(scope="module")
+def references(packable_model_dirs, device) -> References:
+    return References(packable_model_dirs, device)
+
+
+def assert_runs_path(llm: LLM, path: str) -> None:
+    """Every linear layer, the LM head included, runs ``path``: so a test cannot silently change path."""
+    paths = llm.model.linear_paths()
+    expected = "packed" if path == "packed" else "plain"
+    assert len(paths) == 4 * llm.model_config.num_layers + 1, sorted(paths)
+    wrong = {name: p for name, p in paths.items() if p != expected}
+    assert not wrong, f"path {path!r}: these layers run another kernel: {wrong}"
+    assert all(p.device.type == llm.device.type for p in llm.model.parameters())
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_fp32_greedy_on_every_linear_path(arch, fp32_path, engines, references):
+    """Prefill logits allclose; greedy 64 tokens for a batch of 5 prompts of mixed lengths, identical
+    token for token up to a tie (transformers' gap < 1e-3) and only from the tie on.
+
+    Ties are a property of the checkpoint: the test also requires that at least 4 of the 5 reference
+    runs have no tie in all 64 steps, so those 4 must match in full and the test stays able to fail
+    (with these checkpoints, ties are rare: see docs/testing.md)."""
+    llm = engines.get(arch, "float32", fp32_path)
+    assert_runs_path(llm, fp32_path)
+    prompt = make_prompts(1, [70])[0]
+    ref_logits = references.prompt_logits(arch, "fp32", prompt)
+    torch.testing.assert_close(llm.prompt_logits(prompt).cpu(), ref_logits, atol=2e-4, rtol=2e-4)
+    prompts = make_prompts(2, FP32_LENGTHS)
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True))
+    refs = references.greedy(arch, "fp32", prompts)
+    assert_greedy_parity([o.token_ids for o in outputs], refs, FP32_TIE_GAP, len(prompts) - 1, f"{arch}/{fp32_path}")
+    assert all(o.finish_reason == "length" for o in outputs)
+    assert_not_degenerate([o.token_ids for o in outputs])
+    assert_no_blocks_in_use(llm)
+
+
+def relative_error(got: list[torch.Tensor], ref: list[torch.Tensor]) -> float:
+    diff = torch.cat([(g - r).flatten() for g, r in zip(got, ref)])
+    return float(diff.norm() / torch.cat([r.flatten() for r in ref]).norm())
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_bf16_prefill_logits_within_transformers_bf16_error(arch, bf16_path, engines, references, record_property):
+    """Relative L2 error of the prefill logits (every position of 4 prompts of 64) against
+    transformers-fp32: ours-bf16 no worse than 1.5x what transformers-bf16 reaches on the same weights,
+    and that itself small (< 6%), so the bound is not loose because the checkpoint is chaotic."""
+    llm = engines.get(arch, "bfloat16", bf16_path)
+    assert_runs_path(llm, bf16_path)
+    prompts = make_prompts(3, BF16_LENGTHS)
+    fp32 = [references.prompt_logits(arch, "fp32", p) for p in prompts]
+    ours = relative_error([llm.prompt_logits(p).cpu() for p in prompts], fp32)
+    theirs = relative_error([references.prompt_logits(arch, "bf16", p) for p in prompts], fp32)
+    record_property("bf16_relative_error", {"ours": ours, "transformers": theirs})
+    bound = BF16_ERROR_FACTOR * theirs
+    print(f"\n{arch}/{bf16_path}: bf16 prefill logits, relative L2 error against transformers-fp32: "
+          f"ours {ours:.4f}, transformers-bf16 {theirs:.4f}, bound {bound:.4f}")
+    assert 0 < theirs < 0.06, f"{arch}: transformers-bf16 is {theirs:.3f} from fp32"
+    assert ours <= bound, f"{arch}/{bf16_path}: {ours:.4f} > {BF16_ERROR_FACTOR} x {theirs:.4f}"
+    assert_no_blocks_in_use(llm)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_bf16_greedy_matches_transformers_bf16(arch, bf16_path, engines, references):
+    """Greedy 64 tokens on 4 prompts of 64, against transformers-bf16 on the same device: identical
+    token for token until the first difference, which must fall on a near-tie (transformers' gap below
+    2e-2; bf16 logits near 4-8 are spaced 2^-5 apart, so that is an exact tie there).
+
+    To stay able to fail, the reference runs must hold at least 64 steps, in all, before their first
+    near-tie: those steps are compared whatever the engine does."""
+    llm = engines.get(arch, "bfloat16", bf16_path)
+    assert_runs_path(llm, bf16_path)
+    prompts = make_prompts(4, BF16_LENGTHS)
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True))
+    refs = references.greedy(arch, "bf16", prompts)
+    before_tie = [first_tie(gaps, BF16_TIE_GAP) for _, gaps in refs]
+    print(f"\n{arch}/{bf16_path}: transformers-bf16 steps before the first near-tie: {before_tie}")
+    assert sum(before_tie) >= NEW_TOKENS, f"{arch}: reference near-ties come too early to test much: {before_tie}"
+    matched = [
+        assert_matches(out.token_ids, ref, gaps, BF16_TIE_GAP, f"{arch}/{bf16_path} bf16 prompt {i}")
+        for i, (out, (ref, gaps)) in enumerate(zip(outputs, refs))
+    ]
+    assert all(m >= t for m, t in zip(matched, before_tie))
+    assert_not_degenerate([o.token_ids for o in outputs])
+    assert_no_blocks_in_use(llm)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_default_path_follows_the_machine(dtype, engines, device):
+    """With the default config (pack_weights on), the engine packs every layer exactly when this machine
+    runs oneDNN for the dtype (bf16: only where mkldnn reports bf16 support), and never on CUDA; so a
+    path missing from the parametrisation here is missing because the machine lacks it."""
+    for arch in ARCHS:
+        llm = engines.get(arch, dtype, "default")
+        cfg = llm.model_config
+        assert cfg.hidden_size * cfg.q_size >= 1 << 18  # o_proj, the smallest projection, reaches the floor
+        expected = available_paths(device, getattr(torch, dtype))[0]
+        assert_runs_path(llm, "plain" if expected == "cublas" else expected)
+        if device == "cpu" and dtype == "bfloat16":
+            assert (expected == "packed") == torch.ops.mkldnn._is_mkldnn_bf16_supported()
