@@ -30,7 +30,7 @@ log = logging.getLogger("splitserve.launch")
 
 # Deadlines of the steps of Deployment.stop (seconds); together they stay well under 5 s.
 ROUTER_GRACE_S = 0.5  # calls in flight may end by themselves; then they are cancelled (UNAVAILABLE)
-WORKER_STOP_S = 1.0  # every worker's own stop(), all at once, while Ray still answers
+WORKER_STOP_S = 0.5  # every worker's own stop(), all at once, while Ray still answers
 RAY_KILL_S = 2.0  # the embedded Ray's processes, from SIGKILL until they are gone
 
 
