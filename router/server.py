@@ -122,14 +122,20 @@ class Router(pb_grpc.SplitServeServicer):
         return self.address
 
     async def stop(self, grace_s: float = 1.0) -> None:
+        """The public port and the OpenAI API stop together: new calls are refused at once, calls in
+        flight get ``grace_s`` to end, then they are cancelled (a gRPC client sees UNAVAILABLE). The
+        internal port then closes without a grace (it holds only the workers' registrations), and the
+        queue and the pool follow."""
+        public = []
         if self.openai is not None:
-            await self.openai.stop()
+            public.append(self.openai.stop())
         if self.server is not None:
             for name in ("", SERVICE_NAME):
                 await _maybe_await(self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING))
-            await self.server.stop(grace_s)
+            public.append(self.server.stop(grace_s))
+        await asyncio.gather(*public)
         if self.internal_server is not None:
-            await self.internal_server.stop(grace_s)
+            await self.internal_server.stop(0)
         if self.dispatcher is not None:
             await self.dispatcher.close()
         if self.pool is not None:

@@ -4,10 +4,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
+import signal
 import sys
+import threading
 import time
 from collections.abc import Sequence
+
+log = logging.getLogger("splitserve.cli")
 
 DEFAULT_PROMPTS = (
     "The quick brown fox",
@@ -204,9 +209,6 @@ def _security_overrides(args: argparse.Namespace, config):
 
 
 def _serve(args: argparse.Namespace) -> int:
-    import signal
-    import threading
-
     from splitserve.deploy_config import DeploymentConfig
     from splitserve.launch import Deployment, use_loopback_ray
     from splitserve.observability.logs import configure_logging
@@ -222,32 +224,99 @@ def _serve(args: argparse.Namespace) -> int:
     configure_logging(config.log_format)
     if not config.ray_address:
         use_loopback_ray()  # before Ray is imported
-    stop = threading.Event()
-
-    def on_signal(*_) -> None:
-        stop.set()
-
     deployment = Deployment(config)
+    stopping = _Stopping(deployment)
+    stopping.catch_signals()
     try:
-        for signum in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(signum, on_signal)
         address = deployment.start()
-        # Ray installs its own SIGTERM handler when it starts; take the signals back so that a
-        # SIGTERM stops the router, the workers and the embedded Ray cleanly.
-        for signum in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(signum, on_signal)
+        # Ray installs its own SIGTERM handler when it starts: take the signals back.
+        stopping.catch_signals()
+        stopping.starting = False
         if deployment.openai_address:
             scheme = "https" if config.security.tls_cert else "http"
             print(f"splitserve OpenAI API on {scheme}://{deployment.openai_address}/v1", flush=True)
         print(f"splitserve ready on {address}", flush=True)
         if deployment.router.metrics_address:
             print(f"metrics on http://{deployment.router.metrics_address}/metrics", flush=True)
-        while not stop.wait(0.5):
+        while not stopping.requested.wait(0.5):
             pass
+    except (_StopRequested, SystemExit):  # a signal while starting (Ray's SIGTERM handler raises SystemExit)
+        pass
     finally:
-        deployment.stop()
+        code = stopping.stop()
         print("splitserve stopped", flush=True)
-    return 0
+    _exit_now(code)
+
+
+# Deployment.stop's steps have deadlines that add up to a few seconds; this one catches the unforeseen.
+STOP_DEADLINE_S = 6.0
+
+
+class _StopRequested(Exception):
+    pass
+
+
+class _Stopping:
+    """How ``serve`` stops. The first SIGINT or SIGTERM (to the pid or to the whole process group)
+    stops the deployment, each step with a deadline (``Deployment.stop``); a stop that takes over
+    ``STOP_DEADLINE_S`` is cut short (``Deployment.abort``) and exits 1. A second signal while
+    stopping exits at once with 128 + its number, after ``Deployment.abort`` (SIGKILL the recorded
+    Ray processes, remove the temp folder). Either way the last line is "splitserve stopped"."""
+
+    def __init__(self, deployment) -> None:
+        self.deployment = deployment
+        self.requested = threading.Event()
+        self.starting = True  # a signal now interrupts the start
+        self.signal_name = ""  # of the first signal
+
+    def catch_signals(self) -> None:
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, self._on_signal)
+
+    def _on_signal(self, signum: int, _frame) -> None:
+        if self.requested.is_set():
+            log.warning("second %s while stopping: exiting at once", signal.Signals(signum).name)
+            self.deployment.abort()
+            print("splitserve stopped", flush=True)
+            _exit_now(128 + signum)
+        self.signal_name = signal.Signals(signum).name
+        self.requested.set()
+        if self.starting:
+            raise _StopRequested(signum)
+
+    def stop(self) -> int:
+        """Run ``Deployment.stop`` on a thread, so that the main thread stays free to take a second
+        signal; returns the exit code."""
+        self.requested.set()  # from here on, any signal is a second one
+        self.starting = False
+        log.info("stopping%s", f" on {self.signal_name}" if self.signal_name else "")
+        done = threading.Event()
+
+        def run() -> None:
+            try:
+                self.deployment.stop()
+                done.set()
+            except Exception:
+                log.exception("stop failed")
+
+        stopper = threading.Thread(target=run, name="splitserve-stop", daemon=True)
+        stopper.start()
+        stopper.join(STOP_DEADLINE_S)
+        if done.is_set():
+            return 0
+        if stopper.is_alive():
+            log.warning("stop took over %.0fs: killing what is left", STOP_DEADLINE_S)
+        self.deployment.abort()
+        return 1
+
+
+def _exit_now(code: int) -> None:
+    """Exit without the interpreter's teardown: with torch, Ray and gRPC loaded, collecting every
+    module takes seconds on a busy machine, and nothing is left for it to clean."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    logging.shutdown()
+    os._exit(code)
 
 
 def _add_status(sub: argparse._SubParsersAction) -> None:

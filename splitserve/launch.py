@@ -2,7 +2,9 @@
 
 Ray only places and runs the workers; requests never travel through Ray. With no Ray address an
 embedded local Ray starts on loopback only (``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``: every Ray port
-binds and advertises 127.0.0.1), in a private temp folder, and stops with the deployment.
+binds and advertises 127.0.0.1), in a private temp folder, and stops with the deployment
+(splitserve/embedded_ray.py). Every step of ``stop`` has a short deadline, so that it ends promptly
+also when Ray's processes are going away at the same moment (a signal to the whole process group).
 """
 
 from __future__ import annotations
@@ -20,9 +22,16 @@ from pathlib import Path
 from engine.core import EngineConfig
 from router.server import Router
 from splitserve.deploy_config import DeploymentConfig
+from splitserve.embedded_ray import TASK_EVENTS_FLUSH_ENV, EmbeddedRay, use_loopback_ray
 from worker_common.config import WorkerConfig
 
+__all__ = ["Deployment", "WorkerActor", "default_model_dir", "use_loopback_ray"]
 log = logging.getLogger("splitserve.launch")
+
+# Deadlines of the steps of Deployment.stop (seconds); together they stay well under 5 s.
+ROUTER_GRACE_S = 0.5  # calls in flight may end by themselves; then they are cancelled (UNAVAILABLE)
+WORKER_STOP_S = 0.5  # every worker's own stop(), all at once, while Ray still answers
+RAY_KILL_S = 2.0  # the embedded Ray's processes, from SIGKILL until they are gone
 
 
 def default_model_dir() -> Path:
@@ -39,12 +48,6 @@ def default_model_dir() -> Path:
             (staging / "model").rename(cache)
         shutil.rmtree(staging, ignore_errors=True)
     return cache
-
-
-def use_loopback_ray() -> None:
-    """Make an embedded Ray bind and advertise 127.0.0.1 only (call before ``import ray``)."""
-    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 
 def _is_loopback(host: str) -> bool:
@@ -111,8 +114,8 @@ class Deployment:
         self.openai_address = ""  # the OpenAI-compatible HTTP API ("host:port"), when openai_port is set
         self.actors: dict[str, object] = {}  # worker id -> Ray actor
         self._counters = {"prefill": 0, "decode": 0, "colocated": 0}
-        self._started_ray = False
-        self._temp_dir: str | None = None
+        self._ray: EmbeddedRay | None = None  # the Ray this deployment started, if it started one
+        self._joined_ray = False  # connected to a cluster (ray_address): disconnect on stop
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
 
@@ -141,7 +144,14 @@ class Deployment:
                 self._spawn(role)
         c = self.config
         self._run(self._registered({role: getattr(c, role).replicas for role in c.roles}), c.ready_timeout_s + 5)
+        if self._ray is not None:
+            self._ray.record()  # with the workers, while their raylet runs
         return self.address
+
+    @property
+    def temp_dir(self) -> str | None:
+        """The embedded Ray's temp folder (None when joined to a cluster, or stopped)."""
+        return self._ray.temp_dir if self._ray is not None else None
 
     async def _registered(self, counts: dict[str, int]) -> None:
         """Wait until these many workers of each role are in the router's pool (colocated workers sit
@@ -174,19 +184,12 @@ class Deployment:
         if ray.is_initialized():
             return
         if self.config.ray_address:
+            os.environ.setdefault(TASK_EVENTS_FLUSH_ENV, "500")
+            self._joined_ray = True
             ray.init(address=self.config.ray_address, log_to_driver=False)
             return
-        # Loopback only, private temp folder, no auth token file. Ray reads the loopback switch when it
-        # is imported (ray_constants); ``use_loopback_ray`` sets it before that where it can, and the
-        # constant is forced here for a Ray imported earlier. Children inherit the environment.
-        use_loopback_ray()
-        from ray._private import ray_constants
-
-        ray_constants.ENABLE_RAY_CLUSTER = False
-        self._temp_dir = tempfile.mkdtemp(prefix="ss")
-        ray.init(address="local", _temp_dir=self._temp_dir, include_dashboard=False, log_to_driver=False,
-                 _node_ip_address="127.0.0.1", num_cpus=os.cpu_count())  # fmt: skip
-        self._started_ray = True
+        self._ray = EmbeddedRay()  # set first: stop() ends whatever a start cut short left running
+        self._ray.start()
 
     def _spawn(self, role: str) -> str:
         """Start one worker actor; it registers with the router by itself. Returns its id."""
@@ -305,25 +308,64 @@ class Deployment:
     # ---- stop -----------------------------------------------------------------------------------
 
     def stop(self) -> None:
-        """Stop the router, the workers and the embedded Ray (idempotent)."""
+        """Stop the router, the workers and the embedded Ray (idempotent), each step with a deadline:
+
+        1. the router: new calls refused, calls in flight cancelled after ``ROUTER_GRACE_S``
+           (clients see UNAVAILABLE);
+        2. the workers: their own ``stop``, all at once, for ``WORKER_STOP_S`` (skipped when the
+           embedded Ray is gone already), then ``ray.kill``;
+        3. the embedded Ray: its processes get SIGKILL (waited for up to ``RAY_KILL_S``), the driver
+           disconnects, its temp folder goes. Joined to a cluster, the driver disconnects and the
+           cluster stays."""
         import ray
 
-        for worker_id in list(self.actors):
-            self._stop_actor(worker_id)
+        if self._ray is not None:
+            self._ray.record()  # before anything dies and orphans its children
+        self._stop_router()
+        actors = list(self.actors.values())
+        if actors and (self._ray is None or self._ray.running()):
+            try:
+                refs = [actor.stop.remote() for actor in actors]
+                ray.wait(refs, num_returns=len(refs), timeout=WORKER_STOP_S)
+            except Exception as e:
+                log.warning("worker stop: %s", e)
+        for actor in actors:
+            try:
+                ray.kill(actor, no_restart=True)
+            except Exception as e:
+                log.warning("worker kill: %s", e)
+        self.actors.clear()
+        if self._ray is not None:
+            self._ray.stop(RAY_KILL_S)
+            self._ray = None
+        elif self._joined_ray:
+            ray.shutdown()
+            self._joined_ray = False
+
+    def _stop_router(self) -> None:
         if self.router is not None and self._loop is not None:
             try:
-                self._run(self.router.stop(), 10)
+                self._run(self.router.stop(ROUTER_GRACE_S), ROUTER_GRACE_S + 5)
             except Exception as e:
                 log.warning("router stop: %s", e)
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(5)
             self.router = None
-        if self._started_ray:
-            ray.shutdown()
-            self._started_ray = False
-        if self._temp_dir:
-            shutil.rmtree(self._temp_dir, ignore_errors=True)
-            self._temp_dir = None
+
+    def abort(self) -> None:
+        """Stop at once, waiting on nothing (for a second signal, or a stop past its deadline): SIGKILL
+        the embedded Ray's processes (the workers among them) and remove its temp folder; joined to a
+        cluster, ``ray.kill`` this deployment's actors (it does not wait for them)."""
+        import ray
+
+        if self._ray is not None:
+            self._ray.abort()
+        elif self._joined_ray:
+            for actor in list(self.actors.values()):
+                try:
+                    ray.kill(actor, no_restart=True)
+                except Exception:
+                    pass
 
     def __enter__(self) -> Deployment:
         self.start()
