@@ -42,27 +42,31 @@ class AttentionMetadata:
     decode_rows: torch.Tensor | None = None  # kv_cache.context_rows of the padded decode block tables
     decode_context_lens: list[int] = field(default_factory=list)
     prefills: list[PrefillChunk] = field(default_factory=list)
-    # Additive masks for the padded decode batch, one per sliding window (None = full attention);
-    # built lazily, shared by every layer with the same window.
-    _decode_masks: dict[int | None, torch.Tensor | None] = field(default_factory=dict)
+    # The decode batch's key span and mask, one per sliding window (None = full attention); built
+    # lazily, shared by every layer with the same window.
+    _decode_spans: dict[int | None, tuple[int, int, torch.Tensor | None]] = field(default_factory=dict)
 
-    def decode_mask(self, window: int | None, block_size: int, device: torch.device) -> torch.Tensor | None:
-        if window not in self._decode_masks:
-            self._decode_masks[window] = _decode_mask(self.decode_context_lens, window, block_size, device)
-        return self._decode_masks[window]
+    def decode_span(self, window: int | None, device: torch.device) -> tuple[int, int, torch.Tensor | None]:
+        if window not in self._decode_spans:
+            self._decode_spans[window] = _decode_span(self.decode_context_lens, window, device)
+        return self._decode_spans[window]
 
 
-def _decode_mask(lens: list[int], window: int | None, block_size: int, device: torch.device) -> torch.Tensor | None:
-    padded = -(-max(lens) // block_size) * block_size
-    if window is None and all(n == padded for n in lens):
-        return None
-    pos = torch.arange(padded)
+def _decode_span(lens: list[int], window: int | None, device: torch.device) -> tuple[int, int, torch.Tensor | None]:
+    """The key positions [start, end) that some decode of the batch attends to, and a boolean mask
+    [B, 1, 1, end - start] of those each one does (None when all do). Keys are cut to exactly that
+    span, as transformers' cache holds them (a sliding-window layer keeps only its window), so that
+    the attention kernel sums the same terms in the same blocks and bf16 results agree with it."""
+    end = max(lens)
+    start = 0 if window is None else max(0, min(lens) - window)
+    pos = torch.arange(start, end)
     ctx = torch.tensor(lens)[:, None]
     allowed = pos[None, :] < ctx
     if window is not None:
         allowed &= pos[None, :] > ctx - 1 - window
-    mask = torch.zeros(len(lens), padded).masked_fill_(~allowed, float("-inf"))
-    return mask[None, :, None, :].to(device)  # [1, B, 1, L] broadcast over [kv_heads, B, group, L]
+    if bool(allowed.all()):
+        return start, end, None
+    return start, end, allowed[:, None, None, :].to(device)  # broadcast over [B, heads, 1, L]
 
 
 def paged_attention(
@@ -85,18 +89,13 @@ def paged_attention(
 
 
 def _decode(q, cache, meta: AttentionMetadata, scale: float, window: int | None) -> torch.Tensor:
-    batch, heads, head_dim = q.shape
-    _, _, kv_heads, block_size, _ = cache.shape
-    group = heads // kv_heads
-    keys, values = gather_context(cache, meta.decode_rows, batch)  # [kv_heads, B, L, d]
-    query = q.view(batch, kv_heads, group, head_dim).transpose(0, 1)  # [kv_heads, B, group, d]
-    scores = torch.matmul(query, keys.transpose(-1, -2)).float() * scale  # [kv_heads, B, group, L]
-    mask = meta.decode_mask(window, block_size, q.device)
-    if mask is not None:
-        scores = scores + mask
-    probs = scores.softmax(dim=-1).to(q.dtype)
-    out = torch.matmul(probs, values)  # [kv_heads, B, group, d]
-    return out.transpose(0, 1).reshape(batch, heads, head_dim)
+    keys, values = gather_context(cache, meta.decode_rows, q.shape[0])  # [kv_heads, B, blocks * block_size, d]
+    start, end, mask = meta.decode_span(window, q.device)
+    keys, values = keys[:, :, start:end].transpose(0, 1), values[:, :, start:end].transpose(0, 1)  # [B, kv_heads, L, d]
+    # SDPA, as transformers decodes: its kernel keeps the scores in float32 for bf16/fp16 inputs (a
+    # plain bf16 matmul would round them to bf16 before the softmax, and greedy output would drift).
+    out = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
+    return out.squeeze(2)  # [B, heads, d]
 
 
 def _prefill(q, k, v, cache, chunk: PrefillChunk, scale: float, window: int | None) -> torch.Tensor:
