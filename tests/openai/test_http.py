@@ -47,6 +47,7 @@ class Served:
         self.call(self.server.stop())
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(5)
+        assert not self.thread.is_alive(), "the event loop thread did not end within 5 s"
 
 
 @pytest.fixture(scope="module")

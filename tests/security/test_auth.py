@@ -141,8 +141,9 @@ class EchoServer:
             self._run(self.server.stop(0))
             self.loop.call_soon_threadsafe(self.loop.stop)
             self.thread.join(5)
+            assert not self.thread.is_alive(), "the event loop thread did not end within 5 s"
         else:
-            self.server.stop(0).wait(5)
+            assert self.server.stop(0).wait(5), "the gRPC server did not stop within 5 s"
 
 
 def call_each_kind(channel) -> list:
