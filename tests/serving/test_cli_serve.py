@@ -190,6 +190,7 @@ def test_serve_ends_streams_in_flight_with_unavailable(serving_model, tmp_path):
         thread, _, end = make_stream(served.address)
         sent = served.signal(signal.SIGTERM, "group")
         thread.join(EXIT_BOUND_S)
+        assert not thread.is_alive(), "the stream did not end within the bound"
         assert end.get("code") == "UNAVAILABLE", end
         assert end["at"] - sent < EXIT_BOUND_S
         code, took = served.exited(sent)
