@@ -30,12 +30,12 @@ export PYTHONDONTWRITEBYTECODE=1 TOKENIZERS_PARALLELISM=false
 
 echo "== environment"
 "$PY" - "$DEVICE" <<'PYEOF'
-import sys, torch, transformers
+import sys, torch
+from engine.hardware import print_header
 device = sys.argv[1]
-print(f"python {sys.version.split()[0]}, torch {torch.__version__}, transformers {transformers.__version__}")
 if device.startswith("cuda"):
     assert torch.cuda.is_available(), "--device cuda but torch sees no GPU"
-    print("gpu:", torch.cuda.get_device_name(0))
+print_header(dtype="float32, bfloat16", threads=torch.get_num_threads(), device=device)
 PYEOF
 
 echo "== parity, engine and KV-transfer tests on $DEVICE"
