@@ -12,8 +12,7 @@ linear layer, the LM head included, really runs the path its id names.
   is below 1e-3, and nothing after it is compared.
 - bf16: prefill logits within 1.5x the relative L2 error that transformers-bf16 itself reaches against
   transformers-fp32 on the same weights; greedy identical to transformers-bf16 (on the same device) for
-  64 tokens on 4 prompts of 64, where a difference is accepted only at a near-tie, a gap below 2e-2
-  (Mistral a strict xfail on the CPU for now: ``BF16_GREEDY_XFAIL``).
+  64 tokens on 4 prompts of 64, where a difference is accepted only at a near-tie, a gap below 2e-2.
 """
 
 from __future__ import annotations
@@ -54,25 +53,11 @@ def available_paths(device: str, dtype: torch.dtype) -> list[str]:
     return ["packed", "plain"] if packs else ["plain"]
 
 
-# Measured on the AVX2 machine (docs/testing.md): decodes run through SDPA over exactly the keys
-# transformers' cache holds, and Llama and Qwen2 then match transformers-bf16 token for token; Mistral's
-# run parts at token 33 of its first prompt at a gap of one bf16 step (0.031), from a one-step logit
-# difference first seen at token 17 whose source is not found yet. Strict on the CPU: the test fails
-# once it matches, and the mark must go. On CUDA it has not run, so it is not marked there.
-BF16_GREEDY_XFAIL = {"mistral": "a one-bf16-step logit difference in decode, source not found (docs/testing.md)"}
-
-
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     device = metafunc.config.getoption("--device")
     for name, dtype in DTYPES.items():
         if f"{name}_path" in metafunc.fixturenames:
             metafunc.parametrize(f"{name}_path", available_paths(device, dtype))
-    if metafunc.function.__name__ == "test_bf16_greedy_matches_transformers_bf16":
-        archs = []
-        for arch in ARCHS:
-            reason = BF16_GREEDY_XFAIL.get(arch) if device == "cpu" else None
-            archs.append(pytest.param(arch, marks=[pytest.mark.xfail(strict=True, reason=reason)] if reason else []))
-        metafunc.parametrize("arch", archs)
 
 
 class Engines:
@@ -190,6 +175,7 @@ def test_bf16_prefill_logits_within_transformers_bf16_error(arch, bf16_path, eng
     assert_no_blocks_in_use(llm)
 
 
+@pytest.mark.parametrize("arch", ARCHS)
 def test_bf16_greedy_matches_transformers_bf16(arch, bf16_path, engines, references):
     """Greedy 64 tokens on 4 prompts of 64, against transformers-bf16 on the same device: identical
     token for token until the first difference, which must fall on a near-tie (transformers' gap below
