@@ -79,14 +79,15 @@ def test_greedy_equals_transformers(one_one, serving_model):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from tests.engine.test_parity import assert_matches, hf_greedy
+    from tests.engine.parity import assert_matches, hf_greedy
 
     hf = AutoModelForCausalLM.from_pretrained(serving_model, dtype=torch.float32).eval()
     with Client(one_one.address) as client:
         for prompt in mixed_prompts(3, seed=2):
             got = client.generate(token_ids=prompt, max_tokens=32, temperature=0.0, ignore_eos=True)
             want, gaps = hf_greedy(hf, prompt, 32)
-            assert assert_matches(got.token_ids, want, gaps, f"prompt of {len(prompt)}") >= 32
+            # All 32 tokens: a tie (gap below 1e-3) is reported as where they part, but still fails here.
+            assert assert_matches(got.token_ids, want, gaps, 1e-3, f"prompt of {len(prompt)}") == 32
 
 
 def test_text_prompt_and_streaming_messages(one_one, reference):
