@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 MODELS := models
 PYTEST_ARGS ?=
 
-.PHONY: setup serve demo test bench-engine bench-transfer bench-serve bench-cluster bench-disagg loadtest soak fault-drill bench-frontends proto gpu-check clean
+.PHONY: setup peer serve demo test bench-engine bench-transfer bench-serve bench-cluster bench-disagg loadtest soak fault-drill bench-frontends proto gpu-check clean
 
 setup: $(STAMP)
 
@@ -17,6 +17,11 @@ $(STAMP): pyproject.toml
 	$(VPY) -m pip install -q --upgrade pip
 	$(VPY) -m pip install -q -e ".[test]"
 	touch $(STAMP)
+
+# vLLM's CPU build in a venv of its own (.peer), the peer that bench-engine and bench-serve measure in
+# the same run. Not part of setup or test: it downloads about 1 GB and compiles on first start.
+peer:
+	PYTHON=$(PYTHON) scripts/make_peer.sh .peer
 
 $(MODELS)/tiny/config.json: | $(STAMP)
 	$(VENV)/bin/splitserve make-model --preset tiny --out $(MODELS)/tiny --overwrite
