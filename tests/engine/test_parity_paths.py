@@ -36,10 +36,11 @@ from tests.engine.parity import (
 ARCHS = list(PACKABLE_ARCH_CONFIGS)
 NEW_TOKENS = 64
 FP32_TIE_GAP = 1e-3
-BF16_TIE_GAP = 2e-2
+BF16_TIE_GAP = 4e-2  # above one bf16 step near 4-8 (2^-5), below two
 BF16_ERROR_FACTOR = 1.5  # ours-bf16 may be this many times as far from fp32 as transformers-bf16 is
 FP32_LENGTHS = [3, 17, 30, 47, 64]
 BF16_LENGTHS = [64, 64, 64, 64]
+BF16_GREEDY_LENGTHS = [64] * 8  # one-step ties are common in bf16: more prompts keep 64+ steps compared
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -177,15 +178,17 @@ def test_bf16_prefill_logits_within_transformers_bf16_error(arch, bf16_path, eng
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_bf16_greedy_matches_transformers_bf16(arch, bf16_path, engines, references):
-    """Greedy 64 tokens on 4 prompts of 64, against transformers-bf16 on the same device: identical
-    token for token until the first difference, which must fall on a near-tie (transformers' gap below
-    2e-2; bf16 logits near 4-8 are spaced 2^-5 apart, so that is an exact tie there).
+    """Greedy 64 tokens on 8 prompts of 64, against transformers-bf16 on the same device: identical
+    token for token until the first difference, which must fall on a near-tie: transformers' gap at most
+    one bf16 step (logits near 4-8 are spaced 2^-5 apart). Two adjacent bf16 values are a tie that any
+    rounding upstream decides: on CPUs with native bf16 GEMMs (AVX512_BF16), the fused q/k/v and gate/up
+    products block their sums differently from transformers' separate ones, and such ties flip.
 
     To stay able to fail, the reference runs must hold at least 64 steps, in all, before their first
     near-tie: those steps are compared whatever the engine does."""
     llm = engines.get(arch, "bfloat16", bf16_path)
     assert_runs_path(llm, bf16_path)
-    prompts = make_prompts(4, BF16_LENGTHS)
+    prompts = make_prompts(4, BF16_GREEDY_LENGTHS)
     outputs = llm.generate(prompts, SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True))
     refs = references.greedy(arch, "bf16", prompts)
     before_tie = [first_tie(gaps, BF16_TIE_GAP) for _, gaps in refs]
