@@ -114,8 +114,9 @@ def machine_key(threads: int, machine: dict | None = None) -> str:
     return f"{m['cpu_model']} [isa {digest}] torch {torch.__version__} threads {threads}"
 
 
-def measure(weight: torch.Tensor, bias: torch.Tensor | None, rows: tuple[int, ...], timer: Timer = wall_clock,
-            ) -> dict[str, dict[int, float]]:  # fmt: skip
+def measure(
+    weight: torch.Tensor, bias: torch.Tensor | None, rows: tuple[int, ...], timer: Timer = wall_clock
+) -> dict[str, dict[int, float]]:
     """Best ms per candidate path and row count, the candidates interleaved so that noise from other
     processes falls on all of them alike."""
     if weight.shape[0] * weight.shape[1] > TIMED_MAX_WEIGHTS:
@@ -214,8 +215,9 @@ def split_allowed(policy: KernelPolicy, model: CausalLM) -> bool:
     return weight_bytes <= SPLIT_RAM_FRACTION * ram
 
 
-def choose_kernels(model: CausalLM, policy: KernelPolicy, timer: Timer = wall_clock,
-                   machine: str | None = None) -> dict[ShapeKey, Choice]:  # fmt: skip
+def choose_kernels(
+    model: CausalLM, policy: KernelPolicy, timer: Timer = wall_clock, machine: str | None = None
+) -> dict[ShapeKey, Choice]:
     """One choice per distinct shape of the model's linear layers, timing what the cache lacks."""
     weights = linear_weights(model)
     device = next(iter(weights.values()))[0].device
@@ -249,8 +251,10 @@ def choose_kernels(model: CausalLM, policy: KernelPolicy, timer: Timer = wall_cl
     for key, choice in choices.items():
         logger.info("linear %s: %s", key, describe(choice))
     if forced == "auto":
-        logger.info("linear kernels: %d shapes, %d timed, %.2f s (%s; split %s)", len(choices), measured, seconds,
-                    machine, "allowed" if allow_split else "not allowed")  # fmt: skip
+        split = "allowed" if allow_split else "not allowed"
+        logger.info(
+            "linear kernels: %d shapes, %d timed, %.2f s (%s; split %s)", len(choices), measured, seconds, machine, split
+        )
     return choices
 
 
@@ -259,8 +263,9 @@ def describe(choice: Choice) -> str:
     path = f"split at {choice.split_rows} rows" if choice.path == "split" else choice.path
     if not choice.times_ms:
         return f"{path} ({choice.source})"
-    per_path = ", ".join(f"{p} " + " ".join(f"{m}:{ms:.3g}" for m, ms in t.items()) + " ms"
-                         for p, t in choice.times_ms.items())  # fmt: skip
+    per_path = ", ".join(
+        f"{p} " + " ".join(f"{m}:{ms:.3g}" for m, ms in t.items()) + " ms" for p, t in choice.times_ms.items()
+    )
     return f"{path} ({choice.source}; {per_path})"
 
 

@@ -133,8 +133,8 @@ def test_metrics_and_log_settings_reach_the_router_and_every_worker():
 def test_linear_kernel_settings_reach_every_worker():
     from splitserve.launch import Deployment
 
-    deployment = Deployment(DeploymentConfig.from_dict({"model": "m", "engine": {"linear_kernel": "split",
-                                                                                 "linear_split_allowed": False}}))  # fmt: skip
+    engine = {"linear_kernel": "split", "linear_split_allowed": False}
+    deployment = Deployment(DeploymentConfig.from_dict({"model": "m", "engine": engine}))
     for role in ("prefill", "decode"):
-        engine = deployment._worker_config(role, f"{role}-0").engine
-        assert (engine.linear_kernel, engine.linear_split_allowed) == ("split", False)
+        config = deployment._worker_config(role, f"{role}-0").engine
+        assert (config.linear_kernel, config.linear_split_allowed) == ("split", False)

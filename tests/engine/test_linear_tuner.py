@@ -54,8 +54,9 @@ def make_timer(ms: dict[str, float], calls: list | None = None, crossover: int |
 
 
 @needs_onednn
-@pytest.mark.parametrize(("ms", "expected"), [({"plain": 1.0, "packed": 2.0}, "plain"),
-                                              ({"plain": 2.0, "packed": 1.0}, "packed")])  # fmt: skip
+@pytest.mark.parametrize(
+    ("ms", "expected"), [({"plain": 1.0, "packed": 2.0}, "plain"), ({"plain": 2.0, "packed": 1.0}, "packed")]
+)
 def test_the_faster_of_two_fake_timed_candidates_wins(ms, expected, tmp_path):
     choices = choose_kernels(make_model(), KernelPolicy(cache_path=str(tmp_path / "k.json")), make_timer(ms))
     timed = [c for c in choices.values() if c.source == "measured"]
@@ -65,7 +66,8 @@ def test_the_faster_of_two_fake_timed_candidates_wins(ms, expected, tmp_path):
 
 def test_split_only_where_it_beats_both_and_is_allowed():
     rows = (1, 4, 16, 64, 256)
-    plain_wins_small = {"plain": {m: 1.0 * m if m <= 4 else 30.0 * m for m in rows}, "packed": {m: 3.0 * m for m in rows}}
+    packed = {m: 3.0 * m for m in rows}
+    plain_wins_small = {"plain": {m: 1.0 * m if m <= 4 else 30.0 * m for m in rows}, "packed": packed}
     assert decide(plain_wins_small, allow_split=True) == ("split", 4)
     assert decide(plain_wins_small, allow_split=False)[0] == "packed"
     close = {"plain": {m: 1.0 * m for m in rows}, "packed": {m: 1.01 * m for m in rows}}
