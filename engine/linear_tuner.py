@@ -155,6 +155,13 @@ def measure(
     return times
 
 
+def is_steady(times: dict[str, dict[int, float]]) -> bool:
+    """No row count still timed ``SPIKE`` times slower than the next larger one (see ``measure``)."""
+    return not any(
+        t[m] > SPIKE * t[bigger] for t in times.values() for m, bigger in zip(sorted(t), sorted(t)[1:])
+    )
+
+
 def score(times: dict[str, dict[int, float]], rows: tuple[int, ...], path_at: Callable[[int], str]) -> float:
     """Mean slowdown against the best candidate at each m, weighted by ``ROW_WEIGHTS`` (1.0: best everywhere)."""
     total = sum(ROW_WEIGHTS.get(m, 1.0) for m in rows)
@@ -253,11 +260,15 @@ def choose_kernels(
         rows = tuple(m for m in ROW_GRID if name != "lm_head" or m <= max(policy.lm_head_rows, ROW_GRID[0]))
         times, source = cache.get(f"{machine} | {key}", rows), "cached"
         if times is None:
-            times, source, measured = measure(weight, bias, rows, timer), "measured", measured + 1
-            cache.put(f"{machine} | {key}", times)
+            times, measured = measure(weight, bias, rows, timer), measured + 1
+            # Timings still spiky after the retries were taken while other processes held the cores:
+            # used for this load only, so the next load times again rather than keeping a wrong choice.
+            source = "measured" if is_steady(times) else "measured while the CPU was busy, not cached"
+            if is_steady(times):
+                cache.put(f"{machine} | {key}", times)
         times = {p: {m: t[m] for m in rows} for p, t in times.items()}
         choices[key] = Choice(*decide(times, allow_split), source, times)
-    if measured:
+    if measured and cache.entries:
         cache.save()
     seconds = time.perf_counter() - start
     for key, choice in choices.items():

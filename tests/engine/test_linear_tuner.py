@@ -152,3 +152,16 @@ def test_a_row_count_slower_than_the_next_is_timed_again():
 
     times = measure(torch.randn(1024, 512), None, (1, 4, 16), timer)
     assert spiked and times["plain"][4] == pytest.approx(4e-3)
+
+
+@needs_onednn
+def test_timings_that_stay_spiky_are_used_but_not_cached(tmp_path):
+    policy = KernelPolicy(cache_path=str(tmp_path / "kernels.json"))
+
+    def busy(path, rows, fn):  # one row always slower than four: another process on every reading
+        return (10e-3 if rows == 1 else rows * 1e-3) * (1 if path == "packed" else 2)
+
+    choices = choose_kernels(make_model(), policy, busy, machine="cpu B threads 1")
+    timed = [c for c in choices.values() if c.times_ms]
+    assert timed and all(c.path == "packed" and "not cached" in c.source for c in timed)
+    assert not (tmp_path / "kernels.json").exists()
