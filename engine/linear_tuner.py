@@ -2,7 +2,7 @@
 
 The fastest product for ``x W^T`` depends on the CPU, the dtype and the rows m: on an AVX2 EPYC,
 ``F.linear`` (MKL) beat oneDNN's prepacked fp32 kernel at m = 1 and lost 3x at m = 8, and oneDNN refused
-bf16 outright; on an AVX-512 BF16 EPYC the prepacked kernel won at every m in both dtypes. So at load,
+bf16 outright; on an AVX-512 BF16 EPYC the prepacked kernel won at nearly every m in both dtypes. So at load,
 for each distinct (out, in, dtype, bias) of the model's linear layers (the tied LM head counts as one):
 
 1. time the candidates at rows ``ROW_GRID`` (decode batches to prefill chunks; the LM head only up to the
