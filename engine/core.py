@@ -12,6 +12,7 @@ import torch
 
 from engine.block_manager import BlockManager
 from engine.kv_cache import KVCache, KVCacheSpec
+from engine.linear_tuner import LINEAR_KERNELS, KernelPolicy
 from engine.loader import build_model, parse_dtype
 from engine.model_config import ModelConfig
 from engine.model_runner import ModelRunner
@@ -35,7 +36,11 @@ class EngineConfig:
     prefill_chunk_size: int | None = None
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     num_threads: int | None = None  # torch intra-op threads (CPU); None leaves torch's default
-    pack_weights: bool = True  # CPU: run linear layers from oneDNN's prepacked weight layout
+    # Which kernel the linear layers run (CPU; CUDA always runs cuBLAS): auto (timed per weight shape at load,
+    # cached: engine/linear_tuner.py) | plain (F.linear) | packed (oneDNN prepacked) | split (both, by rows)
+    linear_kernel: str = "auto"
+    linear_split_allowed: bool | None = None  # auto may pick split (2x memory); None: when linear weights <= RAM/4
+    pack_weights: bool = True  # False: linear_kernel plain (the older switch, kept for compatibility)
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -44,6 +49,17 @@ class EngineConfig:
             raise ValueError(f"num_blocks: must be >= 1, got {self.num_blocks}")
         if self.kv_cache_bytes < 1:
             raise ValueError(f"kv_cache_bytes: must be >= 1, got {self.kv_cache_bytes}")
+        if self.linear_kernel not in LINEAR_KERNELS:
+            raise ValueError(f"linear_kernel: must be one of {', '.join(LINEAR_KERNELS)}, got {self.linear_kernel!r}")
+        if not self.pack_weights and self.linear_kernel not in ("auto", "plain"):
+            raise ValueError(f"linear_kernel: {self.linear_kernel!r} contradicts pack_weights=False (plain)")
+        if self.device.startswith("cuda") and self.linear_kernel in ("packed", "split"):
+            raise ValueError(f"linear_kernel: {self.linear_kernel!r} is a CPU kernel; device is {self.device}")
+
+    @property
+    def kernel_policy(self) -> KernelPolicy:
+        mode = self.linear_kernel if self.pack_weights else "plain"
+        return KernelPolicy(mode, self.linear_split_allowed, lm_head_rows=self.max_num_seqs)
 
 
 class EngineCore:
@@ -56,7 +72,7 @@ class EngineCore:
         self.dtype = parse_dtype(cfg.dtype, self.model_config.checkpoint_dtype)
         self.device = torch.device(cfg.device)
         self.model, self.weights_checksum = build_model(self.model_config, cfg.model_dir, self.dtype, self.device,
-                                                        cfg.pack_weights)  # fmt: skip
+                                                        cfg.kernel_policy)  # fmt: skip
         per_block = KVCacheSpec.for_model(self.model_config, 1, cfg.block_size, self.dtype).bytes_per_block
         num_blocks = cfg.num_blocks or max(1, cfg.kv_cache_bytes // per_block)
         self.kv_cache = KVCache(KVCacheSpec.for_model(self.model_config, num_blocks, cfg.block_size, self.dtype),

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from engine.linear_tuner import KernelPolicy, apply_kernels
 from engine.model import CausalLM
 from engine.model_config import ModelConfig
 
@@ -141,19 +142,20 @@ def load_weights(model: CausalLM, model_dir: str | Path) -> str:
 
 
 def build_model(
-    cfg: ModelConfig, model_dir: str | Path, dtype: torch.dtype, device: torch.device, pack_weights: bool = True
+    cfg: ModelConfig, model_dir: str | Path, dtype: torch.dtype, device: torch.device,
+    kernels: KernelPolicy | None = None,
 ) -> tuple[CausalLM, str]:
     """Construct without random init (meta device), allocate on ``device``, load; returns (model, checksum).
 
-    ``pack_weights`` prepacks linear layers for oneDNN where it supports them (CPU).
+    ``kernels`` says which kernel each linear layer runs (``engine.linear_tuner``: timed per shape at
+    ``auto``, the default); the checksum is of the weights as loaded, before any repacking.
     """
     with torch.device("meta"):
         model = CausalLM(cfg)
     model = model.to(dtype).to_empty(device=device)
     checksum = load_weights(model, model_dir)
     model.init_rotary(device, dtype)
-    if pack_weights:
-        model.pack_weights()
+    apply_kernels(model, kernels or KernelPolicy())
     model.eval()
     model.requires_grad_(False)
     return model, checksum

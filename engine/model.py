@@ -21,24 +21,34 @@ from engine.model_config import ModelConfig
 from engine.rope import RotaryEmbedding, apply_rotary
 
 
-def can_pack(weight: torch.Tensor) -> bool:
-    """Whether oneDNN can run a linear layer with this weight from its prepacked (blocked) layout."""
-    if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+def onednn_runs(dtype: torch.dtype, device: torch.device | str = "cpu") -> bool:
+    """Whether oneDNN runs a prepacked linear layer in this dtype here (CPU only; bf16 and fp16 need ISA support)."""
+    if torch.device(device).type != "cpu" or not torch.backends.mkldnn.is_available():
         return False
-    if weight.dtype == torch.bfloat16:
+    if dtype == torch.bfloat16:
         return torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    if weight.dtype == torch.float16:
+    if dtype == torch.float16:
         return torch.ops.mkldnn._is_mkldnn_fp16_supported()
-    # float32: MKL's own kernel wins below ~256K weights (oneDNN's fixed cost is ~15 us a call here).
-    return weight.dtype == torch.float32 and weight.numel() >= 1 << 18
+    return dtype == torch.float32
+
+
+def can_pack(weight: torch.Tensor) -> bool:
+    """Whether a forced "packed" or "split" layer packs this weight: oneDNN runs its dtype, and in float32
+    it has at least 2^18 weights (below that MKL's own kernel wins: oneDNN's fixed cost is ~15 us a call)."""
+    if not onednn_runs(weight.dtype, weight.device):
+        return False
+    return weight.dtype != torch.float32 or weight.numel() >= 1 << 18
 
 
 class Linear(nn.Module):
-    """``y = x W^T + b`` with nn.Linear's parameter names.
+    """``y = x W^T + b`` with nn.Linear's parameter names, run by one of three kernels (``path``):
 
-    On CPU, ``pack()`` moves W into oneDNN's blocked layout (an opaque tensor; the plain weight is
-    dropped). Measured here, packed bf16 matrix-vector products run about twice as fast as
-    ``F.linear`` on the same weights, and decode is bound by exactly these products.
+    - "plain": ``F.linear`` on the ``[out, in]`` weight (MKL or oneDNN inside torch; cuBLAS on CUDA);
+    - "packed": oneDNN on W moved once into its blocked layout (an opaque tensor; the plain weight is dropped);
+    - "split": both layouts kept, inputs of at most ``split_rows`` rows go plain, larger ones packed: for CPUs
+      where ``F.linear`` wins at decode batches and oneDNN at prefill chunks (twice this layer's memory).
+
+    ``engine.linear_tuner`` picks the path per weight shape by timing them at load.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool, device: str | None = None) -> None:
@@ -46,21 +56,34 @@ class Linear(nn.Module):
         self.weight: nn.Parameter | None = nn.Parameter(torch.empty(out_features, in_features, device=device))
         self.bias = nn.Parameter(torch.empty(out_features, device=device)) if bias else None
         self.packed: torch.Tensor | None = None
+        self.split_rows = 0  # "split": inputs of at most this many rows run plain
 
     @classmethod
-    def packed_from(cls, weight: torch.Tensor) -> Linear:
+    def from_weight(cls, weight: nn.Parameter, path: str, split_rows: int = 0) -> Linear:
+        """A bias-free layer over an existing weight (the tied LM head over the embedding matrix): "packed"
+        packs a copy, "split" keeps sharing ``weight`` beside it."""
         layer = cls(weight.shape[1], weight.shape[0], bias=False, device="meta")
-        layer.weight = None
-        layer.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
+        layer.weight = weight
+        layer.use(path, split_rows)
         return layer
 
-    def pack(self) -> None:
-        if self.packed is None and can_pack(self.weight):
+    @property
+    def path(self) -> str:
+        if self.packed is None:
+            return "plain"
+        return "packed" if self.weight is None else "split"
+
+    def use(self, path: str, split_rows: int = 0) -> None:
+        """Switch this layer, still plain, to ``path``; oneDNN must run its dtype for "packed" and "split"."""
+        assert self.path == "plain" and path in ("plain", "packed", "split"), (self.path, path)
+        if path != "plain":
             self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach())
-            self.weight = None
+            self.split_rows = split_rows
+            if path == "packed":
+                self.weight = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None:
+        if self.packed is not None and (self.weight is None or x.numel() > self.split_rows * x.shape[-1]):
             return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 
@@ -163,20 +186,23 @@ class CausalLM(nn.Module):
                 on_layer_done(i + 1)
         return h
 
-    def pack_weights(self) -> None:
-        """Prepack every linear layer for oneDNN where it can run them (CPU); a tied LM head gets a
-        packed copy of the embedding matrix, which the embedding lookup still needs in plain form."""
-        for module in self.modules():
+    def pack_weights(self, choose: Callable[[str, torch.Tensor, bool], tuple[str, int]]) -> None:
+        """Give every linear layer its kernel: ``choose(name, weight, has_bias) -> (path, split_rows)``
+        (``engine.linear_tuner``). A tied LM head ("lm_head", over the embedding matrix, which the lookup
+        still needs in plain form) becomes a layer of its own unless its path is "plain"."""
+        for name, module in self.named_modules():
             if isinstance(module, Linear):
-                module.pack()
-        if self.lm_head is None and can_pack(self.embed_tokens.weight):
-            self.lm_head = Linear.packed_from(self.embed_tokens.weight)
+                module.use(*choose(name, module.weight, module.bias is not None))
+        if self.lm_head is None:
+            path, split_rows = choose("lm_head", self.embed_tokens.weight, False)
+            if path != "plain":
+                self.lm_head = Linear.from_weight(self.embed_tokens.weight, path, split_rows)
 
     def linear_paths(self) -> dict[str, str]:
-        """Module name -> the kernel that linear layer runs: "packed" (oneDNN, prepacked weight) or
-        "plain" (``F.linear``; cuBLAS on CUDA). "lm_head" is listed even when it is the tied embedding."""
-        linears = ((name, m) for name, m in self.named_modules() if isinstance(m, Linear))
-        paths = {name: "plain" if m.packed is None else "packed" for name, m in linears}
+        """Module name -> the kernel that linear layer runs: "plain" (``F.linear``; cuBLAS on CUDA), "packed"
+        (oneDNN, prepacked weight) or "split" (both, by rows). "lm_head" is listed even when it is the tied
+        embedding."""
+        paths = {name: m.path for name, m in self.named_modules() if isinstance(m, Linear)}
         paths.setdefault("lm_head", "plain")
         return paths
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The linear-layer paths at the engine's own shapes: oneDNN prepacked against ``F.linear``.
+"""The linear-layer paths at the engine's own shapes: oneDNN prepacked, ``F.linear`` and the tuner's pick.
 
 A decode step multiplies the batch by every weight matrix of the model once (fused q/k/v and
 gate/up, as splitserve runs them, and the LM head). For each dtype and batch size m this times one
@@ -8,11 +8,12 @@ whole pass over those matrices, three ways:
 - ``F.linear`` on the plain ``[out, in]`` weight (MKL for float32, oneDNN or an emulation for bf16);
 - oneDNN prepacked (``mkldnn._reorder_linear_weight`` once, then ``mkldnn._linear_pointwise``), the
   path ``engine.model.Linear.pack()`` takes; where this CPU refuses it the reason is printed;
-- the engine's choice, matrix by matrix (``engine.model.can_pack``),
+- the engine's choice, matrix by matrix: what ``engine.linear_tuner`` picks at load (``auto``) for each
+  shape, timed here on its own row grid (``ROW_GRID``; the LM head up to 64 rows), split allowed,
 
-and reports ms per pass, GB/s of weights read and GFLOP/s. Beside it, one large ``torch.mm``
-(2048 x 2048 x 2048) per dtype: what the cores reach when the product is compute-bound (skipped for
-bf16 where this CPU only emulates it: minutes for one product). Each figure is
+and reports ms per pass, GB/s of weights read and GFLOP/s; then, per shape, the tuner's times and choice.
+Beside it, one large ``torch.mm`` (2048 x 2048 x 2048) per dtype: what the cores reach when the product is
+compute-bound (skipped for bf16 where this CPU only emulates it: minutes for one product). Each figure is
 the best of --repeats after one warm-up call; the machine header is printed first.
 
     python scripts/bench_linear.py [--preset qwen2.5-0.5b] [--dtypes float32,bfloat16] [--batches 1,8,32]
@@ -36,7 +37,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from engine.hardware import print_header  # noqa: E402
-from engine.model import can_pack  # noqa: E402
+from engine.linear_tuner import ROW_GRID, UNTIMED_BELOW, decide, measure  # noqa: E402
 from engine.model_config import ModelConfig  # noqa: E402
 
 
@@ -74,14 +75,22 @@ def packed_or_reason(weight: torch.Tensor) -> tuple[torch.Tensor | None, str | N
         return None, str(e).splitlines()[0]
 
 
-def measure_dtype(shapes: Counter, dtype: torch.dtype, batches: list[int], repeats: int) -> dict:
+def measure_dtype(shapes: Counter, dtype: torch.dtype, batches: list[int], repeats: int,
+                  lm_head_rows: tuple[int, int]) -> dict:
     """Seconds per whole pass at each m for F.linear, prepacked and the engine's choice."""
     weights = {s: torch.randn(s, dtype=dtype) * 0.02 for s in shapes}
     packed, reason = {}, None
     for s, w in weights.items():
         packed[s], why = packed_or_reason(w)
         reason = reason or why
-    engine_packs = {s: can_pack(w) and packed[s] is not None for s, w in weights.items()}
+    tuned = {}  # shape -> (path, split_rows, times) as the tuner decides it at load
+    for s, w in weights.items():
+        if w.numel() < UNTIMED_BELOW or packed[s] is None:
+            tuned[s] = ("plain", 0, None)
+            continue
+        times = measure(w, None, tuple(m for m in ROW_GRID if s[0] != lm_head_rows[0] or m <= lm_head_rows[1]))
+        tuned[s] = (*decide(times, allow_split=True), times)
+        log(f"  {dtype} {s[0]}x{s[1]}: tuner picks {tuned[s][0]}" + (f" at {tuned[s][1]} rows" if tuned[s][1] else ""))
     numel = sum(o * i * n for (o, i), n in shapes.items())
     weight_bytes = numel * weights[next(iter(weights))].element_size()
     rows = []
@@ -97,7 +106,9 @@ def measure_dtype(shapes: Counter, dtype: torch.dtype, batches: list[int], repea
                 t_packed = best_seconds(lambda: torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], ""), repeats)
                 if per_path["packed"] is not None:
                     per_path["packed"] += t_packed * shapes[s]
-            per_path["engine"] += (t_packed if engine_packs[s] else t_plain) * shapes[s]
+            path, split_rows, _ = tuned[s]
+            runs_packed = path == "packed" or (path == "split" and m > split_rows)
+            per_path["engine"] += (t_packed if runs_packed else t_plain) * shapes[s]
         for path, seconds in per_path.items():
             row = {"m": m, "path": path, "ms": None, "weight_gb_s": None, "gflop_s": None}
             if seconds is not None:
@@ -105,8 +116,10 @@ def measure_dtype(shapes: Counter, dtype: torch.dtype, batches: list[int], repea
                            gflop_s=2 * m * numel / seconds / 1e9)  # fmt: skip
             rows.append(row)
         log(f"  {dtype} m={m}: " + ", ".join(f"{r['path']} {r['ms']:.1f} ms" for r in rows[-3:] if r["ms"] is not None))
+    choices = [{"shape": [o, i], "count": shapes[(o, i)], "path": path, "split_rows": split_rows, "times_ms": times}
+               for (o, i), (path, split_rows, times) in tuned.items()]
     return {"weights": numel, "weight_bytes": weight_bytes, "packed_refused": reason,
-            "engine_packs_all": all(engine_packs.values()), "rows": rows}  # fmt: skip
+            "tuner": choices, "rows": rows}  # fmt: skip
 
 
 def large_gemm_gflop_s(dtype: torch.dtype, n: int, repeats: int) -> float:
@@ -144,7 +157,7 @@ def main() -> int:
         for name in dtypes:
             dtype = getattr(torch, name)
             log(f"{name}: a whole weight pass per m, then one {args.gemm_size}^3 mm ...")
-            entry = measure_dtype(shapes, dtype, batches, args.repeats)
+            entry = measure_dtype(shapes, dtype, batches, args.repeats, (cfg.vocab_size, 64))
             native = dtype not in (torch.bfloat16, torch.float16) or entry["packed_refused"] is None
             # Emulated bf16 takes minutes for one 2048^3 product: skipped, and said so.
             entry["large_gemm_gflop_s"] = large_gemm_gflop_s(dtype, args.gemm_size, args.repeats) if native else None
@@ -161,6 +174,17 @@ def main() -> int:
             cells = ("refused", "-", "-") if r["ms"] is None else (f"{r['ms']:.1f}", f"{r['weight_gb_s']:.1f}",
                                                                   f"{r['gflop_s']:.0f}")  # fmt: skip
             print(f"| {name} | {r['m']} | {r['path']} | " + " | ".join(cells) + " |")
+    print("\nThe tuner's choice per shape (engine/linear_tuner.py: best-of ms at each row count m, split allowed):\n")
+    grid = ", ".join(map(str, ROW_GRID))
+    print(f"| dtype | shape [out x in] | per step | plain ms (m: {grid}) | packed ms | choice |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for name, entry in result["dtypes"].items():
+        for c in entry["tuner"]:
+            times = c["times_ms"] or {}
+            cells = [" / ".join(f"{ms:.3g}" for ms in times[p].values()) if p in times else "-"
+                     for p in ("plain", "packed")]
+            choice = f"split at {c['split_rows']} rows" if c["path"] == "split" else c["path"]
+            print(f"| {name} | {c['shape'][0]} x {c['shape'][1]} | {c['count']} | {cells[0]} | {cells[1]} | {choice} |")
     print()
     for name, entry in result["dtypes"].items():
         gemm = entry["large_gemm_gflop_s"]

@@ -14,6 +14,7 @@ from typing import Any
 
 import yaml
 
+from engine.linear_tuner import LINEAR_KERNELS
 from kv_transfer.config import FaultPoint, TransferConfig
 from router.config import RouterConfig
 from splitserve.observability.logs import LOG_FORMATS
@@ -75,6 +76,12 @@ class EngineSettings:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     prefill_chunk_size: int | None = None
+    linear_kernel: str = "auto"  # auto (timed per weight shape at load, cached) | plain | packed | split
+    linear_split_allowed: bool | None = None  # None: split allowed when a worker's linear weights <= RAM / 4
+
+    def __post_init__(self) -> None:
+        if self.linear_kernel not in LINEAR_KERNELS:
+            raise ValueError(f"linear_kernel: must be one of {', '.join(LINEAR_KERNELS)}, got {self.linear_kernel!r}")
 
 
 @dataclass(frozen=True)

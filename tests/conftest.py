@@ -21,6 +21,9 @@ os.environ["RAY_AUTH_MODE"] = "disabled"
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Engines built by tests (and the workers they start) keep their linear-kernel timings here, not in ~/.cache.
+os.environ.setdefault("SPLITSERVE_KERNEL_CACHE",
+                      str(Path(tempfile.gettempdir()) / f"splitserve-test-linear-kernels-{os.getuid()}.json"))
 
 TEST_VOCAB = 2048
 _COMMON = {"vocab_size": TEST_VOCAB, "hidden_size": 128, "intermediate_size": 384, "max_position_embeddings": 4096,

@@ -51,6 +51,8 @@ def test_from_file(tmp_path):
         ({"router": {"routing_policy": "random"}}, "routing_policy"),
         ({"faults": {"transfer": [{"role": "x", "action": "pause", "after_messages": 1}]}}, "faults.transfer"),
         ({"engine": {"block_size": None}}, "engine.block_size"),
+        ({"engine": {"linear_kernel": "fast"}}, "engine.linear_kernel: must be one of auto"),
+        ({"engine": {"linear_split_allowed": "yes"}}, "engine.linear_split_allowed"),
         ({"decode": {"num_gpus": -1}}, "decode.num_gpus"),
         ({"decode": {"resources": {"splitserve_decode": "one"}}}, "decode.resources"),
         ({"prefill": {"label_selector": {"splitserve-role": 1}}}, "prefill.label_selector"),
@@ -126,3 +128,13 @@ def test_metrics_and_log_settings_reach_the_router_and_every_worker():
     for role in ("prefill", "decode"):
         worker = on._worker_config(role, f"{role}-0")
         assert (worker.metrics_port, worker.log_format) == (0, "json")  # workers: a free port each
+
+
+def test_linear_kernel_settings_reach_every_worker():
+    from splitserve.launch import Deployment
+
+    engine = {"linear_kernel": "split", "linear_split_allowed": False}
+    deployment = Deployment(DeploymentConfig.from_dict({"model": "m", "engine": engine}))
+    for role in ("prefill", "decode"):
+        config = deployment._worker_config(role, f"{role}-0").engine
+        assert (config.linear_kernel, config.linear_split_allowed) == ("split", False)

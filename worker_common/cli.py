@@ -27,6 +27,8 @@ def main(role: str, argv: list[str] | None = None) -> int:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-blocks", type=int, default=None)
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--linear-kernel", choices=["auto", "plain", "packed", "split"], default="auto",
+                   help="CPU linear-layer kernel; auto: timed per weight shape at load (engine/linear_tuner.py)")
     p.add_argument("--max-inflight", type=int, default=16 if role == "prefill" else 128,
                    help="prefill: requests before their first token; decode: leases held")
     p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics here (0: any free port)")
@@ -34,7 +36,7 @@ def main(role: str, argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     configure_logging(args.log_format, static={"worker_id": args.worker_id, "role": role})
     engine = EngineConfig(model_dir=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
-                          num_blocks=args.num_blocks, num_threads=args.threads,
+                          num_blocks=args.num_blocks, num_threads=args.threads, linear_kernel=args.linear_kernel,
                           enable_prefix_caching=role == "prefill")  # fmt: skip
     config = WorkerConfig(role=role, worker_id=args.worker_id, engine=engine, host=args.host, port=args.port,
                           max_inflight=args.max_inflight, metrics_port=args.metrics_port,

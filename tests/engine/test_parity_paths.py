@@ -3,9 +3,11 @@
 The models (tests/conftest.py ``PACKABLE_ARCH_CONFIGS``: hidden 512, intermediate 1536, 4 layers of
 Llama, Qwen2 and Mistral) are large enough that every projection and the LM head reach the engine's
 packing floor, so the prepacked oneDNN path is the one compared. The paths are those this machine
-offers (``available_paths``): on CPU "packed" (oneDNN, where it runs the dtype) and "plain"
-(``F.linear``, forced with ``pack_weights=False``); on CUDA "cublas". Each test first asserts that every
-linear layer, the LM head included, really runs the path its id names.
+offers (``available_paths``), each forced with ``linear_kernel``: on CPU "packed" (oneDNN, where it runs
+the dtype), "split" (both layouts: up to ``FORCED_SPLIT_ROWS`` rows plain, so these decodes run plain and
+the prefills packed) and "plain" (``F.linear``); on CUDA "cublas". Each test first asserts that every
+linear layer, the LM head included, really runs the path its id names; the default ("auto", timed at
+load) must pick one of them for every layer.
 
 - fp32: prefill logits allclose, and greedy identical token for token for 64 tokens on a batch of
   mixed lengths; a difference is accepted only where transformers-fp32's top-1 minus top-2 logit gap
@@ -21,6 +23,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
+from engine.linear_tuner import FORCED_SPLIT_ROWS
 from tests.conftest import PACKABLE_ARCH_CONFIGS
 from tests.engine.parity import (
     assert_greedy_parity,
@@ -51,7 +54,7 @@ def available_paths(device: str, dtype: torch.dtype) -> list[str]:
     packs = torch.backends.mkldnn.is_available() and (
         dtype == torch.float32 or (dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported())
     )
-    return ["packed", "plain"] if packs else ["plain"]
+    return ["packed", "split", "plain"] if packs else ["plain"]
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
@@ -68,12 +71,12 @@ class Engines:
         self.model_dirs, self.device, self._built = model_dirs, device, {}
 
     def get(self, arch: str, dtype: str, path: str) -> LLM:
-        pack = path != "plain"  # "packed", "cublas" and "default" are the default config
-        if (arch, dtype, pack) not in self._built:
+        kernel = path if path in ("plain", "packed", "split") else "auto"  # "cublas" and "default": the default
+        if (arch, dtype, kernel) not in self._built:
             model_dir = self.model_dirs[arch]
-            llm = LLM(model_dir, dtype=dtype, device=self.device, block_size=16, num_blocks=96, pack_weights=pack)
-            self._built[arch, dtype, pack] = llm
-        return self._built[arch, dtype, pack]
+            llm = LLM(model_dir, dtype=dtype, device=self.device, block_size=16, num_blocks=96, linear_kernel=kernel)
+            self._built[arch, dtype, kernel] = llm
+        return self._built[arch, dtype, kernel]
 
 
 class References:
@@ -122,11 +125,13 @@ def references(packable_model_dirs, device) -> References:
 def assert_runs_path(llm: LLM, path: str) -> None:
     """Every linear layer, the LM head included, runs ``path``: so a test cannot silently change path."""
     paths = llm.model.linear_paths()
-    expected = "packed" if path == "packed" else "plain"
+    expected = "plain" if path == "cublas" else path
     assert len(paths) == 4 * llm.model_config.num_layers + 1, sorted(paths)
     wrong = {name: p for name, p in paths.items() if p != expected}
     assert not wrong, f"path {path!r}: these layers run another kernel: {wrong}"
     assert all(p.device.type == llm.device.type for p in llm.model.parameters())
+    if path == "split":
+        assert all(m.split_rows == FORCED_SPLIT_ROWS for m in llm.model.modules() if hasattr(m, "split_rows"))
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -204,15 +209,23 @@ def test_bf16_greedy_matches_transformers_bf16(arch, bf16_path, engines, referen
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_default_path_follows_the_machine(dtype, engines, device):
-    """With the default config (pack_weights on), the engine packs every layer exactly when this machine
-    runs oneDNN for the dtype (bf16: only where mkldnn reports bf16 support), and never on CUDA; so a
-    path missing from the parametrisation here is missing because the machine lacks it."""
+def test_default_path_is_one_of_the_tested_paths(dtype, engines, device):
+    """With the default config (linear_kernel auto), every layer runs a path this module tests: on CPU
+    one of ``available_paths`` (only "plain" where oneDNN does not run the dtype: bf16 without ISA support),
+    the same for every layer of one projection (one shape); on CUDA, cuBLAS."""
     for arch in ARCHS:
         llm = engines.get(arch, dtype, "default")
         cfg = llm.model_config
         assert cfg.hidden_size * cfg.q_size >= 1 << 18  # o_proj, the smallest projection, reaches the floor
-        expected = available_paths(device, getattr(torch, dtype))[0]
-        assert_runs_path(llm, "plain" if expected == "cublas" else expected)
-        if device == "cpu" and dtype == "bfloat16":
-            assert (expected == "packed") == torch.ops.mkldnn._is_mkldnn_bf16_supported()
+        allowed = available_paths(device, getattr(torch, dtype))
+        paths = llm.model.linear_paths()
+        if allowed == ["cublas"]:
+            assert set(paths.values()) == {"plain"}
+            continue
+        assert set(paths.values()) <= set(allowed), paths
+        by_projection: dict[str, set[str]] = {}  # every layer's o_proj has one shape, and so on
+        for layer, path in paths.items():
+            by_projection.setdefault(layer.rsplit(".", 1)[-1], set()).add(path)
+        assert all(len(p) == 1 for p in by_projection.values()), by_projection
+        if device == "cpu" and dtype == "bfloat16" and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+            assert set(paths.values()) == {"plain"}

@@ -1,0 +1,303 @@
+"""Which kernel each linear layer runs on this CPU: timed once per weight shape at load, cached, logged.
+
+The fastest product for ``x W^T`` depends on the CPU, the dtype and the rows m: on an AVX2 EPYC,
+``F.linear`` (MKL) beat oneDNN's prepacked fp32 kernel at m = 1 and lost 3x at m = 8, and oneDNN refused
+bf16 outright; on an AVX-512 BF16 EPYC the prepacked kernel won at nearly every m in both dtypes. So at load,
+for each distinct (out, in, dtype, bias) of the model's linear layers (the tied LM head counts as one):
+
+1. time the candidates at rows ``ROW_GRID`` (decode batches to prefill chunks; the LM head only up to the
+   engine's ``max_num_seqs``, as it only sees sampled rows), interleaved, best of a few reps, at the
+   engine's thread count: "plain" (``F.linear``) and "packed" (oneDNN prepacked) where oneDNN runs the dtype;
+2. score each path by ``sum_m ROW_WEIGHTS[m] * t_path(m) / t_best(m)`` (decode rows weigh most), and
+   "split" (plain up to a row threshold, packed above) by the same sum over the measured times of the
+   two; split is taken only where memory allows it and it beats both by ``SPLIT_GAIN``;
+3. keep the times in a JSON cache keyed by machine (CPU model, ISA flags, torch version, threads) and shape,
+   so a second load times nothing; one log line per shape says what was chosen and why.
+
+Shapes under ``UNTIMED_BELOW`` weights stay plain untimed (oneDNN's fixed cost per call dominates there).
+Larger-than-``TIMED_MAX_WEIGHTS`` matrices (the LM head) are timed on their first rows: these kernels
+cost the same per output row, and timing 150K rows would take seconds. Other kernels torch 2.13 has on
+CPU were measured and left out: ``mkldnn._reorder_linear_weight`` with a batch-size hint (slower than
+without one at every m here), MKL's packed GEMM ``mkl._mkl_linear`` (prepacked for one m only, else it
+falls back to ``F.linear``; no faster at m = 1), and int8 or Inductor paths (other numerics, or minutes of
+compiling at load).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from engine.hardware import describe_machine
+from engine.model import CausalLM, Linear, can_pack, onednn_runs
+
+logger = logging.getLogger(__name__)
+
+LINEAR_KERNELS = ("auto", "plain", "packed", "split")
+ROW_GRID = (1, 4, 16, 64, 256)
+ROW_WEIGHTS = {1: 4.0, 4: 2.0, 16: 2.0, 64: 1.0, 256: 1.0}
+UNTIMED_BELOW = 1 << 18
+TIMED_MAX_WEIGHTS = 1 << 24
+FORCED_SPLIT_ROWS = 8  # linear_kernel="split": decodes of up to 8 sequences run plain, larger steps packed
+SPLIT_GAIN = 0.05
+SPLIT_RAM_FRACTION = 0.25  # auto: split allowed when all linear weights take at most this share of RAM
+REP_BUDGET_S = 0.03  # per candidate and row count, after one warm-up call
+MIN_REPS, MAX_REPS = 3, 9
+SPIKE, RETRIES = 1.5, 2
+CACHE_VERSION = 1
+
+# (path, rows, fn) -> seconds of one call of fn; injectable so tests can fake the clock.
+Timer = Callable[[str, int, Callable[[], object]], float]
+
+
+def wall_clock(path: str, rows: int, fn: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+@dataclass(frozen=True)
+class KernelPolicy:
+    """How the loader picks kernels: ``mode`` is EngineConfig.linear_kernel; ``allow_split`` None means
+    allowed on CPU when the linear weights take at most ``SPLIT_RAM_FRACTION`` of RAM; ``cache_path``
+    None means $SPLITSERVE_KERNEL_CACHE, else ~/.cache/splitserve/linear_kernels.json ("" caches nothing)."""
+
+    mode: str = "auto"
+    allow_split: bool | None = None
+    lm_head_rows: int = 64
+    cache_path: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.mode not in LINEAR_KERNELS:
+            raise ValueError(f"linear_kernel: must be one of {', '.join(LINEAR_KERNELS)}, got {self.mode!r}")
+
+    def resolved_cache_path(self) -> Path | None:
+        path = self.cache_path
+        if path is None:
+            path = os.environ.get("SPLITSERVE_KERNEL_CACHE", str(Path.home() / ".cache/splitserve/linear_kernels.json"))
+        return Path(path) if path else None
+
+
+@dataclass(frozen=True)
+class ShapeKey:
+    out_features: int
+    in_features: int
+    dtype: str
+    bias: bool
+
+    def __str__(self) -> str:
+        return f"{self.out_features}x{self.in_features} {self.dtype}{' +bias' if self.bias else ''}"
+
+
+@dataclass(frozen=True)
+class Choice:
+    path: str  # plain | packed | split
+    split_rows: int = 0
+    source: str = "measured"  # measured | cached | forced | untimed
+    times_ms: dict[str, dict[int, float]] | None = None  # path -> rows -> best ms
+
+
+def machine_key(threads: int, machine: dict | None = None) -> str:
+    """What a timing depends on besides the shape: CPU model, its ISA flags, torch, threads."""
+    m = describe_machine(probe_torch=False) if machine is None else machine
+    flags = ",".join(sorted(name for name, on in m["isa"].items() if on))
+    digest = hashlib.blake2b(flags.encode(), digest_size=4).hexdigest()
+    return f"{m['cpu_model']} [isa {digest}] torch {torch.__version__} threads {threads}"
+
+
+def measure(
+    weight: torch.Tensor, bias: torch.Tensor | None, rows: tuple[int, ...], timer: Timer = wall_clock
+) -> dict[str, dict[int, float]]:
+    """Best ms per candidate path and row count, the candidates interleaved so that noise from other
+    processes falls on all of them alike."""
+    if weight.shape[0] * weight.shape[1] > TIMED_MAX_WEIGHTS:
+        keep = max(1, TIMED_MAX_WEIGHTS // weight.shape[1])
+        weight, bias = weight[:keep], None if bias is None else bias[:keep]
+    weight = weight.detach()
+    kernels: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"plain": lambda x: F.linear(x, weight, bias)}
+    if onednn_runs(weight.dtype, weight.device):
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight)
+        kernels["packed"] = lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    times: dict[str, dict[int, float]] = {path: {} for path in kernels}
+
+    def time_rows(m: int, paths: list[str], warm_up: bool) -> None:
+        x = torch.randn(m, weight.shape[1], dtype=weight.dtype, device=weight.device)
+        calls = {path: (lambda k=kernels[path]: k(x)) for path in paths}
+        first = {path: timer(path, m, fn) for path, fn in calls.items()} if warm_up else {}
+        longest = max(first.values(), default=0.0) or min(times[p][m] for p in paths) / 1e3
+        reps = int(min(MAX_REPS, max(MIN_REPS, REP_BUDGET_S / max(longest, 1e-9))))
+        for _ in range(reps):
+            for path, fn in calls.items():
+                ms = timer(path, m, fn) * 1e3
+                times[path][m] = min(times[path].get(m, float("inf")), ms)
+
+    with torch.inference_mode():
+        for m in rows:
+            time_rows(m, list(kernels), warm_up=True)
+        # More rows never cost a kernel less time, so a row count slower than the next one by SPIKE was
+        # hit by another process: timed again, up to RETRIES times.
+        for _ in range(RETRIES):
+            spikes = [
+                (m, path) for path, t in times.items() for m, bigger in zip(rows, rows[1:]) if t[m] > SPIKE * t[bigger]
+            ]
+            for m, path in spikes:
+                time_rows(m, [path], warm_up=False)
+    return times
+
+
+def is_steady(times: dict[str, dict[int, float]]) -> bool:
+    """No row count still timed ``SPIKE`` times slower than the next larger one (see ``measure``)."""
+    return not any(
+        t[m] > SPIKE * t[bigger] for t in times.values() for m, bigger in zip(sorted(t), sorted(t)[1:])
+    )
+
+
+def score(times: dict[str, dict[int, float]], rows: tuple[int, ...], path_at: Callable[[int], str]) -> float:
+    """Mean slowdown against the best candidate at each m, weighted by ``ROW_WEIGHTS`` (1.0: best everywhere)."""
+    total = sum(ROW_WEIGHTS.get(m, 1.0) for m in rows)
+    best = {m: min(t[m] for t in times.values()) for m in rows}
+    return sum(ROW_WEIGHTS.get(m, 1.0) * times[path_at(m)][m] / best[m] for m in rows) / total
+
+
+def decide(times: dict[str, dict[int, float]], allow_split: bool) -> tuple[str, int]:
+    """(path, split_rows) from measured times: the best-scoring single path, or a split of plain up to
+    a grid row count and packed above it where that scores ``SPLIT_GAIN`` better than both."""
+    rows = tuple(sorted(next(iter(times.values()))))
+    singles = {path: score(times, rows, lambda m, p=path: p) for path in times}
+    path = min(singles, key=singles.get)
+    if allow_split and {"plain", "packed"} <= times.keys():
+        splits = {t: score(times, rows, lambda m, t=t: "plain" if m <= t else "packed") for t in rows[:-1]}
+        threshold = min(splits, key=splits.get)
+        if splits[threshold] < singles[path] * (1 - SPLIT_GAIN):
+            return "split", threshold
+    return path, 0
+
+
+class KernelCache:
+    """The measured times in a JSON file: {"version", "entries": {"<machine> | <shape>": {"times_ms": ...}}}.
+    Written whole through a temporary file and a rename, so a reader never sees half a file; two engines
+    saving at once can lose one's new entries, which are then timed again at its next load."""
+
+    def __init__(self, path: Path | None) -> None:
+        self.path, self.entries = path, {}
+        if path is not None and path.exists():
+            try:
+                raw = json.loads(path.read_text())
+                if raw.get("version") == CACHE_VERSION:
+                    self.entries = raw["entries"]
+            except (OSError, ValueError, KeyError, AttributeError) as e:
+                logger.warning("linear kernel cache %s unreadable (%s): timing again", path, e)
+
+    def get(self, key: str, rows: tuple[int, ...]) -> dict[str, dict[int, float]] | None:
+        entry = self.entries.get(key)
+        if entry is None:
+            return None
+        saved = entry["times_ms"]
+        times = {path: {int(m): ms for m, ms in saved[path].items()} for path in ("plain", "packed") if path in saved}
+        return times if all(set(rows) <= t.keys() for t in times.values()) else None
+
+    def put(self, key: str, times: dict[str, dict[int, float]]) -> None:
+        self.entries[key] = {"times_ms": {p: {str(m): round(ms, 4) for m, ms in t.items()} for p, t in times.items()}}
+
+    def save(self) -> None:
+        if self.path is None:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=self.path.name, suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            json.dump({"version": CACHE_VERSION, "entries": self.entries}, f, indent=1, sort_keys=True)
+        os.replace(tmp, self.path)
+
+
+def linear_weights(model: CausalLM) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
+    """Module name -> (weight, bias) of every linear layer, "lm_head" being the embedding when tied."""
+    found = {name: (m.weight, m.bias) for name, m in model.named_modules() if isinstance(m, Linear)}
+    found.setdefault("lm_head", (model.embed_tokens.weight, None))
+    return found
+
+
+def split_allowed(policy: KernelPolicy, model: CausalLM) -> bool:
+    if policy.allow_split is not None:
+        return policy.allow_split
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    weight_bytes = sum(w.numel() * w.element_size() for w, _ in linear_weights(model).values())
+    return weight_bytes <= SPLIT_RAM_FRACTION * ram
+
+
+def choose_kernels(
+    model: CausalLM, policy: KernelPolicy, timer: Timer = wall_clock, machine: str | None = None
+) -> dict[ShapeKey, Choice]:
+    """One choice per distinct shape of the model's linear layers, timing what the cache lacks."""
+    weights = linear_weights(model)
+    device = next(iter(weights.values()))[0].device
+    forced = "plain" if device.type != "cpu" else policy.mode
+    allow_split = forced == "auto" and split_allowed(policy, model)
+    cache = KernelCache(policy.resolved_cache_path()) if forced == "auto" else None
+    machine = machine or machine_key(torch.get_num_threads())
+    choices: dict[ShapeKey, Choice] = {}
+    start, measured = time.perf_counter(), 0
+    for name, (weight, bias) in weights.items():
+        key = ShapeKey(weight.shape[0], weight.shape[1], str(weight.dtype).removeprefix("torch."), bias is not None)
+        if key in choices:
+            continue
+        if forced != "auto":
+            path = forced if forced == "plain" or can_pack(weight) else "plain"
+            choices[key] = Choice(path, FORCED_SPLIT_ROWS if path == "split" else 0, "forced")
+            continue
+        if weight.numel() < UNTIMED_BELOW or not onednn_runs(weight.dtype, weight.device):
+            choices[key] = Choice("plain", 0, "untimed")  # the only candidate, or oneDNN's fixed cost dominates
+            continue
+        rows = tuple(m for m in ROW_GRID if name != "lm_head" or m <= max(policy.lm_head_rows, ROW_GRID[0]))
+        times, source = cache.get(f"{machine} | {key}", rows), "cached"
+        if times is None:
+            times, measured = measure(weight, bias, rows, timer), measured + 1
+            # Timings still spiky after the retries were taken while other processes held the cores:
+            # used for this load only, so the next load times again rather than keeping a wrong choice.
+            source = "measured" if is_steady(times) else "measured while the CPU was busy, not cached"
+            if is_steady(times):
+                cache.put(f"{machine} | {key}", times)
+        times = {p: {m: t[m] for m in rows} for p, t in times.items()}
+        choices[key] = Choice(*decide(times, allow_split), source, times)
+    if measured and cache.entries:
+        cache.save()
+    seconds = time.perf_counter() - start
+    for key, choice in choices.items():
+        logger.info("linear %s: %s", key, describe(choice))
+    if forced == "auto":
+        split = "allowed" if allow_split else "not allowed"
+        summary = "linear kernels: %d shapes, %d timed, %.2f s (%s; split %s)"
+        logger.info(summary, len(choices), measured, seconds, machine, split)
+    return choices
+
+
+def describe(choice: Choice) -> str:
+    """``packed (measured; plain 1:0.07 4:0.18 ms, packed 1:0.06 4:0.06 ms)`` for one log line."""
+    path = f"split at {choice.split_rows} rows" if choice.path == "split" else choice.path
+    if not choice.times_ms:
+        return f"{path} ({choice.source})"
+    per_path = ", ".join(
+        f"{p} " + " ".join(f"{m}:{ms:.3g}" for m, ms in t.items()) + " ms" for p, t in choice.times_ms.items()
+    )
+    return f"{path} ({choice.source}; {per_path})"
+
+
+def apply_kernels(model: CausalLM, policy: KernelPolicy, timer: Timer = wall_clock) -> dict[ShapeKey, Choice]:
+    """Choose (``choose_kernels``) and switch every linear layer to its shape's path."""
+    choices = choose_kernels(model, policy, timer)
+
+    def choose(name: str, weight: torch.Tensor, has_bias: bool) -> tuple[str, int]:
+        key = ShapeKey(weight.shape[0], weight.shape[1], str(weight.dtype).removeprefix("torch."), has_bias)
+        return choices[key].path, choices[key].split_rows
+
+    model.pack_weights(choose)
+    return choices
