@@ -111,6 +111,8 @@ PRESETS: dict[str, dict] = {
     # Llama-3.1-8B's shapes, for the GPU benchmarks (scripts/gpu_bench.py).
     "llama3.1-8b": _llama31_8b_preset(),
 }
+# Presets written as shards by default, at most this many bytes each (as published: Llama-3.1-8B has 4 shards).
+DEFAULT_SHARD_BYTES: dict[str, int] = {"llama3.1-8b": 5 * 10**9}
 
 
 def make_model(
@@ -125,10 +127,13 @@ def make_model(
 ) -> Path:
     """Writes the named preset with random weights and a freshly trained tokenizer; returns the folder.
 
-    config_only writes everything but the weights (config, generation config, tokenizer)."""
+    max_shard_bytes defaults to DEFAULT_SHARD_BYTES for the large presets (else one file); config_only
+    writes everything but the weights (config, generation config, tokenizer)."""
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; valid presets: {', '.join(PRESETS)}")
     hf_config = PRESETS[preset]
+    if max_shard_bytes is None:
+        max_shard_bytes = DEFAULT_SHARD_BYTES.get(preset)
     tokenizer = train_tokenizer(hf_config["vocab_size"], first_special_id=hf_config["bos_token_id"])
     return write_random_checkpoint(
         out_dir, hf_config, dtype=dtype, seed=seed, max_shard_bytes=max_shard_bytes,

@@ -19,8 +19,8 @@ from tokenizers import Tokenizer
 
 from engine.model_config import ModelConfig
 from splitserve.bpe_tokenizer import corpus_texts, train_tokenizer
-from splitserve.make_model import PRESETS, make_model, write_random_checkpoint
-from splitserve.random_weights import random_weights, tensor_shapes
+from splitserve.make_model import DEFAULT_SHARD_BYTES, PRESETS, make_model, write_random_checkpoint
+from splitserve.random_weights import _pack_shards, random_weights, tensor_shapes
 
 # Qwen/Qwen2.5-0.5B's config.json (the base model: bos = eos = <|endoftext|>), less the keys that vary.
 QWEN25_05B_CONFIG = {
@@ -125,6 +125,9 @@ def test_llama31_8b_preset_is_the_published_config():
     engine_config = ModelConfig.from_dict(config)
     assert (engine_config.num_layers, engine_config.num_kv_heads, engine_config.head_dim) == (32, 8, 128)
     assert engine_config.rope.rope_type == "llama3"
+    # Written as 4 shards of at most 5 GB, as published (sizes from meta tensors: nothing is allocated).
+    meta = {name: torch.empty(shape, dtype=torch.bfloat16, device="meta") for name, shape in tensor_shapes(config).items()}
+    assert len(_pack_shards(meta, DEFAULT_SHARD_BYTES["llama3.1-8b"])) == 4
 
 
 def test_config_only_writes_no_weights(tmp_path: Path):
