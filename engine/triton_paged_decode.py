@@ -41,6 +41,10 @@ DecodeFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, flo
 # would leave most of the device's SMs idle.
 BLOCKS_PER_SPLIT = 16
 MAX_SPLITS = 32
+# Keys per loop iteration (whole blocks, at least one): more loads in flight per program. Without tl.dot
+# the scores are a [group, keys, head_dim] product held in registers, so fewer keys.
+TILE_KEYS_DOT = 64
+TILE_ELEMS_NO_DOT = 2048
 
 
 def is_available(device: torch.device | str) -> bool:
@@ -74,19 +78,18 @@ if triton is not None:
         stride_ob, stride_oh, stride_os, stride_od,
         GROUP: tl.constexpr, GROUP_P: tl.constexpr, BLOCK: tl.constexpr, BLOCK_P: tl.constexpr,
         HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, HAS_WINDOW: tl.constexpr, SPLIT: tl.constexpr,
+        TILE_BLOCKS: tl.constexpr, USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     ):
         b = tl.program_id(0)
         kv_head = tl.program_id(1)
         split = tl.program_id(2)
         g = tl.arange(0, GROUP_P)
-        t = tl.arange(0, BLOCK_P)
         d = tl.arange(0, HEAD_DIM_P)
-        g_ok, t_ok, d_ok = g < GROUP, t < BLOCK, d < HEAD_DIM
+        g_ok, d_ok = g < GROUP, d < HEAD_DIM
         heads = kv_head * GROUP + g
 
         q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :] * stride_qd,
-                    mask=g_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)  # [G, D]
-        q = q * scale
+                    mask=g_ok[:, None] & d_ok[None, :], other=0.0)  # [G, D]
 
         length = tl.load(lens_ptr + b)
         first_key = 0
@@ -99,23 +102,33 @@ if triton is not None:
         m_i = tl.full([GROUP_P], float("-inf"), tl.float32)
         l_i = tl.zeros([GROUP_P], tl.float32)
         acc = tl.zeros([GROUP_P, HEAD_DIM_P], tl.float32)
-        kv_mask = t_ok[:, None] & d_ok[None, :]
-        offs = kv_head * stride_ch + t[:, None] * stride_ct + d[None, :] * stride_cd
-        for n in range(lo, hi):
-            block = tl.load(tables_ptr + b * stride_tb + n * stride_tn).to(tl.int64)
-            base = cache_ptr + block * stride_cn + offs
-            k = tl.load(base, mask=kv_mask, other=0.0).to(tl.float32)  # [T, D]
-            v = tl.load(base + stride_ckv, mask=kv_mask, other=0.0).to(tl.float32)
-            s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)  # [G, T]
-            pos = n * BLOCK + t
-            valid = t_ok & (pos < length) & (pos >= first_key)
-            s = tl.where(valid[None, :], s, float("-inf"))
+        # One iteration reads TILE_BLOCKS blocks: key j of the tile is slot j % BLOCK_P of block j // BLOCK_P.
+        j = tl.arange(0, TILE_BLOCKS * BLOCK_P)
+        slot, tile_block = j % BLOCK_P, j // BLOCK_P
+        for n0 in range(lo, hi, TILE_BLOCKS):
+            n = n0 + tile_block
+            pos = n * BLOCK + slot
+            valid = (slot < BLOCK) & (n < hi) & (pos < length) & (pos >= first_key)
+            block = tl.load(tables_ptr + b * stride_tb + n * stride_tn, mask=n < hi, other=0).to(tl.int64)
+            ptrs = cache_ptr + block[:, None] * stride_cn + kv_head * stride_ch + slot[:, None] * stride_ct \
+                + d[None, :] * stride_cd
+            kv_mask = valid[:, None] & d_ok[None, :]
+            k = tl.load(ptrs, mask=kv_mask, other=0.0)  # [keys, D]
+            v = tl.load(ptrs + stride_ckv, mask=kv_mask, other=0.0)
+            if USE_DOT:  # tensor cores; products of bf16/fp16 are exact in the float32 accumulator
+                s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [G, keys]
+            else:
+                s = tl.sum(q.to(tl.float32)[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)
+            s = tl.where(valid[None, :], s * scale, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a group row with no key yet
             p = tl.exp(s - m_safe[:, None])
             alpha = tl.exp(m_i - m_safe)
             l_i = l_i * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+            if USE_DOT:  # p rounded to the cache's dtype for the product, as FlashAttention does
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+            else:
+                acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
             m_i = m_new
 
         out_offs = b * stride_ob + heads[:, None] * stride_oh + split * stride_os + d[None, :] * stride_od
@@ -161,8 +174,13 @@ def paged_decode_triton(
     window: int | None,
     *,
     num_splits: int | None = None,
+    use_dot: bool | None = None,
 ) -> torch.Tensor:
-    """The Triton kernel (see the module docstring). ``num_splits`` overrides the split-K choice (tests)."""
+    """The Triton kernel (see the module docstring).
+
+    ``num_splits`` overrides the split-K choice; ``use_dot`` (default: on CUDA) computes the group's scores
+    and weighted values with ``tl.dot`` (the group padded to 16 query rows) instead of broadcast sums.
+    """
     if triton is None:
         raise RuntimeError("paged_decode_triton needs Triton (pip install triton) and a CUDA device")
     batch, heads, head_dim = q.shape
@@ -180,9 +198,15 @@ def paged_decode_triton(
         num_splits = _num_splits(batch, kv_heads, max_blocks, q.device)
     num_splits = max(1, min(num_splits, max_blocks))
     blocks_per_split = triton.cdiv(max_blocks, num_splits)
-    group = heads // kv_heads
-    consts = dict(GROUP=group, GROUP_P=_next_pow2(group), BLOCK=block_size, BLOCK_P=_next_pow2(block_size),
-                  HEAD_DIM=head_dim, HEAD_DIM_P=_next_pow2(head_dim), HAS_WINDOW=window is not None)
+    group, block_p, head_dim_p = heads // kv_heads, _next_pow2(block_size), max(16, _next_pow2(head_dim))
+    if use_dot is None:
+        use_dot = q.device.type == "cuda"
+    group_p = max(16, _next_pow2(group)) if use_dot else _next_pow2(group)  # tl.dot: every side >= 16
+    tile_keys = TILE_KEYS_DOT if use_dot else TILE_ELEMS_NO_DOT // (group_p * head_dim_p)
+    tile_blocks = _next_pow2(max(1, tile_keys // block_p, 16 // block_p if use_dot else 1))
+    consts = dict(GROUP=group, GROUP_P=group_p, BLOCK=block_size, BLOCK_P=block_p, HEAD_DIM=head_dim,
+                  HEAD_DIM_P=head_dim_p, HAS_WINDOW=window is not None, TILE_BLOCKS=tile_blocks, USE_DOT=use_dot,
+                  DOT_PRECISION="ieee" if q.dtype == torch.float32 else None)
     grid = (batch, kv_heads, num_splits)
     cache_strides = cache_layer.stride()
     args = (scale, window or 0, blocks_per_split, *q.stride(), *cache_strides, *block_tables.stride())
@@ -196,8 +220,7 @@ def paged_decode_triton(
     _paged_decode_kernel[grid](q, cache_layer, block_tables, context_lens, part, part_m, part_l, *args,
                                *part.stride(), SPLIT=True, **consts)
     _merge_splits_kernel[(batch, heads)](part, part_m, part_l, out, num_splits, *out.stride(), HEADS=heads,
-                                         SPLITS_P=_next_pow2(num_splits), HEAD_DIM=head_dim,
-                                         HEAD_DIM_P=_next_pow2(head_dim))
+                                         SPLITS_P=_next_pow2(num_splits), HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p)
     return out
 
 
