@@ -240,6 +240,30 @@ def _flashinfer_available(device: torch.device | str) -> bool:
 _FLASHINFER_WORKSPACES: dict[torch.device, torch.Tensor] = {}
 
 
+def flashinfer_page_list(
+    block_tables: torch.Tensor, context_lens: torch.Tensor, window: int | None, page_size: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """FlashInfer's CSR page list (indptr [B + 1], indices, last_page_len [B], all int32) for our block tables.
+
+    Each request lists its pages from the first one holding an attended key (FlashInfer's window_left cuts
+    within them). An empty request lists one key of block 0, since FlashInfer's length, (pages - 1) *
+    page_size + last_page_len, must not go negative; the caller zeroes its output.
+    """
+    lens = context_lens.to(torch.int32)
+    empty = lens == 0
+    first = torch.zeros_like(lens) if window is None else (lens - window).clamp(min=0)
+    first_page = first // page_size
+    pages = torch.where(empty, 1, (lens + page_size - 1) // page_size)
+    cols = torch.arange(block_tables.shape[1], device=block_tables.device)
+    tables = torch.where(empty[:, None] & (cols == 0)[None, :], 0, block_tables)
+    used = (cols[None, :] >= first_page[:, None]) & (cols[None, :] < pages[:, None])
+    indices = tables[used].to(torch.int32)  # row-major, so request by request
+    indptr = torch.zeros(len(lens) + 1, dtype=torch.int32, device=block_tables.device)
+    indptr[1:] = torch.cumsum(pages - first_page, 0)
+    last_page_len = torch.where(empty, 1, (lens - 1) % page_size + 1).to(torch.int32)
+    return indptr, indices, last_page_len
+
+
 def paged_decode_flashinfer(
     q: torch.Tensor,
     cache_layer: torch.Tensor,
@@ -252,24 +276,15 @@ def paged_decode_flashinfer(
     V in one tensor (``[pages, 2, kv_heads, page_size, d]``).
 
     Not graph-capturable as written: ``plan`` takes a CSR page list (indptr, indices, last-page lengths)
-    whose size depends on the lengths, so building it reads them on the host. A captured step would
-    plan outside the graph into fixed buffers (``use_cuda_graph=True``); not done here.
+    whose size depends on the lengths, so building it reads them on the host. It also plans on every
+    call, i.e. once per layer where once per step would do. A captured step would plan once, outside the
+    graph, into fixed buffers (``use_cuda_graph=True``); not done here.
     """
     import flashinfer
 
     batch, heads, head_dim = q.shape
     _, _, kv_heads, page_size, _ = cache_layer.shape
-    lens = context_lens.to(torch.int32)
-    first = torch.zeros_like(lens) if window is None else (lens - window).clamp(min=0)
-    # Pages from the first one holding an attended key; FlashInfer's window_left cuts within them.
-    first_page, pages = first // page_size, (lens + page_size - 1) // page_size
-    counts = pages - first_page
-    cols = torch.arange(block_tables.shape[1], device=q.device)
-    used = (cols[None, :] >= first_page[:, None]) & (cols[None, :] < pages[:, None])
-    indices = block_tables[used].to(torch.int32)  # row-major, so request by request
-    indptr = torch.zeros(batch + 1, dtype=torch.int32, device=q.device)
-    indptr[1:] = torch.cumsum(counts, 0)
-    last_page_len = torch.where(lens > 0, (lens - 1) % page_size + 1, 0).to(torch.int32)
+    indptr, indices, last_page_len = flashinfer_page_list(block_tables, context_lens, window, page_size)
     workspace = _FLASHINFER_WORKSPACES.get(q.device)
     if workspace is None:
         workspace = _FLASHINFER_WORKSPACES[q.device] = torch.zeros(128 << 20, dtype=torch.uint8, device=q.device)
@@ -278,7 +293,8 @@ def paged_decode_flashinfer(
                  window_left=-1 if window is None else window - 1, q_data_type=q.dtype,
                  kv_data_type=cache_layer.dtype, sm_scale=scale)  # fmt: skip
     out = wrapper.run(q.contiguous(), cache_layer)
-    return torch.where((lens > 0)[:, None, None], out, torch.zeros((), dtype=out.dtype, device=out.device))
+    empty = (context_lens == 0)[:, None, None]
+    return torch.where(empty, torch.zeros((), dtype=out.dtype, device=out.device), out)
 
 
 # ---- FlashAttention ---------------------------------------------------------------------------------

@@ -1,8 +1,9 @@
 """engine/triton_paged_decode.py against a naive per-request reference, on small shapes.
 
 On CPU the Triton kernel runs in Triton's interpreter (TRITON_INTERPRET=1, which tests/conftest.py sets
-before anything imports triton); with ``--device cuda`` it is compiled for the GPU. Without Triton the kernel tests skip
-and say so. The FlashInfer and FlashAttention adapters need their libraries and CUDA; they skip otherwise.
+before anything imports triton); with ``--device cuda`` it is compiled for the GPU. Without Triton the
+kernel tests skip and say so. The FlashInfer and FlashAttention adapters need their libraries and CUDA
+and skip otherwise; the page list the FlashInfer adapter builds is checked here in plain torch.
 """
 
 from __future__ import annotations
@@ -12,19 +13,22 @@ import importlib
 import pytest
 import torch
 
+from engine import triton_paged_decode
+
 BLOCK = 4
 HEAD_DIM = 16
 KV_HEADS = 2
 POISON = 1e3  # written into every slot no request may attend to: reading one shows in the output
 
-triton = pytest.importorskip(
-    "triton", reason="the paged decode kernel needs Triton (CUDA, or its CPU interpreter); triton is not installed"
-)
 
 
 @pytest.fixture(scope="module")
 def kernel(device: str):
-    """The module; on CPU its kernels run in Triton's interpreter (tests/conftest.py turns it on)."""
+    """The module, for tests that launch the kernel; on CPU it runs in Triton's interpreter (tests/conftest.py
+    turns that on)."""
+    triton = pytest.importorskip(
+        "triton", reason="the paged decode kernel needs Triton (CUDA, or its CPU interpreter); triton is not installed"
+    )
     module = importlib.import_module("engine.triton_paged_decode")
     if not device.startswith("cuda") and not triton.knobs.runtime.interpret:
         pytest.skip("on CPU the Triton kernel runs only in Triton's interpreter, and TRITON_INTERPRET=0 is set")
@@ -121,16 +125,34 @@ def test_head_dim_not_a_power_of_two_and_strided_query(kernel, device):
     torch.testing.assert_close(out.double().cpu(), reference(q, cache, tables, lens, 0.2, None), atol=1e-5, rtol=1e-5)
 
 
-def test_availability_and_registry(kernel, device):
-    assert kernel.is_available("cpu") is False
-    assert [name for name, _, _ in kernel.BACKENDS] == ["triton", "flashinfer", "flash_attn"]
-    for _, fn, available in kernel.BACKENDS:
+def test_availability_and_registry():
+    assert triton_paged_decode.is_available("cpu") is False
+    assert [name for name, _, _ in triton_paged_decode.BACKENDS] == ["triton", "flashinfer", "flash_attn"]
+    for _, fn, available in triton_paged_decode.BACKENDS:
         assert callable(fn) and available("cpu") is False
 
 
+@pytest.mark.parametrize("window", [None, 3, BLOCK + 2])
+def test_flashinfer_page_list_holds_the_attended_keys(window):
+    """The page list the FlashInfer adapter plans with, read back as FlashInfer defines it (pure torch)."""
+    lens = [0, 1, BLOCK, 7, 13]
+    tables = torch.tensor([[9, 9, 9, 9], [5, 9, 9, 9], [2, 9, 9, 9], [7, 1, 9, 9], [3, 8, 4, 6]], dtype=torch.int32)
+    indptr, indices, last = triton_paged_decode.flashinfer_page_list(tables, torch.tensor(lens), window, BLOCK)
+    assert indptr.dtype == indices.dtype == last.dtype == torch.int32
+    for b, n in enumerate(lens):
+        pages = indices[indptr[b] : indptr[b + 1]].tolist()
+        kv_len = (len(pages) - 1) * BLOCK + int(last[b])
+        slots = [(page, t) for page in pages for t in range(BLOCK)][:kv_len]
+        if window is not None:
+            slots = slots[-window:]  # window_left = window - 1: the query's own position and window - 1 before
+        first = 0 if window is None else max(0, n - window)
+        expected = [(int(tables[b, t // BLOCK]), t % BLOCK) for t in range(first, n)]
+        assert slots == (expected if n else [(0, 0)]), b
+
+
 @pytest.mark.parametrize("name", ["flashinfer", "flash_attn"])
-def test_library_adapters(kernel, device, name):
-    _, fn, available = next(entry for entry in kernel.BACKENDS if entry[0] == name)
+def test_library_adapters(device, name):
+    _, fn, available = next(entry for entry in triton_paged_decode.BACKENDS if entry[0] == name)
     if not available(device):
         pytest.skip(f"the {name} adapter needs CUDA and the {name} package; not run on {device}")
     block = 256 if name == "flash_attn" else BLOCK  # flash_attn_with_kvcache's paged path: pages of 256k
