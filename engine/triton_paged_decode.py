@@ -289,9 +289,11 @@ def paged_decode_flashinfer(
     if workspace is None:
         workspace = _FLASHINFER_WORKSPACES[q.device] = torch.zeros(128 << 20, dtype=torch.uint8, device=q.device)
     wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, kv_layout="HND")
-    wrapper.plan(indptr, indices, last_page_len, heads, kv_heads, head_dim, page_size,
-                 window_left=-1 if window is None else window - 1, q_data_type=q.dtype,
-                 kv_data_type=cache_layer.dtype, sm_scale=scale)  # fmt: skip
+    wrapper.plan(
+        indptr, indices, last_page_len, heads, kv_heads, head_dim, page_size,
+        window_left=-1 if window is None else window - 1, q_data_type=q.dtype, kv_data_type=cache_layer.dtype,
+        sm_scale=scale,
+    )
     out = wrapper.run(q.contiguous(), cache_layer)
     empty = (context_lens == 0)[:, None, None]
     return torch.where(empty, torch.zeros((), dtype=out.dtype, device=out.device), out)

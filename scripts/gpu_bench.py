@@ -39,7 +39,9 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
 
-from bench_engine import HFGenerate, best_time, copy_bandwidth, splitserve_decode, splitserve_prefill_time, weight_shapes  # noqa: E402,E501
+from bench_engine import (  # noqa: E402
+    HFGenerate, best_time, copy_bandwidth, splitserve_decode, splitserve_prefill_time, weight_shapes,
+)
 from engine import LLM, ModelConfig  # noqa: E402
 from engine.hardware import print_header  # noqa: E402
 
@@ -63,7 +65,7 @@ PLANS = {
                  gemm_size=8192, copy_bytes=1 << 30, kv_cache_bytes=16 << 30, step_s=60, write_s=180),
     "cpu": Plan(("tiny",), (1, 4), (16, 64), prompt_len=8, new_tokens=4, gemm_size=256, copy_bytes=32 << 20,
                 kv_cache_bytes=32 << 20, step_s=60, write_s=60),
-}  # fmt: skip
+}
 
 
 class StepTimeout(Exception):
@@ -136,12 +138,21 @@ def prefill_flops(cfg: ModelConfig, tokens: int) -> float:
     return 2 * tokens * projections + attention + 2 * head[0] * head[1]
 
 
+def triton_status(device: str) -> str:
+    from engine import triton_paged_decode
+
+    if triton_paged_decode.triton is None:
+        return "not installed (the Triton paged decode kernel is unavailable)"
+    available = triton_paged_decode.is_available(device)
+    return f"{triton_paged_decode.triton.__version__} (paged decode kernel {'available' if available else 'needs CUDA'})"
+
+
 def decode_info(llm: LLM) -> tuple[str, str]:
     """The decode attention backend and decode path, where the engine says which it used."""
     sources = (llm.runner, llm.core, llm)
     found = {}
     for key, names in {"backend": ("decode_attention_backend", "decode_backend", "attention_backend"),
-                       "path": ("decode_path", "decode_mode")}.items():  # fmt: skip
+                       "path": ("decode_path", "decode_mode")}.items():
         found[key] = next((str(getattr(s, n)) for s in sources for n in names if getattr(s, n, None) is not None), None)
     return found["backend"] or "not exposed by the engine", found["path"] or "dynamic"
 
@@ -158,83 +169,82 @@ def free(device: str) -> None:
 def bench_model(preset: str, plan: Plan, args, budget: Budget, work: Path, bw: float) -> dict:
     from splitserve.make_model import make_model
 
-    dev, dtype = args.device, getattr(torch, args.dtype)
-    out: dict = {"splitserve": {}, "transformers": {}}
     log(f"== {preset}")
     model_dir = attempt(budget, plan.write_s, "write checkpoint",
-                        lambda: make_model(preset, work / preset, dtype=args.dtype, overwrite=True))  # fmt: skip
+                        lambda: make_model(preset, work / preset, dtype=args.dtype, overwrite=True))
     if not isinstance(model_dir, Path):
-        out["error"] = f"checkpoint: {model_dir}"
-        return out
+        return {"error": f"checkpoint: {model_dir}"}
     cfg = ModelConfig.from_model_dir(model_dir)
-    elem = torch.empty((), dtype=dtype).element_size()
-    weight_bytes = sum(o * i for o, i in weight_shapes(cfg)) * elem
-    kv_per_token = 2 * cfg.num_layers * cfg.kv_size * elem
-    out["weight_bytes"] = weight_bytes
+    elem = torch.empty((), dtype=getattr(torch, args.dtype)).element_size()
+    out = {"weight_bytes": sum(o * i for o, i in weight_shapes(cfg)) * elem,
+           "kv_bytes_per_token": 2 * cfg.num_layers * cfg.kv_size * elem,
+           "prefill_flops": {n: prefill_flops(cfg, n) for n in plan.prefill_tokens}}
+    out.update(bench_splitserve(model_dir, plan, args, budget))
+    for b in plan.decode_batches:
+        if isinstance(d := out["splitserve"].get(f"decode_{b}"), dict):
+            kv_bytes = d["mean_context"] * b * out["kv_bytes_per_token"]
+            d["bytes_bound_ms"] = 1e3 * (out["weight_bytes"] + kv_bytes) / bw
+    free(args.device)
+    if not args.skip_hf:
+        out["transformers"] = bench_transformers(model_dir, plan, args, budget)
+        free(args.device)
+    return out
 
+
+def bench_splitserve(model_dir: Path, plan: Plan, args, budget: Budget) -> dict:
+    dev = args.device
     llm = attempt(budget, plan.write_s, "load splitserve", lambda: LLM(
         model_dir, dtype=args.dtype, device=dev, num_threads=args.threads, enable_prefix_caching=False,
         max_num_seqs=max(plan.decode_batches), max_num_batched_tokens=max(plan.prefill_tokens),
-        kv_cache_bytes=plan.kv_cache_bytes))  # fmt: skip
-    ours = out["splitserve"]
-    if isinstance(llm, LLM):
-        out["decode_backend"], out["decode_path"] = decode_info(llm)
-        broken = None  # after a timeout mid-step the engine holds half-run requests: skip its other rows
-        warm = attempt(budget, plan.step_s, "warm-up", lambda: (splitserve_decode(llm, 2, plan.prompt_len, 2, dev),
-                                                                splitserve_prefill_time(llm, 1, 16, dev)))  # fmt: skip
-        if isinstance(warm, str):
-            broken = warm
-        for b in plan.decode_batches:
-            if broken:
-                ours[f"decode_{b}"] = f"skipped ({broken})"
-                continue
-            d = attempt(budget, plan.step_s, f"splitserve decode batch {b}",
-                        lambda: splitserve_decode(llm, b, plan.prompt_len, plan.new_tokens, dev))  # fmt: skip
-            if isinstance(d, dict):
-                d["bytes_bound_ms"] = 1e3 * (weight_bytes + d["mean_context"] * b * kv_per_token) / bw
-            else:
-                broken = d
-            ours[f"decode_{b}"] = d
-        for n in plan.prefill_tokens:
-            if broken:
-                ours[f"prefill_{n}"] = f"skipped ({broken})"
-                continue
-            t = attempt(budget, plan.step_s, f"splitserve prefill {n}", lambda: min(
-                splitserve_prefill_time(llm, 1, n, dev) for _ in range(2)))  # fmt: skip
-            ours[f"prefill_{n}"] = n / t if isinstance(t, float) else t
-            broken = None if isinstance(t, float) else t
-        del llm
-    else:
-        out["error"] = f"splitserve load: {llm}"
-    free(dev)
+        kv_cache_bytes=plan.kv_cache_bytes))
+    if not isinstance(llm, LLM):
+        return {"error": f"splitserve load: {llm}", "splitserve": {}}
+    backend, path = decode_info(llm)
+    ours: dict = {}
+    # After a timeout or error mid-step the engine holds half-run requests: its later rows are skipped.
+    broken = attempt(budget, plan.step_s, "warm-up", lambda: (
+        splitserve_decode(llm, 2, plan.prompt_len, 2, dev), splitserve_prefill_time(llm, 1, 16, dev)))
+    broken = broken if isinstance(broken, str) else None
+    for b in plan.decode_batches:
+        d = f"skipped ({broken})" if broken else attempt(
+            budget, plan.step_s, f"splitserve decode batch {b}",
+            lambda: splitserve_decode(llm, b, plan.prompt_len, plan.new_tokens, dev))
+        broken = broken or (d if isinstance(d, str) else None)
+        ours[f"decode_{b}"] = d
+    for n in plan.prefill_tokens:
+        t = f"skipped ({broken})" if broken else attempt(
+            budget, plan.step_s, f"splitserve prefill {n}",
+            lambda: min(splitserve_prefill_time(llm, 1, n, dev) for _ in range(2)))
+        broken = broken or (t if isinstance(t, str) else None)
+        ours[f"prefill_{n}"] = n / t if isinstance(t, float) else t
+    del llm
+    return {"splitserve": ours, "decode_backend": backend, "decode_path": path}
 
-    theirs = out["transformers"]
-    if args.skip_hf:
-        return out
 
-    def load_hf():
+def bench_transformers(model_dir: Path, plan: Plan, args, budget: Budget) -> dict:
+    dev, dtype = args.device, getattr(torch, args.dtype)
+
+    def load():
         from transformers import AutoModelForCausalLM
 
         return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="sdpa").to(dev).eval()
 
-    model = attempt(budget, plan.write_s, "load transformers", load_hf)
+    model = attempt(budget, plan.write_s, "load transformers", load)
     if isinstance(model, str):
-        out["hf_error"] = model
-        return out
+        return {"error": model}
+    theirs: dict = {}
     decode = HFGenerate(model, plan.prompt_len, dev)
     attempt(budget, plan.step_s, "transformers warm-up", lambda: decode.time(2, 2))
     for b in plan.decode_batches:
         t = attempt(budget, plan.step_s, f"transformers decode batch {b}",
-                    lambda: (decode.time(b, plan.new_tokens) - decode.time(b, 1)) / (plan.new_tokens - 1))  # fmt: skip
+                    lambda: (decode.time(b, plan.new_tokens) - decode.time(b, 1)) / (plan.new_tokens - 1))
         theirs[f"decode_{b}"] = {"ms_per_step": 1e3 * t} if isinstance(t, float) else t
     for n in plan.prefill_tokens:
         prefill = HFGenerate(model, n, dev)
         t = attempt(budget, plan.step_s, f"transformers prefill {n}", lambda: min(prefill.time(1, 1) for _ in range(2)))
         theirs[f"prefill_{n}"] = n / t if isinstance(t, float) else t
     del model, decode
-    free(dev)
-    out["prefill_flops"] = {n: prefill_flops(cfg, n) for n in plan.prefill_tokens}
-    return out
+    return theirs
 
 
 # ---- report ---------------------------------------------------------------------------------------
@@ -276,21 +286,23 @@ def targets(result: dict) -> list[str]:
         d = models.get(preset, {}).get("splitserve", {}).get(f"decode_{b}")
         return d if isinstance(d, dict) else None
 
+    def line(what: str, value: float, met: bool) -> str:
+        return f"{what}: {value:.2f} ({'met' if met else 'NOT met'})"
+
     lines = []
-    if (q := ms("qwen2.5-0.5b", 1)):
-        lines.append(f"qwen2.5-0.5b batch-1 decode <= 3.6 ms/step: {q['ms_per_step']:.2f} "
-                     f"({'met' if q['ms_per_step'] <= 3.6 else 'NOT met'})")  # fmt: skip
-    if (l1 := ms("llama3.1-8b", 1)):
+    if q := ms("qwen2.5-0.5b", 1):
+        lines.append(line("qwen2.5-0.5b batch-1 decode <= 3.6 ms/step", q["ms_per_step"], q["ms_per_step"] <= 3.6))
+    if l1 := ms("llama3.1-8b", 1):
         frac = l1["bytes_bound_ms"] / l1["ms_per_step"]
-        lines.append(f"llama3.1-8b batch-1 decode >= 0.6 of the bytes bound: {frac:.2f} ({'met' if frac >= 0.6 else 'NOT met'})")
-        if (l32 := ms("llama3.1-8b", 32)):
+        lines.append(line("llama3.1-8b batch-1 decode >= 0.6 of the bytes bound", frac, frac >= 0.6))
+        if l32 := ms("llama3.1-8b", 32):
             ratio = l32["ms_per_step"] / l1["ms_per_step"]
-            lines.append(f"llama3.1-8b batch-32 step <= 1.3x batch-1: {ratio:.2f}x ({'met' if ratio <= 1.3 else 'NOT met'})")
+            lines.append(line("llama3.1-8b batch-32 step <= 1.3x the batch-1 step", ratio, ratio <= 1.3))
     for preset, r in models.items():
         v, flops = r.get("splitserve", {}).get("prefill_2048"), r.get("prefill_flops", {}).get(2048)
         if isinstance(v, float) and flops and isinstance(result["gemm_peak_flops"], float):
             frac = v * flops / 2048 / result["gemm_peak_flops"]
-            lines.append(f"{preset} prefill 2048 >= 0.5 of the GEMM peak: {frac:.2f} ({'met' if frac >= 0.5 else 'NOT met'})")
+            lines.append(line(f"{preset} prefill 2048 >= 0.5 of the GEMM peak", frac, frac >= 0.5))
     return lines
 
 
@@ -299,9 +311,11 @@ def print_report(result: dict, plan: Plan) -> None:
     print(f"\n== summary: {result['device']}, {result['dtype']}; copy bandwidth "
           f"{bw:.0f} GB/s, {result['dtype']} GEMM peak {peak / 1e12:.1f} TFLOP/s (both measured in this run)"
           if isinstance(bw, float) and isinstance(peak, float) else f"\n== summary: {result['device']} ({bw}, {peak})")
+    print(f"triton: {result['triton']}")
     for preset, r in result["models"].items():
+        errors = [e for e in (r.get("error"), r.get("transformers", {}).get("error")) if e]
         print(f"{preset}: decode attention backend: {r.get('decode_backend', '-')}; decode path: "
-              f"{r.get('decode_path', '-')}{'; ' + r['error'] if 'error' in r else ''}")
+              f"{r.get('decode_path', '-')}" + "".join(f"; {e}" for e in errors))
     header = ["model", "measure", "size", "splitserve", "transformers", "vs transformers", "bound", "fraction of bound"]
     print()
     print("| " + " | ".join(header) + " |")
@@ -331,8 +345,9 @@ def main() -> int:
     torch.set_num_threads(args.threads)
     budget = Budget(args.budget)
     dev, dtype = args.device, getattr(torch, args.dtype)
-    result = {"device": dev, "dtype": args.dtype, "machine": print_header(args.dtype, args.threads, dev, to_stderr=True),
-              "plan": vars(plan), "models": {}}  # fmt: skip
+    machine = print_header(args.dtype, args.threads, dev)
+    result = {"device": dev, "dtype": args.dtype, "machine": machine, "plan": vars(plan), "models": {}}
+    result["triton"] = triton_status(dev)
     log("== machine")
     bw = attempt(budget, plan.step_s, "copy bandwidth", lambda: copy_bandwidth(dev, plan.copy_bytes))
     peak = attempt(budget, plan.step_s, f"{args.dtype} GEMM peak", lambda: gemm_peak(dev, dtype, plan.gemm_size))

@@ -154,7 +154,8 @@ def write_random_checkpoint(
 ) -> Path:
     """Writes a checkpoint for any Llama/Qwen2/Mistral config dict (rope in either form); returns the folder.
 
-    hf_config is not modified; config_only leaves the weights out. The written config's bos/eos ids are the tokenizer's "<|endoftext|>" id; the
+    hf_config is not modified; config_only leaves the weights out. The written config's bos/eos ids are the
+    tokenizer's "<|endoftext|>" id; the
     tokenizer (trained here when None) must have vocab_size ids and the three ChatML special tokens.
     """
     torch_dtype = _parse_dtype(dtype)

@@ -126,7 +126,8 @@ def test_llama31_8b_preset_is_the_published_config():
     assert (engine_config.num_layers, engine_config.num_kv_heads, engine_config.head_dim) == (32, 8, 128)
     assert engine_config.rope.rope_type == "llama3"
     # Written as 4 shards of at most 5 GB, as published (sizes from meta tensors: nothing is allocated).
-    meta = {name: torch.empty(shape, dtype=torch.bfloat16, device="meta") for name, shape in tensor_shapes(config).items()}
+    shapes = tensor_shapes(config)
+    meta = {name: torch.empty(shape, dtype=torch.bfloat16, device="meta") for name, shape in shapes.items()}
     assert len(_pack_shards(meta, DEFAULT_SHARD_BYTES["llama3.1-8b"])) == 4
 
 
