@@ -143,8 +143,8 @@ def triton_status(device: str) -> str:
 
     if triton_paged_decode.triton is None:
         return "not installed (the Triton paged decode kernel is unavailable)"
-    available = triton_paged_decode.is_available(device)
-    return f"{triton_paged_decode.triton.__version__} (paged decode kernel {'available' if available else 'needs CUDA'})"
+    state = "available" if triton_paged_decode.is_available(device) else "needs CUDA"
+    return f"{triton_paged_decode.triton.__version__} (paged decode kernel {state})"
 
 
 def decode_info(llm: LLM) -> tuple[str, str]:
