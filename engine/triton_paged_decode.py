@@ -185,8 +185,9 @@ def paged_decode_triton(
         raise RuntimeError("paged_decode_triton needs Triton (pip install triton) and a CUDA device")
     batch, heads, head_dim = q.shape
     num_blocks, two, kv_heads, block_size, cache_dim = cache_layer.shape
-    if two != 2 or cache_dim != head_dim or heads % kv_heads:
-        raise ValueError(f"q {tuple(q.shape)} does not fit cache_layer {tuple(cache_layer.shape)}")
+    if two != 2 or cache_dim != head_dim or heads % kv_heads or q.dtype != cache_layer.dtype:
+        raise ValueError(f"q {tuple(q.shape)} {q.dtype} does not fit cache_layer {tuple(cache_layer.shape)} "
+                         f"{cache_layer.dtype}")
     if block_tables.shape[0] != batch or context_lens.shape != (batch,):
         raise ValueError(f"block_tables {tuple(block_tables.shape)} / context_lens {tuple(context_lens.shape)} "
                          f"do not match the batch of {batch}")
