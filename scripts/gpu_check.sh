@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# The GPU checks, as one prepared script: the engine's parity tests against transformers and the engine
-# benchmark, on one device, in well under 8 minutes.
+# The GPU checks, as one prepared script: the engine's parity tests against transformers, the engine
+# benchmark, and where a GPU's time goes (scripts/gpu_bench.py: decode and prefill against the device's
+# measured bounds and transformers, for the qwen2.5-0.5b and llama3.1-8b presets; under 8 minutes).
 #
 #   scripts/gpu_check.sh                 # on a GPU machine: --device cuda
 #   scripts/gpu_check.sh --device cpu    # CI's rehearsal (make test runs it)
+#   scripts/gpu_check.sh --bench-only    # only scripts/gpu_bench.py
 #
 # It uses whatever `python3` the machine has (override with PYTHON=...), with the tree on PYTHONPATH and
 # nothing installed: it needs torch, transformers, safetensors, tokenizers, msgpack, hypothesis and pytest,
@@ -13,11 +15,13 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 DEVICE=cuda
+BENCH_ONLY=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --device) DEVICE="$2"; shift 2 ;;
     --device=*) DEVICE="${1#*=}"; shift ;;
-    *) echo "usage: $0 [--device cuda|cpu]" >&2; exit 2 ;;
+    --bench-only) BENCH_ONLY=1; shift ;;
+    *) echo "usage: $0 [--device cuda|cpu] [--bench-only]" >&2; exit 2 ;;
   esac
 done
 
@@ -38,6 +42,7 @@ if device.startswith("cuda"):
 print_header(dtype="float32, bfloat16", threads=torch.get_num_threads(), device=device)
 PYEOF
 
+if [ "$BENCH_ONLY" = 0 ]; then
 echo "== parity, engine and KV-transfer tests on $DEVICE"
 # tests/kv_transfer/test_units.py runs real gloo pairs with the KV cache on $DEVICE: on CUDA that is the
 # path that stages payloads through pinned host memory (NCCL needs two GPUs; its pair logic is covered
@@ -68,4 +73,15 @@ for b, d in r["splitserve"]["decode"].items():
     print(f"splitserve decode batch {b}: {d['tok_s']:.1f} tok/s, {d['ms_per_step']:.2f} ms/step, "
           f"{d['fraction_of_linear_bound']:.2f} of the F.linear bound")
 PYEOF
+fi
+
+echo "== where the time goes on $DEVICE (scripts/gpu_bench.py)"
+if [[ "$DEVICE" == cuda* ]]; then
+  timeout 480 "$PY" scripts/gpu_bench.py --device "$DEVICE" --budget 450 --json-out "$RESULTS/gpu_bench.json" \
+    | tee "$RESULTS/gpu_bench.txt"
+else
+  # The rehearsal: the same code on the tiny preset, tiny sizes.
+  timeout 240 "$PY" scripts/gpu_bench.py --device cpu --budget 200 --json-out "$RESULTS/gpu_bench.json" \
+    | tee "$RESULTS/gpu_bench.txt"
+fi
 echo "== gpu_check passed ($DEVICE); results in $RESULTS"

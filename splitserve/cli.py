@@ -23,7 +23,7 @@ DEFAULT_PROMPTS = (
 
 def _add_make_model(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("make-model", help="write a random-weight Hugging Face checkpoint of a preset")
-    p.add_argument("--preset", required=True, choices=["tiny", "small", "qwen2.5-0.5b"])
+    p.add_argument("--preset", required=True, choices=["tiny", "small", "qwen2.5-0.5b", "llama3.1-8b"])
     p.add_argument("--out", required=True, help="output folder (must be empty or absent)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--seed", type=int, default=0)
@@ -31,6 +31,7 @@ def _add_make_model(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--config-format", default="legacy", choices=["legacy", "current"],
                    help="legacy: rope_theta/rope_scaling; current: rope_parameters")  # fmt: skip
     p.add_argument("--overwrite", action="store_true")
+    p.add_argument("--config-only", action="store_true", help="write config and tokenizer, no weights")
     p.set_defaults(func=_make_model)
 
 
@@ -40,7 +41,7 @@ def _make_model(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     out = make_model(
         args.preset, args.out, dtype=args.dtype, seed=args.seed, max_shard_bytes=args.max_shard_size,
-        config_format=args.config_format, overwrite=args.overwrite,
+        config_format=args.config_format, overwrite=args.overwrite, config_only=args.config_only,
     )  # fmt: skip
     print(f"wrote {args.preset} ({args.dtype}) to {out} in {time.perf_counter() - start:.1f}s")
     return 0

@@ -68,12 +68,51 @@ def _qwen2_preset(vocab_size: int, hidden: int, intermediate: int, layers: int, 
     }
 
 
+def _llama31_8b_preset() -> dict:
+    """meta-llama/Llama-3.1-8B's config.json, every key as published (random weights: about 16 GB in bf16).
+
+    The tokenizer is ours, padded to the same vocab_size with its specials from 128000 (Llama's first
+    special id), so bos and eos are both 128000 where Llama's eos is 128001.
+    """
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "bos_token_id": 128000,
+        "eos_token_id": 128001,
+        "hidden_act": "silu",
+        "hidden_size": 4096,
+        "initializer_range": 0.02,
+        "intermediate_size": 14336,
+        "max_position_embeddings": 131072,
+        "mlp_bias": False,
+        "model_type": "llama",
+        "num_attention_heads": 32,
+        "num_hidden_layers": 32,
+        "num_key_value_heads": 8,
+        "pretraining_tp": 1,
+        "rms_norm_eps": 1e-05,
+        "rope_scaling": {"factor": 8.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                         "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+        "rope_theta": 500000.0,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "transformers_version": "4.43.0.dev0",
+        "use_cache": True,
+        "vocab_size": 128256,
+    }
+
+
 PRESETS: dict[str, dict] = {
     "tiny": _qwen2_preset(2048, 128, 384, 2, 4, 2, 4096, first_special_id=2045),
     "small": _qwen2_preset(32000, 512, 1536, 8, 8, 2, 8192, first_special_id=31997),
     # Qwen2.5-0.5B's shapes and special ids; the tokenizer pads the embedding rows past 151645 with fillers.
     "qwen2.5-0.5b": _qwen2_preset(151936, 896, 4864, 24, 14, 2, 32768, first_special_id=151643),
+    # Llama-3.1-8B's shapes, for the GPU benchmarks (scripts/gpu_bench.py).
+    "llama3.1-8b": _llama31_8b_preset(),
 }
+# Presets written as shards by default, at most this many bytes each (as published: Llama-3.1-8B has 4 shards).
+DEFAULT_SHARD_BYTES: dict[str, int] = {"llama3.1-8b": 5 * 10**9}
 
 
 def make_model(
@@ -84,15 +123,21 @@ def make_model(
     max_shard_bytes: int | None = None,
     config_format: ConfigFormat = "legacy",
     overwrite: bool = False,
+    config_only: bool = False,
 ) -> Path:
-    """Writes the named preset with random weights and a freshly trained tokenizer; returns the folder."""
+    """Writes the named preset with random weights and a freshly trained tokenizer; returns the folder.
+
+    max_shard_bytes defaults to DEFAULT_SHARD_BYTES for the large presets (else one file); config_only
+    writes everything but the weights (config, generation config, tokenizer)."""
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; valid presets: {', '.join(PRESETS)}")
     hf_config = PRESETS[preset]
+    if max_shard_bytes is None:
+        max_shard_bytes = DEFAULT_SHARD_BYTES.get(preset)
     tokenizer = train_tokenizer(hf_config["vocab_size"], first_special_id=hf_config["bos_token_id"])
     return write_random_checkpoint(
         out_dir, hf_config, dtype=dtype, seed=seed, max_shard_bytes=max_shard_bytes,
-        config_format=config_format, tokenizer=tokenizer, overwrite=overwrite,
+        config_format=config_format, tokenizer=tokenizer, overwrite=overwrite, config_only=config_only,
     )
 
 
@@ -105,10 +150,12 @@ def write_random_checkpoint(
     config_format: ConfigFormat = "legacy",
     tokenizer: Tokenizer | None = None,
     overwrite: bool = False,
+    config_only: bool = False,
 ) -> Path:
     """Writes a checkpoint for any Llama/Qwen2/Mistral config dict (rope in either form); returns the folder.
 
-    hf_config is not modified. The written config's bos/eos ids are the tokenizer's "<|endoftext|>" id; the
+    hf_config is not modified; config_only leaves the weights out. The written config's bos/eos ids are the
+    tokenizer's "<|endoftext|>" id; the
     tokenizer (trained here when None) must have vocab_size ids and the three ChatML special tokens.
     """
     torch_dtype = _parse_dtype(dtype)
@@ -133,7 +180,8 @@ def write_random_checkpoint(
     })
     tokenizer.save(str(out / "tokenizer.json"))
     _write_json(out / "tokenizer_config.json", tokenizer_config(tokenizer, config["max_position_embeddings"]))
-    write_safetensors(out, random_weights(config, torch_dtype, seed), max_shard_bytes)
+    if not config_only:
+        write_safetensors(out, random_weights(config, torch_dtype, seed), max_shard_bytes)
     return out
 
 

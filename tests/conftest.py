@@ -68,6 +68,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--device", default="cpu", help="device for engine tests: cpu or cuda")
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    # On CPU, Triton kernels (engine/triton_paged_decode.py) run in Triton's interpreter, which must be on
+    # before triton is first imported: triton.language defines its own helpers at import time.
+    if not config.getoption("--device").startswith("cuda"):
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
 @pytest.fixture(scope="session")
 def device(request: pytest.FixtureRequest) -> str:
     return request.config.getoption("--device")

@@ -17,9 +17,10 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 from tokenizers import Tokenizer
 
+from engine.model_config import ModelConfig
 from splitserve.bpe_tokenizer import corpus_texts, train_tokenizer
-from splitserve.make_model import PRESETS, make_model, write_random_checkpoint
-from splitserve.random_weights import random_weights, tensor_shapes
+from splitserve.make_model import DEFAULT_SHARD_BYTES, PRESETS, make_model, write_random_checkpoint
+from splitserve.random_weights import _pack_shards, random_weights, tensor_shapes
 
 # Qwen/Qwen2.5-0.5B's config.json (the base model: bos = eos = <|endoftext|>), less the keys that vary.
 QWEN25_05B_CONFIG = {
@@ -30,6 +31,17 @@ QWEN25_05B_CONFIG = {
     "tie_word_embeddings": True, "use_cache": True, "use_sliding_window": False, "vocab_size": 151936,
 }
 QWEN25_CONFIG_KEYS = {*QWEN25_05B_CONFIG, "max_window_layers", "sliding_window", "torch_dtype", "transformers_version"}
+# meta-llama/Llama-3.1-8B's config.json as published.
+LLAMA31_8B_CONFIG = {
+    "architectures": ["LlamaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 128000,
+    "eos_token_id": 128001, "hidden_act": "silu", "hidden_size": 4096, "initializer_range": 0.02,
+    "intermediate_size": 14336, "max_position_embeddings": 131072, "mlp_bias": False, "model_type": "llama",
+    "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 8, "pretraining_tp": 1,
+    "rms_norm_eps": 1e-05, "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                            "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+    "rope_theta": 500000.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+    "transformers_version": "4.43.0.dev0", "use_cache": True, "vocab_size": 128256,
+}
 LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                   "original_max_position_embeddings": 1024}
 PROMPTS = ["Hello, how are you?", "The capital of France is", "def main():", "Once upon a time",
@@ -99,10 +111,32 @@ def test_qwen25_preset_has_the_published_shapes_and_ids():
     assert {k: config[k] for k in QWEN25_05B_CONFIG} == QWEN25_05B_CONFIG
     num_params = sum(math.prod(shape) for shape in tensor_shapes(config).values())
     assert num_params == 494_032_768  # Qwen2.5-0.5B: "0.49B", tied embeddings
-    for name, preset in PRESETS.items():
-        assert set(preset) == QWEN25_CONFIG_KEYS, name
+    for name in ("tiny", "small", "qwen2.5-0.5b"):
+        assert set(PRESETS[name]) == QWEN25_CONFIG_KEYS, name
     for name in ("tiny", "small"):  # special tokens at the top ids, bos = eos = <|endoftext|>
         assert PRESETS[name]["bos_token_id"] == PRESETS[name]["eos_token_id"] == PRESETS[name]["vocab_size"] - 3
+
+
+def test_llama31_8b_preset_is_the_published_config():
+    config = PRESETS["llama3.1-8b"]
+    assert config == LLAMA31_8B_CONFIG
+    num_params = sum(math.prod(shape) for shape in tensor_shapes(config).values())
+    assert num_params == 8_030_261_248  # Llama-3.1-8B, untied head
+    engine_config = ModelConfig.from_dict(config)
+    assert (engine_config.num_layers, engine_config.num_kv_heads, engine_config.head_dim) == (32, 8, 128)
+    assert engine_config.rope.rope_type == "llama3"
+    # Written as 4 shards of at most 5 GB, as published (sizes from meta tensors: nothing is allocated).
+    shapes = tensor_shapes(config)
+    meta = {name: torch.empty(shape, dtype=torch.bfloat16, device="meta") for name, shape in shapes.items()}
+    assert len(_pack_shards(meta, DEFAULT_SHARD_BYTES["llama3.1-8b"])) == 4
+
+
+def test_config_only_writes_no_weights(tmp_path: Path):
+    path = make_model("tiny", tmp_path, config_only=True)
+    assert sorted(p.name for p in path.iterdir()) == [
+        "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"]
+    config = transformers.AutoConfig.from_pretrained(path)
+    assert (config.hidden_size, config.vocab_size) == (PRESETS["tiny"]["hidden_size"], PRESETS["tiny"]["vocab_size"])
 
 
 def test_tiny_checkpoint_files(tiny_dir: Path):
