@@ -163,7 +163,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     for role in ("prefill", "decode", "colocated"):
         p.add_argument(f"--{role}-cpus", default=None, metavar="CPUS",
                        help=f"pin each {role} worker to these cpus: '0-1' (all share it) or '0-1|2-3' (one set per "
-                            f"replica); the config's {role}.cpus")  # fmt: skip
+                            f"replica); the config's {role}.cpus")
     p.add_argument("--host", default=None, help="address to bind and advertise (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=None, help="router port (default 50051)")
     p.add_argument("--openai-port", type=int, default=None,

@@ -68,7 +68,7 @@ class RoleConfig:
                 raise ValueError(f"cpus: {e}") from None
             if 1 < len(self.cpus) < self.replicas:
                 raise ValueError(f"cpus: {len(self.cpus)} sets for {self.replicas} replicas; give one set (shared by "
-                                 f"all) or one per replica")  # fmt: skip
+                                 f"all) or one per replica")
             for cpus in self.cpus:
                 check_threads_fit(self.threads, cpus)
         if self.resources is not None and not all(
@@ -264,7 +264,7 @@ class DeploymentConfig:
         roles = {}
         for role in ("prefill", "decode", "colocated"):
             changes = {name: values.pop(key) for name, key in (("replicas", f"num_{role}"), ("cpus", f"{role}_cpus"))
-                       if key in values}  # fmt: skip
+                       if key in values}
             if changes:
                 try:
                     roles[role] = replace(getattr(self, role), **changes)

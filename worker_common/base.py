@@ -154,7 +154,7 @@ class WorkerBase:
             torch.set_num_threads(self.config.engine.num_threads)
         self.threads = torch.get_num_threads()
         log.info("%s worker %s: cpus %s%s, %d torch threads", self.config.role, self.config.worker_id, self.cpus,
-                 "" if self.config.cpus is not None else " (not pinned)", self.threads)  # fmt: skip
+                 "" if self.config.cpus is not None else " (not pinned)", self.threads)
         while not self._stopped.is_set():
             try:
                 while True:
