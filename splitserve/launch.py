@@ -286,8 +286,13 @@ class Deployment:
         pool = self.router.pool
         for role, target in targets.items():
             current = sorted((w for w in self.actors if w.startswith(role)), key=lambda w: int(w.rsplit("-", 1)[1]))
-            for _ in range(target - len(current)):
-                await loop.run_in_executor(None, self._spawn, role)
+            added = [await loop.run_in_executor(None, self._spawn, role) for _ in range(target - len(current))]
+            try:  # one that cannot start (e.g. its cpus) fails the scale at once, and the new ones go
+                await loop.run_in_executor(None, self._wait_started, added, self.config.ready_timeout_s)
+            except (RuntimeError, TimeoutError):
+                for worker_id in added:
+                    await loop.run_in_executor(None, self._stop_actor, worker_id)
+                raise
             for worker_id in current[target:][::-1]:
                 handle = next((w for w in pool.workers if w.status.worker_id == worker_id), None)
                 if handle is not None:

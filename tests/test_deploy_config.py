@@ -148,3 +148,13 @@ def test_metrics_and_log_settings_reach_the_router_and_every_worker():
     for role in ("prefill", "decode"):
         worker = on._worker_config(role, f"{role}-0")
         assert (worker.metrics_port, worker.log_format) == (0, "json")  # workers: a free port each
+
+
+def test_scale_past_the_cpu_sets_is_refused_naming_the_field():
+    import asyncio
+
+    from splitserve.launch import Deployment
+
+    deployment = Deployment(DeploymentConfig.from_dict({"model": "/m", "decode": {"cpus": "0|1", "replicas": 2}}))
+    with pytest.raises(ValueError, match=r"decode\.cpus: 2 cpu sets bind at most 2 decode workers, not 3"):
+        asyncio.run(deployment.scale({"decode": 3}))
