@@ -178,8 +178,9 @@ def main() -> int:
     shares = ", ".join(f"{s:.1%}" for s in share)
     print(f"KV transfer (first token -> KV landed on the decode worker), mean per rate: {transfers}; "
           f"against mean TTFT: {shares}")
-    ratio = disagg["goodput"]["rate"] / best["goodput"]["rate"] if best["goodput"]["rate"] else None
-    ratio_text = f"n/a ({best['label']} is below the range)" if ratio is None else f"{ratio:.2f}"
+    below = [r["label"] for r in (disagg, best) if r["goodput"]["status"] == "below_range"]
+    ratio = None if below else disagg["goodput"]["rate"] / best["goodput"]["rate"]
+    ratio_text = f"n/a ({' and '.join(below)} below the range)" if below else f"{ratio:.2f}"
     summary = {"machine": machine, "preset": args.preset, "workload": args.workload, "slos_ms": slos, "runs": runs,
                "compare": args.compare, "goodput_ratio": ratio}
     if args.compare == "affinity":
