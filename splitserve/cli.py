@@ -233,6 +233,7 @@ def _serve(args: argparse.Namespace) -> int:
     deployment = Deployment(config)
     stopping = _Stopping(deployment)
     stopping.catch_signals()
+    failure: Exception | None = None
     try:
         address = deployment.start()
         # Ray installs its own SIGTERM handler when it starts: take the signals back.
@@ -248,8 +249,13 @@ def _serve(args: argparse.Namespace) -> int:
             pass
     except (_StopRequested, SystemExit):  # a signal while starting (Ray's SIGTERM handler raises SystemExit)
         pass
+    except Exception as e:  # the start failed (a worker did not start, or did not register in time)
+        failure = e
     finally:
         code = stopping.stop()
+        if failure is not None:
+            print(f"splitserve serve: error: {failure}", file=sys.stderr, flush=True)
+            code = code or 2
         print("splitserve stopped", flush=True)
     _exit_now(code)
 
