@@ -8,11 +8,18 @@ For one checkpoint preset and one workload, on an embedded Ray:
   ``--budgets`` (``engine.max_num_batched_tokens``; chunks up to the budget), so the baseline is
   tuned: the best budget is reported beside the others.
 
+With ``--compare affinity`` it measures instead how the two disaggregated workers share the cores:
+
+- pinned: prefill on the first usable core, decode on the second (``cpus``), ``--threads`` each;
+- unpinned: no pinning, 2 x ``--threads`` threads each, so the two workers oversubscribe the cores
+  (what a deployment that sets only ``threads`` to the core count gets).
+
 Each deployment gets the same ``splitserve bench sweep`` (same prompts, same arrival seed, the rates
 of ``--rates``), with the SLOs of ``--goodput``. Prints, per configuration, the goodput (DistServe's:
 the highest rate with >= 90% of requests meeting both SLOs, interpolated) and TTFT / TPOT percentiles
 per rate, and for the disaggregated run the KV transfer's time (first token until the KV landed on the
-decode worker) against TTFT. Ratios are disaggregated over the best colocated. ``--json`` prints one
+decode worker) against TTFT. Ratios are disaggregated over the best colocated (pinned over unpinned
+with ``--compare affinity``). ``--json`` prints one
 JSON object as the last line; every sweep's files go under ``--out-dir``.
 """
 
@@ -65,6 +72,18 @@ def run_config(label: str, model: str, dtype: str, overrides: dict, requests, be
     return {"label": label, "goodput": sweep["goodput"], "rows": rows}
 
 
+RATIO_KEYS = ("median_ttft_ms", "p90_ttft_ms", "median_tpot_ms", "p90_tpot_ms", "output_throughput")
+
+
+def rate_ratios(rows: list[dict], baseline: list[dict]) -> list[dict]:
+    """Per request rate, each figure of ``rows`` over the same figure of ``baseline`` (nan where 0)."""
+    by_rate = {row["request_rate"]: row for row in baseline}
+    return [{"request_rate": row["request_rate"],
+             **{k: row[k] / by_rate[row["request_rate"]][k] if by_rate[row["request_rate"]][k] else math.nan
+                for k in RATIO_KEYS}}
+            for row in rows if row["request_rate"] in by_rate]
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", default="small", choices=["tiny", "small", "qwen2.5-0.5b"])
@@ -77,12 +96,27 @@ def main() -> int:
     p.add_argument("--goodput", nargs="+", default=["ttft:1000", "tpot:100"])
     p.add_argument("--threads", type=int, default=1, help="torch threads per disaggregated worker")
     p.add_argument("--budgets", default="256,512,2048", help="colocated step budgets to try")
+    p.add_argument("--compare", default="colocated", choices=["colocated", "affinity"],
+                   help="colocated: disaggregated against colocated on the same cores; affinity: disaggregated "
+                        "with each worker pinned to a core of its own against unpinned and oversubscribed")
     p.add_argument("--out-dir", default="results/disagg")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
     from engine.hardware import print_header
 
-    machine = print_header(args.dtype, f"{args.threads} per disaggregated worker, {2 * args.threads} colocated", "cpu")
+    t = args.threads
+    if args.compare == "affinity":
+        import os
+
+        usable = sorted(os.sched_getaffinity(0))
+        if len(usable) < 2 * t:
+            p.error(f"--compare affinity needs {2 * t} usable cores for {t} pinned threads per worker; this process "
+                    f"may run on {len(usable)}")
+        cores = (usable[:t], usable[t:2 * t])
+        threads_text = f"pinned: {t} per worker on cores {cores[0]} / {cores[1]}; unpinned: {2 * t} per worker"
+    else:
+        threads_text = f"{t} per disaggregated worker, {2 * t} colocated"
+    machine = print_header(args.dtype, threads_text, "cpu")
 
     from splitserve.bench.datasets import DatasetOptions, TokenRange, make_requests
     from splitserve.bench.metrics import parse_goodput
@@ -103,19 +137,28 @@ def main() -> int:
         return make_requests(replace(options, seed=i), tokens)
 
     bench = BenchConfig(seed=0, goodput=slos, progress=False, request_timeout_s=600.0)
-    t = args.threads
     runs = []
     with tempfile.TemporaryDirectory(prefix="ssdg") as tmp:
         model = str(make_model(args.preset, Path(tmp) / args.preset, dtype=args.dtype, seed=0))
-        runs.append(run_config("disaggregated", model, args.dtype, {"prefill": {"threads": t}, "decode": {"threads": t}},
-                               requests, bench, rates, out_dir))  # fmt: skip
-        for budget in [int(b) for b in args.budgets.split(",")]:
-            overrides = {"mode": "colocated", "colocated": {"threads": 2 * t},
-                         "engine": {"max_num_batched_tokens": budget}}  # fmt: skip
-            runs.append(run_config(f"colocated-b{budget}", model, args.dtype, overrides, requests, bench, rates, out_dir))
-    colocated = [r for r in runs if r["label"].startswith("colocated")]
-    best = max(colocated, key=lambda r: (r["goodput"]["rate"], sum(row["slo_attainment"] for row in r["rows"])))
+        if args.compare == "affinity":
+            pinned = {role: {"cpus": list(cpus), "threads": t} for role, cpus in zip(("prefill", "decode"), cores)}
+            runs.append(run_config("pinned", model, args.dtype, pinned, requests, bench, rates, out_dir))
+            unpinned = {"prefill": {"threads": 2 * t}, "decode": {"threads": 2 * t}}
+            runs.append(run_config("unpinned", model, args.dtype, unpinned, requests, bench, rates, out_dir))
+        else:
+            disaggregated = {"prefill": {"threads": t}, "decode": {"threads": t}}
+            runs.append(run_config("disaggregated", model, args.dtype, disaggregated, requests, bench, rates, out_dir))
+            for budget in [int(b) for b in args.budgets.split(",")]:
+                overrides = {"mode": "colocated", "colocated": {"threads": 2 * t},
+                             "engine": {"max_num_batched_tokens": budget}}  # fmt: skip
+                runs.append(run_config(f"colocated-b{budget}", model, args.dtype, overrides, requests, bench, rates,
+                                       out_dir))
     disagg = runs[0]
+    if args.compare == "affinity":
+        best = runs[1]
+    else:
+        colocated = [r for r in runs if r["label"].startswith("colocated")]
+        best = max(colocated, key=lambda r: (r["goodput"]["rate"], sum(row["slo_attainment"] for row in r["rows"])))
     first = requests(0)
     ins = [r.prompt_len for r in first]
     outs = [r.output_len for r in first]
@@ -135,11 +178,22 @@ def main() -> int:
     shares = ", ".join(f"{s:.1%}" for s in share)
     print(f"KV transfer (first token -> KV landed on the decode worker), mean per rate: {transfers}; "
           f"against mean TTFT: {shares}")
-    ratio = disagg["goodput"]["rate"] / best["goodput"]["rate"] if best["goodput"]["rate"] else None
-    print(f"best colocated: {best['label']}; goodput disaggregated / colocated = "
-          f"{'n/a (the best colocated is below the range)' if ratio is None else f'{ratio:.2f}'}")
+    below = [r["label"] for r in (disagg, best) if r["goodput"]["status"] == "below_range"]
+    ratio = None if below else disagg["goodput"]["rate"] / best["goodput"]["rate"]
+    ratio_text = f"n/a ({' and '.join(below)} below the range)" if below else f"{ratio:.2f}"
     summary = {"machine": machine, "preset": args.preset, "workload": args.workload, "slos_ms": slos, "runs": runs,
-               "best_colocated": best["label"], "goodput_ratio": ratio}  # fmt: skip
+               "compare": args.compare, "goodput_ratio": ratio}
+    if args.compare == "affinity":
+        print(f"goodput pinned / unpinned = {ratio_text}")
+        summary["rate_ratios"] = rate_ratios(disagg["rows"], best["rows"])
+        print(f"{'rate':>5s} {'TTFT p50':>9s} {'TTFT p90':>9s} {'TPOT p50':>9s} {'TPOT p90':>9s} {'tok/s':>7s}"
+              "   (pinned / unpinned; below 1 is better for TTFT and TPOT, above 1 for tok/s)")
+        for row in summary["rate_ratios"]:
+            print(f"{row['request_rate']:5g} " + " ".join(f"{row[k]:9.2f}" for k in RATIO_KEYS[:-1])
+                  + f" {row[RATIO_KEYS[-1]]:7.2f}")
+    else:
+        print(f"best colocated: {best['label']}; goodput disaggregated / colocated = {ratio_text}")
+        summary["best_colocated"] = best["label"]
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     if args.json:
         print(json.dumps(summary))

@@ -161,6 +161,10 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--mode", choices=["disaggregated", "colocated"], default=None,
                    help="colocated: workers that run both phases in one batch (the baseline)")
     p.add_argument("--num-colocated", type=int, default=None)
+    for role in ("prefill", "decode", "colocated"):
+        p.add_argument(f"--{role}-cpus", default=None, metavar="CPUS",
+                       help=f"pin each {role} worker to these cpus: '0-1' (all share it) or '0-1|2-3' (one set per "
+                            f"replica); the config's {role}.cpus")
     p.add_argument("--host", default=None, help="address to bind and advertise (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=None, help="router port (default 50051)")
     p.add_argument("--openai-port", type=int, default=None,
@@ -217,6 +221,8 @@ def _serve(args: argparse.Namespace) -> int:
     config = DeploymentConfig.from_file(args.config) if args.config else DeploymentConfig()
     config = config.with_overrides(model=args.model, num_prefill=args.num_prefill, num_decode=args.num_decode,
                                    mode=args.mode, num_colocated=args.num_colocated,
+                                   prefill_cpus=args.prefill_cpus, decode_cpus=args.decode_cpus,
+                                   colocated_cpus=args.colocated_cpus,
                                    host=args.host, port=args.port, openai_port=args.openai_port,
                                    ray_address=args.ray_address, dtype=args.dtype, device=args.device,
                                    metrics_port=args.metrics_port, metrics_host=args.metrics_host,
@@ -228,6 +234,7 @@ def _serve(args: argparse.Namespace) -> int:
     deployment = Deployment(config)
     stopping = _Stopping(deployment)
     stopping.catch_signals()
+    failure: Exception | None = None
     try:
         address = deployment.start()
         # Ray installs its own SIGTERM handler when it starts: take the signals back.
@@ -243,8 +250,13 @@ def _serve(args: argparse.Namespace) -> int:
             pass
     except (_StopRequested, SystemExit):  # a signal while starting (Ray's SIGTERM handler raises SystemExit)
         pass
+    except Exception as e:  # the start failed (a worker did not start, or did not register in time)
+        failure = e
     finally:
         code = stopping.stop()
+        if failure is not None:
+            print(f"splitserve serve: error: {failure}", file=sys.stderr, flush=True)
+            code = code or 2
         print("splitserve stopped", flush=True)
     _exit_now(code)
 

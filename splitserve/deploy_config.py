@@ -19,7 +19,8 @@ from kv_transfer.config import FaultPoint, TransferConfig
 from router.config import RouterConfig
 from splitserve.observability.logs import LOG_FORMATS
 from splitserve.rpc.security import InternalSecurity, PublicSecurity
-from worker_common.config import WorkerFaults
+from worker_common.affinity import CpuSet, format_cpu_list, parse_cpu_sets, thread_count
+from worker_common.config import WorkerFaults, check_threads_fit
 
 
 class ConfigError(ValueError):
@@ -29,12 +30,17 @@ class ConfigError(ValueError):
 @dataclass(frozen=True)
 class RoleConfig:
     replicas: int = 1
-    threads: int | None = None  # torch threads per worker; None: torch's default
+    # Torch threads per worker (and OMP_NUM_THREADS); None: one per cpu of `cpus`, else torch's default.
+    threads: int | None = None
+    # The cores each worker pins its process to (worker_common/affinity.py). One set ([0, 1] or "0-1"):
+    # every replica shares it; several ("0-1|2-3" as vLLM's VLLM_CPU_OMP_THREADS_BIND, or [[0, 1], [2, 3]]):
+    # replica i gets set i, and there are at least as many sets as replicas. None: no pinning.
+    cpus: tuple[CpuSet, ...] | None = None
     # Requests one worker holds at once. prefill: the router's credit (before the first token);
     # decode: leases (decoding or waiting for KV); colocated: the credit, held to the end.
     max_inflight: int = 16
     num_blocks: int | None = None  # this role's KV blocks; None: engine.num_blocks (or kv_cache_bytes)
-    num_cpus: float = 0.0  # Ray CPUs each worker reserves (0: none; threads are set by `threads`)
+    num_cpus: float | None = None  # Ray CPUs each worker reserves; None: len(its cpus) when pinned, else 0
     num_gpus: float = 0.0  # Ray GPUs each worker reserves (use 1 with device: cuda)
     # Custom Ray resources each worker needs. None: the default convention, 1 unit of
     # splitserve_prefill / splitserve_decode where the cluster has that resource, else nothing.
@@ -54,8 +60,18 @@ class RoleConfig:
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ValueError(f"num_blocks: must be >= 1, got {self.num_blocks}")
         for name in ("num_cpus", "num_gpus"):
-            if getattr(self, name) < 0:
+            if (getattr(self, name) or 0) < 0:
                 raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)}")
+        if self.cpus is not None:
+            try:
+                object.__setattr__(self, "cpus", parse_cpu_sets(self.cpus))
+            except ValueError as e:
+                raise ValueError(f"cpus: {e}") from None
+            if 1 < len(self.cpus) < self.replicas:
+                raise ValueError(f"cpus: {len(self.cpus)} sets for {self.replicas} replicas; give one set (shared by "
+                                 f"all) or one per replica")
+            for cpus in self.cpus:
+                check_threads_fit(self.threads, cpus)
         if self.resources is not None and not all(
             isinstance(k, str) and isinstance(v, (int, float)) and v >= 0 for k, v in self.resources.items()
         ):
@@ -66,6 +82,31 @@ class RoleConfig:
             raise ValueError(f"label_selector: must map label names to strings, got {self.label_selector!r}")
         if self.max_restarts < -1:
             raise ValueError(f"max_restarts: must be >= -1, got {self.max_restarts}")
+
+    @property
+    def max_pinned_replicas(self) -> int | None:
+        """The most replicas the cpu sets can bind (one set each); None: any number."""
+        return len(self.cpus) if self.cpus is not None and len(self.cpus) > 1 else None
+
+    def cpu_set(self, slot: int) -> CpuSet | None:
+        """The cores of the worker in this slot (0 .. replicas - 1); None: not pinned."""
+        if self.cpus is None:
+            return None
+        return self.cpus[0] if len(self.cpus) == 1 else self.cpus[slot]
+
+    def worker_threads(self, slot: int) -> int | None:
+        return thread_count(self.threads, self.cpu_set(slot))
+
+    def worker_num_cpus(self, slot: int) -> float:
+        """Ray CPUs the worker in this slot reserves: num_cpus if set, else one per pinned cpu."""
+        if self.num_cpus is not None:
+            return self.num_cpus
+        cpus = self.cpu_set(slot)
+        return float(len(cpus)) if cpus else 0.0
+
+    def describe_cpus(self) -> str:
+        """``cpus`` as written in vLLM's form, "0-1|2-3"; "" when not pinned."""
+        return "|".join(format_cpu_list(c) for c in self.cpus) if self.cpus else ""
 
 
 @dataclass(frozen=True)
@@ -227,8 +268,15 @@ class DeploymentConfig:
     def with_overrides(self, **overrides: Any) -> DeploymentConfig:
         """Command-line overrides: ``None`` leaves the config's value."""
         values = {k: v for k, v in overrides.items() if v is not None}
-        roles = {role: replace(getattr(self, role), replicas=values.pop(f"num_{role}"))
-                 for role in ("prefill", "decode", "colocated") if f"num_{role}" in values}  # fmt: skip
+        roles = {}
+        for role in ("prefill", "decode", "colocated"):
+            changes = {name: values.pop(key) for name, key in (("replicas", f"num_{role}"), ("cpus", f"{role}_cpus"))
+                       if key in values}
+            if changes:
+                try:
+                    roles[role] = replace(getattr(self, role), **changes)
+                except ValueError as e:
+                    raise ConfigError(f"{role}.{e}") from None
         return replace(self, **values, **roles)
 
     def router_config(self, model_dir: str) -> RouterConfig:
@@ -276,6 +324,8 @@ def _build(cls, raw: dict[str, Any], prefix: str):
             if not isinstance(value, dict):
                 raise ConfigError(f"{name}: must be a mapping")
             values[key] = _build(_NESTED[key], value, f"{name}.")
+        elif cls is RoleConfig and key == "cpus":
+            values[key] = value  # RoleConfig parses its forms (worker_common/affinity.py)
         elif cls is Faults and key in ("transfer", "kill"):
             if not isinstance(value, list) or not all(isinstance(point, dict) for point in value):
                 raise ConfigError(f"{name}: must be a list of fault points (mappings)")

@@ -113,6 +113,7 @@ class Deployment:
         self.internal_address = ""  # the router's internal port, as workers dial it to register
         self.openai_address = ""  # the OpenAI-compatible HTTP API ("host:port"), when openai_port is set
         self.actors: dict[str, object] = {}  # worker id -> Ray actor
+        self.slots: dict[str, int] = {}  # worker id -> its replica slot: which of its role's cpu sets it pins to
         self._counters = {"prefill": 0, "decode": 0, "colocated": 0}
         self._ray: EmbeddedRay | None = None  # the Ray this deployment started, if it started one
         self._joined_ray = False  # connected to a cluster (ray_address): disconnect on stop
@@ -143,10 +144,30 @@ class Deployment:
             for _ in range(getattr(self.config, role).replicas):
                 self._spawn(role)
         c = self.config
+        self._wait_started(list(self.actors), c.ready_timeout_s)
         self._run(self._registered({role: getattr(c, role).replicas for role in c.roles}), c.ready_timeout_s + 5)
         if self._ray is not None:
             self._ray.record()  # with the workers, while their raylet runs
         return self.address
+
+    def _wait_started(self, worker_ids: list[str], timeout_s: float) -> None:
+        """Wait until these workers' actors are constructed; a worker that failed to start (e.g. its
+        ``cpus`` are not on its node) fails the start at once with its own error, naming it."""
+        import time
+
+        import ray
+
+        refs = {self.actors[w].ready.remote(): w for w in worker_ids}
+        pending, deadline = list(refs), time.monotonic() + timeout_s
+        while pending:
+            done, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            if not done:
+                raise TimeoutError(f"{', '.join(refs[r] for r in pending)}: not started in {timeout_s}s")
+            try:
+                ray.get(done[0])
+            except ray.exceptions.RayError as e:
+                cause = next((line for line in reversed(str(e).splitlines()) if line.strip()), type(e).__name__)
+                raise RuntimeError(f"worker {refs[done[0]]} did not start: {cause}") from None
 
     @property
     def temp_dir(self) -> str | None:
@@ -198,19 +219,24 @@ class Deployment:
         role_config = getattr(self.config, role)
         worker_id = f"{role}-{self._counters[role]}"
         self._counters[role] += 1
+        taken = {slot for w, slot in self.slots.items() if w.rpartition("-")[0] == role}
+        slot = next(i for i in range(len(taken) + 1) if i not in taken)  # the lowest free one
         env = {"OMP_WAIT_POLICY": "PASSIVE", "TOKENIZERS_PARALLELISM": "false",
                "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": os.environ.get("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "1")}  # fmt: skip
-        if role_config.threads:
-            env["OMP_NUM_THREADS"] = str(role_config.threads)  # Ray's default for actors is 1
-        actor = ray.remote(WorkerActor).options(**self.actor_options(role), runtime_env={"env_vars": env}).remote(
-            self._worker_config(role, worker_id)
+        threads = role_config.worker_threads(slot)
+        if threads:
+            env["OMP_NUM_THREADS"] = str(threads)  # Ray's default for actors is 1
+        actor = ray.remote(WorkerActor).options(**self.actor_options(role, slot), runtime_env={"env_vars": env}).remote(
+            self._worker_config(role, worker_id, slot)
         )
         self.actors[worker_id] = actor
+        self.slots[worker_id] = slot
         return worker_id
 
-    def actor_options(self, role: str) -> dict:
-        """Where and how Ray runs a worker of this role: CPUs, GPUs, custom resources (by default 1
-        unit of ``splitserve_<role>`` where the cluster has it), node labels, restarts."""
+    def actor_options(self, role: str, slot: int = 0) -> dict:
+        """Where and how Ray runs the worker of this role in this replica slot: CPUs (by default one per
+        pinned cpu), GPUs, custom resources (by default 1 unit of ``splitserve_<role>`` where the cluster
+        has it), node labels, restarts."""
         import ray
 
         role_config = getattr(self.config, role)
@@ -218,20 +244,20 @@ class Deployment:
         if resources is None:
             name = f"splitserve_{role}"
             resources = {name: 1} if ray.cluster_resources().get(name, 0) > 0 else {}
-        options = dict(num_cpus=role_config.num_cpus, num_gpus=role_config.num_gpus, resources=dict(resources),
+        options = dict(num_cpus=role_config.worker_num_cpus(slot), num_gpus=role_config.num_gpus, resources=dict(resources),
                        max_restarts=role_config.max_restarts, max_task_retries=0)  # fmt: skip
         if role_config.label_selector:
             options["label_selector"] = dict(role_config.label_selector)
         return options
 
-    def _worker_config(self, role: str, worker_id: str) -> WorkerConfig:
+    def _worker_config(self, role: str, worker_id: str, slot: int = 0) -> WorkerConfig:
         c, e = self.config, self.config.engine
         role_config = getattr(c, role)
         engine = EngineConfig(
             model_dir=self.model_dir, dtype=c.dtype, device=c.device, block_size=e.block_size,
             num_blocks=role_config.num_blocks or e.num_blocks, kv_cache_bytes=e.kv_cache_bytes,
             max_num_seqs=e.max_num_seqs, max_num_batched_tokens=e.max_num_batched_tokens,
-            prefill_chunk_size=e.prefill_chunk_size, num_threads=role_config.threads,
+            prefill_chunk_size=e.prefill_chunk_size, num_threads=role_config.worker_threads(slot),
             linear_kernel=e.linear_kernel, linear_split_allowed=e.linear_split_allowed,
             enable_prefix_caching=role != "decode",  # decode requests arrive with their KV: nothing to reuse
         )  # fmt: skip
@@ -242,7 +268,8 @@ class Deployment:
                             transfer=replace(c.transfer, faults=transfer_faults),
                             max_inflight=role_config.max_inflight, faults=faults,
                             security=c.security.internal(), log_format=c.log_format,
-                            metrics_port=None if c.metrics_port is None else 0)  # fmt: skip
+                            metrics_port=None if c.metrics_port is None else 0,
+                            cpus=role_config.cpu_set(slot))  # fmt: skip
 
     # ---- scale ----------------------------------------------------------------------------------
 
@@ -252,12 +279,21 @@ class Deployment:
         other = sorted(set(targets) - set(self.config.roles))
         if other:
             raise ValueError(f"{', '.join(other)}: not a role of this deployment (mode {self.config.mode})")
+        for role, target in targets.items():
+            most = getattr(self.config, role).max_pinned_replicas
+            if most is not None and target > most:
+                raise ValueError(f"{role}.cpus: {most} cpu sets bind at most {most} {role} workers, not {target}")
         loop = asyncio.get_running_loop()
         pool = self.router.pool
         for role, target in targets.items():
             current = sorted((w for w in self.actors if w.startswith(role)), key=lambda w: int(w.rsplit("-", 1)[1]))
-            for _ in range(target - len(current)):
-                await loop.run_in_executor(None, self._spawn, role)
+            added = [await loop.run_in_executor(None, self._spawn, role) for _ in range(target - len(current))]
+            try:  # one that cannot start (e.g. its cpus) fails the scale at once, and the new ones go
+                await loop.run_in_executor(None, self._wait_started, added, self.config.ready_timeout_s)
+            except (RuntimeError, TimeoutError):
+                for worker_id in added:
+                    await loop.run_in_executor(None, self._stop_actor, worker_id)
+                raise
             for worker_id in current[target:][::-1]:
                 handle = next((w for w in pool.workers if w.status.worker_id == worker_id), None)
                 if handle is not None:
@@ -288,6 +324,7 @@ class Deployment:
         import ray
 
         actor = self.actors.pop(worker_id, None)
+        self.slots.pop(worker_id, None)
         if actor is None:
             return
         try:
@@ -336,6 +373,7 @@ class Deployment:
             except Exception as e:
                 log.warning("worker kill: %s", e)
         self.actors.clear()
+        self.slots.clear()
         if self._ray is not None:
             self._ray.stop(RAY_KILL_S)
             self._ray = None

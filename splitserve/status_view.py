@@ -1,9 +1,11 @@
 """``splitserve status`` as a person reads it: a summary line, then one row per worker.
 
     router 127.0.0.1:50051  model tiny  queued 0  running 2  workers 2/2 healthy  metrics 127.0.0.1:9400
-    WORKER     ROLE     NODE          HEALTH  RUN  WAIT  KV USED          CACHED  ADDRESS          METRICS
-    prefill-0  prefill  4c1d9a0e21f3  ok        0     0  0/2048 (0%)          12  127.0.0.1:41023  127.0.0.1:38811
-    decode-0   decode   4c1d9a0e21f3  ok        2     0  24/2048 (1%)          0  127.0.0.1:40117  127.0.0.1:35291
+    WORKER     ROLE     NODE          HEALTH  RUN  WAIT  KV USED          CACHED  CPUS  THREADS  ADDRESS          METRICS
+    prefill-0  prefill  4c1d9a0e21f3  ok        0     0  0/2048 (0%)          12  0           1  127.0.0.1:41023  127.0.0.1:38811
+    decode-0   decode   4c1d9a0e21f3  ok        2     0  24/2048 (1%)          0  1           1  127.0.0.1:40117  127.0.0.1:35291
+
+CPUS is the set the worker's process may run on (its ``cpus`` when pinned), THREADS its torch threads.
 
 ``--json`` prints the ``GetStatusResponse`` itself (proto field names, every field).
 """
@@ -14,8 +16,9 @@ from google.protobuf.json_format import MessageToDict
 
 from splitserve.v1 import splitserve_pb2 as pb
 
-COLUMNS = ("WORKER", "ROLE", "NODE", "HEALTH", "RUN", "WAIT", "KV USED", "CACHED", "ADDRESS", "METRICS")
-_NUMERIC = {"RUN", "WAIT", "CACHED"}
+COLUMNS = ("WORKER", "ROLE", "NODE", "HEALTH", "RUN", "WAIT", "KV USED", "CACHED", "CPUS", "THREADS", "ADDRESS",
+           "METRICS")
+_NUMERIC = {"RUN", "WAIT", "CACHED", "THREADS"}
 
 
 def status_json(status: pb.GetStatusResponse) -> dict:
@@ -34,7 +37,8 @@ def format_status(status: pb.GetStatusResponse, address: str) -> str:
                f"metrics {status.metrics_address or 'off'}")  # fmt: skip
     workers = sorted(status.workers, key=lambda w: (w.role, _id_key(w.worker_id)))
     rows = [(w.worker_id, w.role, w.node_id[:12], "ok" if w.healthy else "DOWN", str(w.running), str(w.waiting),
-             _kv_used(w), str(w.kv_blocks_cached), w.address, w.metrics_address or "-") for w in workers]  # fmt: skip
+             _kv_used(w), str(w.kv_blocks_cached), w.cpus or "-", str(w.threads), w.address, w.metrics_address or "-")
+            for w in workers]  # fmt: skip
     widths = [max(len(c), *(len(r[i]) for r in rows)) if rows else len(c) for i, c in enumerate(COLUMNS)]
     lines = [summary]
     for row in (COLUMNS, *rows):

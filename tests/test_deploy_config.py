@@ -16,6 +16,20 @@ def test_defaults_and_overrides():
     assert changed.prefill.replicas == 2 and changed.port == 9000 and changed.model is None
 
 
+def test_cpus_set_threads_and_ray_cpus_unless_given():
+    config = DeploymentConfig.from_dict({"prefill": {"cpus": [0]}, "decode": {"cpus": "1-2", "threads": 1},
+                                         "colocated": {"cpus": "0-1|2-3", "replicas": 1, "num_cpus": 0.5}})
+    p, d, c = config.prefill, config.decode, config.colocated
+    assert (p.cpu_set(0), p.worker_threads(0), p.worker_num_cpus(0)) == ((0,), 1, 1.0)
+    assert (d.cpu_set(3), d.worker_threads(3), d.worker_num_cpus(3)) == ((1, 2), 1, 2.0)  # one set: all share it
+    assert (c.cpu_set(1), c.worker_threads(1), c.worker_num_cpus(1), c.max_pinned_replicas) == ((2, 3), 2, 0.5, 2)
+    unpinned = DeploymentConfig().prefill
+    assert (unpinned.cpu_set(0), unpinned.worker_threads(0), unpinned.worker_num_cpus(0)) == (None, None, 0.0)
+    assert DeploymentConfig().with_overrides(decode_cpus="0-1|2-3", num_decode=2).decode.cpus == ((0, 1), (2, 3))
+    with pytest.raises(ConfigError, match=r"decode\.cpus: 2 sets for 3 replicas"):
+        DeploymentConfig().with_overrides(decode_cpus="0|1", num_decode=3)
+
+
 def test_kill_points_go_to_their_worker_only():
     config = DeploymentConfig.from_dict({"faults": {"kill": [
         {"target": "decode-1", "at": "transfer", "after": 2}, {"target": "prefill-0", "at": "prefill", "after": 3},
@@ -73,6 +87,14 @@ def test_from_file(tmp_path):
         ({"metrics_port": 70000}, "router.metrics_port"),
         ({"metrics_port": "9400"}, "metrics_port"),
         ({"log_format": "yaml"}, "log_format"),
+        ({"prefill": {"cpus": []}}, "prefill.cpus: must be a non-empty list"),
+        ({"decode": {"cpus": [1, 1]}}, "decode.cpus: cpu 1 is listed twice"),
+        ({"decode": {"cpus": [0, "x"]}}, "decode.cpus: cpu numbers must be ints"),
+        ({"colocated": {"cpus": "0-"}}, "colocated.cpus: '0-' is not a cpu list"),
+        ({"prefill": {"cpus": "0|1", "replicas": 3}}, "prefill.cpus: 2 sets for 3 replicas"),
+        ({"prefill": {"cpus": "0-1|1-2"}}, "prefill.cpus: the sets of replicas 0 and 1 share cpu 1"),
+        ({"decode": {"cpus": [0], "threads": 2}}, "decode.threads: 2 threads on 1 pinned cpus"),
+        ({"decode": {"num_cpus": -1}}, "decode.num_cpus"),
     ],
 )
 def test_errors_name_the_field(raw, field):
@@ -138,3 +160,13 @@ def test_linear_kernel_settings_reach_every_worker():
     for role in ("prefill", "decode"):
         config = deployment._worker_config(role, f"{role}-0").engine
         assert (config.linear_kernel, config.linear_split_allowed) == ("split", False)
+
+
+def test_scale_past_the_cpu_sets_is_refused_naming_the_field():
+    import asyncio
+
+    from splitserve.launch import Deployment
+
+    deployment = Deployment(DeploymentConfig.from_dict({"model": "/m", "decode": {"cpus": "0|1", "replicas": 2}}))
+    with pytest.raises(ValueError, match=r"decode\.cpus: 2 cpu sets bind at most 2 decode workers, not 3"):
+        asyncio.run(deployment.scale({"decode": 3}))

@@ -18,7 +18,7 @@ def make_worker(worker_id: str, healthy: bool = True, **fields) -> pb.WorkerStat
 def test_table_rows_summary_and_alignment():
     status = make_status([
         make_worker("prefill-10", kv_blocks_total=1000, kv_blocks_in_use=250, kv_blocks_cached=40, running=3),
-        make_worker("prefill-2", metrics_address="10.0.0.9:9100"),
+        make_worker("prefill-2", metrics_address="10.0.0.9:9100", cpus="0-3,8", threads=5),
         make_worker("decode-0", healthy=False, waiting=12),
     ], queued_requests=5, running_requests=7, metrics_address="127.0.0.1:9400")  # fmt: skip
     lines = format_status(status, "127.0.0.1:50051").splitlines()
@@ -29,8 +29,9 @@ def test_table_rows_summary_and_alignment():
     decode, small, big = (line.split() for line in lines[2:])
     assert decode[3] == "DOWN" and decode[5] == "12" and decode[2] == "ab" * 6 and decode[-1] == "-"
     assert big[6:8] == ["250/1000", "(25%)"] and big[8] == "40" and big[4] == "3"
-    assert small[-1] == "10.0.0.9:9100"
-    for column, prefix in [("ROLE", ("decode", "prefill")), ("ADDRESS", ("10.0.0.",)), ("METRICS", ("-", "10.0"))]:
+    assert small[-1] == "10.0.0.9:9100" and small[9:11] == ["0-3,8", "5"] and big[9:11] == ["-", "0"]
+    for column, prefix in [("ROLE", ("decode", "prefill")), ("CPUS", ("-", "0-3,8")), ("ADDRESS", ("10.0.0.",)),
+                           ("METRICS", ("-", "10.0"))]:
         offset = lines[1].index(column)  # every cell starts under its header
         assert all(line[offset:].startswith(prefix) for line in lines[2:]), column
     running = lines[1].index("RUN") + len("RUN")  # numbers end under theirs
@@ -43,3 +44,4 @@ def test_no_workers_and_json_keeps_every_field():
     data = status_json(make_status([make_worker("decode-0")]))
     assert data["metrics_address"] == "" and data["workers"][0]["metrics_address"] == ""
     assert data["workers"][0]["kv_blocks_in_use"] == 0 and data["model"] == "tiny"
+    assert (data["workers"][0]["cpus"], data["workers"][0]["threads"]) == ("", 0)

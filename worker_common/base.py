@@ -34,6 +34,7 @@ from splitserve.rpc.options import SERVER_OPTIONS
 from splitserve.observability.exporter import MetricsServer
 from splitserve.rpc.auth import server_interceptors
 from splitserve.v1 import splitserve_pb2 as pb
+from worker_common.affinity import format_cpu_list, pin, usable_cpus
 from worker_common.config import WorkerConfig
 from worker_common.metrics import WorkerMetrics
 from worker_common.registration import Registration
@@ -54,6 +55,10 @@ class WorkerError(Exception):
 class WorkerBase:
     def __init__(self, config: WorkerConfig) -> None:
         self.config = config
+        if config.cpus is not None:  # before the engine: its torch threads start on these cores
+            pin(config.cpus)
+        self.cpus = format_cpu_list(usable_cpus())  # where this process runs, pinned or not
+        self.threads = 0  # torch threads of the loop thread, which runs the model (set as it starts)
         self.core = EngineCore(config.engine, record_block_events=config.role == "prefill")
         self.lock = threading.RLock()
         self.fingerprint = LayoutFingerprint(
@@ -147,6 +152,9 @@ class WorkerBase:
         # starts with OMP_NUM_THREADS=1, and a setting made on another thread does not carry over).
         if self.config.engine.num_threads:
             torch.set_num_threads(self.config.engine.num_threads)
+        self.threads = torch.get_num_threads()
+        log.info("%s worker %s: cpus %s%s, %d torch threads", self.config.role, self.config.worker_id, self.cpus,
+                 "" if self.config.cpus is not None else " (not pinned)", self.threads)
         while not self._stopped.is_set():
             try:
                 while True:
@@ -220,7 +228,7 @@ class WorkerBase:
             role=self.config.role, worker_id=self.config.worker_id, node_id=self.config.node or socket.gethostname(),
             address=self.address, healthy=not self._stopped.is_set(), running=running, waiting=waiting,
             kv_blocks_total=total, kv_blocks_in_use=in_use, kv_blocks_cached=cached,
-            incarnation=self.incarnation, metrics_address=self.metrics_address,
+            incarnation=self.incarnation, metrics_address=self.metrics_address, cpus=self.cpus, threads=self.threads,
         )  # fmt: skip
 
     @property

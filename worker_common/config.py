@@ -7,6 +7,7 @@ from typing import Literal
 
 from engine.core import EngineConfig
 from kv_transfer.config import TransferConfig
+from worker_common.affinity import check_cpu_set
 from splitserve.rpc.security import InternalSecurity
 
 
@@ -45,6 +46,9 @@ class WorkerConfig:
     security: InternalSecurity = field(default_factory=InternalSecurity)  # mTLS and the cluster token
     metrics_port: int | None = None  # Prometheus /metrics over HTTP on ``host``; None: off, 0: any free port
     log_format: Literal["text", "json"] = "text"  # the process's log lines (splitserve.observability.logs)
+    # The cores this process pins itself to before its torch threads start (worker_common/affinity.py);
+    # None: no pinning. engine.num_threads, when set, is at most len(cpus).
+    cpus: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.role not in ("prefill", "decode", "colocated"):
@@ -57,3 +61,16 @@ class WorkerConfig:
             raise ValueError(f"metrics_port: must be null or 0 to 65535, got {self.metrics_port}")
         if self.log_format not in ("text", "json"):
             raise ValueError(f"log_format: {self.log_format!r} is not text or json")
+        if self.cpus is not None:
+            try:
+                object.__setattr__(self, "cpus", check_cpu_set(self.cpus))
+            except ValueError as e:
+                raise ValueError(f"cpus: {e}") from None
+            check_threads_fit(self.engine.num_threads, self.cpus)
+
+
+def check_threads_fit(threads: int | None, cpus: tuple[int, ...]) -> None:
+    """More torch threads than pinned cpus would oversubscribe them: refused."""
+    if threads is not None and threads > len(cpus):
+        raise ValueError(f"threads: {threads} threads on {len(cpus)} pinned cpus oversubscribe them; "
+                         f"set threads <= {len(cpus)} or leave it null (one per cpu)")

@@ -32,3 +32,62 @@ def test_router_address_workers_dial(ray_session, monkeypatch):
     monkeypatch.setattr(ray, "nodes", lambda: [*nodes, {"NodeManagerAddress": "10.1.2.3", "Alive": True}])
     with pytest.raises(RuntimeError, match="host: .*10.1.2.3"):
         deployment._advertised("127.0.0.1:7000")
+
+
+def two_usable_cpus() -> tuple[int, int]:
+    import os
+
+    usable = sorted(os.sched_getaffinity(0))
+    if len(usable) < 2:
+        pytest.skip(f"needs 2 usable cores to give prefill and decode one each; this process has {usable}")
+    return usable[0], usable[1]
+
+
+def test_prefill_and_decode_on_cores_of_their_own(ray_session, serving_model):
+    """prefill cpus [a] and decode cpus [b]: each worker's process (every thread of it) runs on its
+    core only, with one torch thread, Ray reserves one CPU for each, and status reports both."""
+    import os
+
+    from splitserve.client import Client
+    from splitserve.status_view import format_status, status_json
+    from tests.serving.conftest import start_deployment, wait_for
+
+    a, b = two_usable_cpus()
+    deployment = start_deployment(serving_model, prefill={"cpus": [a]}, decode={"cpus": str(b)})
+    try:
+        assert deployment.actor_options("prefill")["num_cpus"] == 1.0  # num_cpus follows len(cpus)
+        pids = {w: deployment.worker_pid(w) for w in ("prefill-0", "decode-0")}
+        for worker_id, cpu in (("prefill-0", a), ("decode-0", b)):
+            threads = os.listdir(f"/proc/{pids[worker_id]}/task")
+            assert len(threads) > 1  # Ray's, gRPC's and torch's threads, not only the main one
+            assert {tid: os.sched_getaffinity(int(tid)) for tid in threads} == {tid: {cpu} for tid in threads}
+            status_text = open(f"/proc/{pids[worker_id]}/status").read()
+            assert f"Cpus_allowed_list:\t{cpu}\n" in status_text
+        with Client(deployment.address) as client:
+            client.generate(token_ids=[1, 2, 3], max_tokens=4, temperature=0.0)  # the pinned pair serves
+            status = wait_for(lambda: (s := client.status()) and all(w.threads for w in s.workers) and s)
+        workers = {w["worker_id"]: w for w in status_json(status)["workers"]}
+        assert {w: (v["cpus"], v["threads"]) for w, v in workers.items()} == {"prefill-0": (str(a), 1),
+                                                                               "decode-0": (str(b), 1)}
+        table = format_status(status, deployment.address).splitlines()
+        cpus_column = table[1].index("CPUS")
+        assert sorted(line[cpus_column:].split()[0] for line in table[2:]) == sorted([str(a), str(b)])
+    finally:
+        deployment.stop()
+
+
+def test_a_cpu_the_node_does_not_have_fails_the_start_naming_the_field(ray_session, serving_model):
+    import os
+    import time
+
+    missing = max(os.sched_getaffinity(0)) + 1
+    deployment = Deployment(DeploymentConfig.from_dict({
+        "model": str(serving_model), "dtype": "float32", "port": 0, "ready_timeout_s": 60,
+        "prefill": {"cpus": [missing], "num_cpus": 0}, "decode": {"threads": 1}}))
+    start = time.monotonic()
+    try:
+        with pytest.raises(RuntimeError, match=rf"worker prefill-0 did not start: .*cpus: {missing} not usable"):
+            deployment.start()
+        assert time.monotonic() - start < 30  # at once, not at ready_timeout_s
+    finally:
+        deployment.stop()
