@@ -14,6 +14,7 @@ from typing import Any
 
 import yaml
 
+from engine.core import DECODE_PATHS
 from kv_transfer.config import FaultPoint, TransferConfig
 from router.config import RouterConfig
 from splitserve.observability.logs import LOG_FORMATS
@@ -75,6 +76,12 @@ class EngineSettings:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     prefill_chunk_size: int | None = None
+    decode_path: str = "auto"  # engine.core.DECODE_PATHS
+    cuda_graphs: bool = True
+
+    def __post_init__(self) -> None:
+        if self.decode_path not in DECODE_PATHS:
+            raise ValueError(f"decode_path: must be one of {', '.join(DECODE_PATHS)}, got {self.decode_path!r}")
 
 
 @dataclass(frozen=True)

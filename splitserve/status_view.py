@@ -5,6 +5,9 @@
     prefill-0  prefill  4c1d9a0e21f3  ok        0     0  0/2048 (0%)          12  127.0.0.1:41023  127.0.0.1:38811
     decode-0   decode   4c1d9a0e21f3  ok        2     0  24/2048 (1%)          0  127.0.0.1:40117  127.0.0.1:35291
 
+then, for each worker that captured CUDA graphs of its decode step (``decode_graphs``), one line:
+``decode-0 decode graphs: 7 graphs (batch 1-64), captured in 2.10 s, 120.0 MiB``.
+
 ``--json`` prints the ``GetStatusResponse`` itself (proto field names, every field).
 """
 
@@ -43,6 +46,7 @@ def format_status(status: pb.GetStatusResponse, address: str) -> str:
         lines.append("  ".join(cells).rstrip())
     if not rows:
         lines.append("(no workers)")
+    lines.extend(f"{w.worker_id} decode graphs: {w.decode_graphs}" for w in workers if w.decode_graphs)
     return "\n".join(lines)
 
 

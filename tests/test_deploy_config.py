@@ -71,6 +71,8 @@ def test_from_file(tmp_path):
         ({"metrics_port": 70000}, "router.metrics_port"),
         ({"metrics_port": "9400"}, "metrics_port"),
         ({"log_format": "yaml"}, "log_format"),
+        ({"engine": {"decode_path": "fast"}}, "engine.decode_path"),
+        ({"engine": {"cuda_graphs": "yes"}}, "engine.cuda_graphs"),
     ],
 )
 def test_errors_name_the_field(raw, field):
