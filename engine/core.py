@@ -86,7 +86,11 @@ class EngineCore:
         self.runner = ModelRunner(self.model, self.kv_cache, self.blocks, Sampler(self.eos_token_ids), static)
         self.graph_stats: CaptureStats | None = None
         if static is not None and cfg.cuda_graphs and self.device.type == "cuda":
-            self.graph_stats = self.runner.capture_decode_graphs(CudaGraphBackend(self.device))
+            try:
+                self.graph_stats = self.runner.capture_decode_graphs(CudaGraphBackend(self.device))
+            except RuntimeError as e:  # an op that cannot be captured: run the static path eagerly
+                log.warning("decode CUDA graphs: capture failed, decoding without graphs: %s", e)
+                self.runner.graphs = None
 
     def resolve_decode_path(self) -> str:
         """"static" or "dynamic" for this engine's device (see ``EngineConfig.decode_path``)."""

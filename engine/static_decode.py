@@ -120,6 +120,7 @@ class StaticDecodeInputs:
         host_tables.fill_(scratch)
         host_tables[torch.tensor(table_rows), torch.tensor(table_cols)] = torch.tensor(table_ids, dtype=torch.int32)
         if self._host_scalars is not self.scalars:
-            self.scalars[:, :bucket].copy_(self._host_scalars[:, :bucket], non_blocking=True)
+            # All of the (small) scalars buffer, contiguous; rows past the bucket are never read.
+            self.scalars.copy_(self._host_scalars, non_blocking=True)
             self.block_tables[:bucket].copy_(host_tables, non_blocking=True)
         return bucket
