@@ -10,6 +10,10 @@ shared by every layer.
 - Prefill chunks go one request at a time through ``scaled_dot_product_attention``: against their own
   fresh keys when nothing precedes the chunk (plain causal), else against the gathered context
   (cached prefix or earlier chunks) with a causal mask shifted by what precedes the chunk.
+
+A decode-only step may instead come with ``StaticDecodeMetadata`` (the model runner's static path):
+a padded batch of decodes whose slots, block tables and lengths are device tensors of fixed shape,
+attended by a ``engine.paged_decode`` backend with no host work per layer.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.kv_cache import gather_context, write_kv
+from engine.paged_decode import PagedDecodeFn
 
 
 @dataclass
@@ -52,6 +57,17 @@ class AttentionMetadata:
         return self._decode_spans[window]
 
 
+@dataclass(frozen=True)
+class StaticDecodeMetadata:
+    """A padded decode-only batch: one token per row, every tensor persistent and of fixed shape."""
+
+    slot_blocks: torch.Tensor  # [B] int64: cache block each row's new K/V goes to (padding: a scratch block)
+    slot_offsets: torch.Tensor  # [B] int64
+    block_tables: torch.Tensor  # [B, max_blocks_per_seq] int32
+    context_lens: torch.Tensor  # [B] int32, the new token included; 0 for padding rows
+    paged_decode: PagedDecodeFn
+
+
 def _decode_span(lens: list[int], window: int | None, device: torch.device) -> tuple[int, int, torch.Tensor | None]:
     """The key positions [start, end) that some decode of the batch attends to, and a boolean mask
     [B, 1, 1, end - start] of those each one does (None when all do). Keys are cut to exactly that
@@ -74,12 +90,14 @@ def paged_attention(
     k: torch.Tensor,
     v: torch.Tensor,
     cache: torch.Tensor,
-    meta: AttentionMetadata,
+    meta: AttentionMetadata | StaticDecodeMetadata,
     scale: float,
     window: int | None,
 ) -> torch.Tensor:
     """q [T, heads, d], k/v [T, kv_heads, d] -> [T, heads, d]; also stores k/v in the layer's cache."""
     write_kv(cache, k, v, meta.slot_blocks, meta.slot_offsets)
+    if isinstance(meta, StaticDecodeMetadata):
+        return meta.paged_decode(q, cache, meta.block_tables, meta.context_lens, scale, window)
     parts = []
     if meta.num_decodes:
         parts.append(_decode(q[: meta.num_decodes], cache, meta, scale, window))

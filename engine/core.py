@@ -6,20 +6,28 @@ only in how they schedule and where tokens go.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 
 from engine.block_manager import BlockManager
+from engine.cuda_graphs import CaptureStats, CudaGraphBackend
 from engine.kv_cache import KVCache, KVCacheSpec
 from engine.linear_tuner import LINEAR_KERNELS, KernelPolicy
 from engine.loader import build_model, parse_dtype
 from engine.model_config import ModelConfig
 from engine.model_runner import ModelRunner
+from engine.paged_decode import select_backend
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig
+from engine.static_decode import StaticDecodeInputs, batch_buckets
 from engine.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+DECODE_PATHS = ("auto", "dynamic", "static")
 
 
 @dataclass(frozen=True)
@@ -41,8 +49,15 @@ class EngineConfig:
     linear_kernel: str = "auto"
     linear_split_allowed: bool | None = None  # auto may pick split (2x memory); None: when linear weights <= RAM/4
     pack_weights: bool = True  # False: linear_kernel plain (the older switch, kept for compatibility)
+    # Decode-only steps: "static" pads the batch to a bucket in persistent buffers (engine/static_decode.py),
+    # "dynamic" runs them as every other step; "auto": static on CUDA, dynamic on CPU (measured faster
+    # there: docs/performance.md).
+    decode_path: str = "auto"
+    cuda_graphs: bool = True  # CUDA with the static path: capture each bucket's decode step at start-up
 
     def __post_init__(self) -> None:
+        if self.decode_path not in DECODE_PATHS:
+            raise ValueError(f"decode_path: must be one of {', '.join(DECODE_PATHS)}, got {self.decode_path!r}")
         if self.block_size < 1:
             raise ValueError(f"block_size: must be >= 1, got {self.block_size}")
         if self.num_blocks is not None and self.num_blocks < 1:
@@ -75,12 +90,45 @@ class EngineCore:
                                                         cfg.kernel_policy)  # fmt: skip
         per_block = KVCacheSpec.for_model(self.model_config, 1, cfg.block_size, self.dtype).bytes_per_block
         num_blocks = cfg.num_blocks or max(1, cfg.kv_cache_bytes // per_block)
-        self.kv_cache = KVCache(KVCacheSpec.for_model(self.model_config, num_blocks, cfg.block_size, self.dtype),
-                                self.device)  # fmt: skip
+        self.static_decode = self.resolve_decode_path() == "static"
+        # The static path's padding rows write to one scratch block past those the block manager owns.
+        cache_blocks = num_blocks + 1 if self.static_decode else num_blocks
+        cache_spec = KVCacheSpec.for_model(self.model_config, cache_blocks, cfg.block_size, self.dtype)
+        self.kv_cache = KVCache(cache_spec, self.device)
         self.blocks = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching, record_block_events)
         self.eos_token_ids = tuple(self.tokenizer.eos_token_ids or self.model_config.eos_token_ids)
         self.max_model_len = cfg.max_model_len or self.model_config.max_position_embeddings
-        self.runner = ModelRunner(self.model, self.kv_cache, self.blocks, Sampler(self.eos_token_ids))
+        static = self._static_decode_inputs(scratch_block=num_blocks) if self.static_decode else None
+        self.runner = ModelRunner(self.model, self.kv_cache, self.blocks, Sampler(self.eos_token_ids), static)
+        self.graph_stats: CaptureStats | None = None
+        if static is not None and cfg.cuda_graphs and self.device.type == "cuda":
+            try:
+                self.graph_stats = self.runner.capture_decode_graphs(CudaGraphBackend(self.device))
+            except RuntimeError as e:  # an op that cannot be captured: run the static path eagerly
+                log.warning("decode CUDA graphs: capture failed, decoding without graphs: %s", e)
+                self.runner.graphs = None
+
+    def resolve_decode_path(self) -> str:
+        """"static" or "dynamic" for this engine's device (see ``EngineConfig.decode_path``)."""
+        if self.config.decode_path != "auto":
+            return self.config.decode_path
+        return "static" if self.device.type == "cuda" else "dynamic"
+
+    def _static_decode_inputs(self, scratch_block: int) -> StaticDecodeInputs:
+        cfg = self.config
+        backend = select_backend(self.device, self.dtype)
+        buckets = batch_buckets(cfg.max_num_seqs)
+        max_blocks_per_seq = -(-self.max_model_len // cfg.block_size)
+        log.info(
+            "static decode path: buckets %s, %d blocks per sequence, paged decode backend %r",
+            buckets, max_blocks_per_seq, backend.name,
+        )
+        return StaticDecodeInputs(buckets, max_blocks_per_seq, cfg.block_size, scratch_block, self.device, backend.fn)
+
+    @property
+    def decode_graphs(self) -> str:
+        """The captured decode graphs in one line for status ("" when there are none, as on CPU)."""
+        return "" if self.graph_stats is None else self.graph_stats.summary()
 
     def make_scheduler(self, **mode) -> Scheduler:
         cfg = self.config

@@ -1,7 +1,14 @@
 """Runs one scheduled step on the device: builds the flattened batch, runs the model, samples.
 
-The only engine module that touches tensors on the device besides the model itself. Decodes (one
-new token) go first in the flattened batch, then prefill chunks, as ``engine.attention`` expects.
+The only engine module that touches tensors on the device besides the model itself. Two paths:
+
+- dynamic (every step can take it): decodes (one new token) go first in the flattened batch, then
+  prefill chunks, as ``engine.attention`` expects; shapes follow the step.
+- static (decode-only steps, when the runner has ``StaticDecodeInputs``): the batch padded to a bucket
+  in persistent buffers (``engine.static_decode``), attention by ``engine.paged_decode``, and on CUDA
+  a replay of the bucket's captured graph (``engine.cuda_graphs``). A step with a prefill chunk, a
+  layer hook (a prefill worker streaming layer groups) or more decodes than the largest bucket takes
+  the dynamic path.
 """
 
 from __future__ import annotations
@@ -12,20 +19,37 @@ import torch
 
 from engine.attention import AttentionMetadata, PrefillChunk
 from engine.block_manager import BlockManager
+from engine.cuda_graphs import CaptureStats, DecodeGraphs, GraphBackend
 from engine.kv_cache import KVCache, context_rows
 from engine.model import CausalLM
 from engine.sampler import Sampler
 from engine.scheduler import ScheduledRequest, SchedulerOutput
+from engine.static_decode import StaticDecodeInputs
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, kv_cache: KVCache, blocks: BlockManager, sampler: Sampler) -> None:
+    def __init__(
+        self,
+        model: CausalLM,
+        kv_cache: KVCache,
+        blocks: BlockManager,
+        sampler: Sampler,
+        static_decode: StaticDecodeInputs | None = None,
+    ) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.blocks = blocks
         self.sampler = sampler
         self.device = kv_cache.device
         self.block_size = blocks.block_size
+        self.static = static_decode
+        self.graphs: DecodeGraphs | None = None
+        self.num_static_steps = 0  # decode steps the static path ran, for tests and stats
+        if static_decode is not None:
+            # Rotary tables sized once for every position a table can hold: they must not be
+            # reallocated under a captured graph.
+            self._static_max_position = static_decode.max_blocks_per_seq * self.block_size - 1
+            model.rotary.ensure(self._static_max_position + 1)
 
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput, on_layer_done: Callable[[int], None] | None = None) -> dict[str, int]:
@@ -34,6 +58,8 @@ class ModelRunner:
         ``on_layer_done`` is passed to the model (see ``CausalLM.forward``)."""
         if output.is_empty:
             return {}
+        if self._takes_static_path(output, on_layer_done):
+            return self._execute_static(list(output.scheduled))
         items = [s for s in output.scheduled if s.num_new_tokens == 1]
         items += [s for s in output.scheduled if s.num_new_tokens > 1]
         input_ids, positions, meta, sample_rows = self._prepare(items)
@@ -46,6 +72,46 @@ class ModelRunner:
         requests = [s.request for _, s in sample_rows]
         tokens = self.sampler(logits, requests)
         return {r.request_id: t for r, t in zip(requests, tokens)}
+
+    def _takes_static_path(self, output: SchedulerOutput, on_layer_done) -> bool:
+        return (
+            self.static is not None
+            and on_layer_done is None
+            and all(s.num_new_tokens == 1 for s in output.scheduled)
+            and self.static.fits(list(output.scheduled))
+        )
+
+    def _execute_static(self, items: list[ScheduledRequest]) -> dict[str, int]:
+        tables = [self.blocks.block_table(s.request.request_id) for s in items]
+        bucket = self.static.fill(items, tables)
+        hidden = self.graphs.replay(bucket) if self.graphs is not None else self._static_forward(bucket)
+        self.num_static_steps += 1
+        sample = [row for row, s in enumerate(items) if s.samples]
+        if not sample:
+            return {}
+        if len(sample) == len(items):
+            hidden = hidden[: len(items)]
+        else:
+            hidden = hidden.index_select(0, torch.tensor(sample, device=self.device))
+        requests = [items[row].request for row in sample]
+        tokens = self.sampler(self.model.compute_logits(hidden), requests)
+        return {r.request_id: t for r, t in zip(requests, tokens)}
+
+    def _static_forward(self, bucket: int) -> torch.Tensor:
+        """The decode forward of one bucket on the persistent buffers: hidden states [bucket, hidden]."""
+        s = self.static
+        ids, positions = s.input_ids(bucket), s.positions(bucket)
+        return self.model(ids, positions, self._static_max_position, self.kv_cache, s.meta[bucket])
+
+    @torch.inference_mode()
+    def capture_decode_graphs(self, backend: GraphBackend) -> CaptureStats:
+        """Capture the static decode forward of every bucket (see ``engine.cuda_graphs``); later decode-only
+        steps replay them. The buffers hold padding while capturing, so the warm-ups write only scratch."""
+        assert self.static is not None, "CUDA graphs need the static decode path"
+        cfg = self.model.config
+        hidden = torch.zeros(self.static.max_batch, cfg.hidden_size, dtype=self.kv_cache.spec.dtype, device=self.device)
+        self.graphs = DecodeGraphs(self._static_forward, self.static.buckets, hidden, backend)
+        return self.graphs.capture()
 
     @torch.inference_mode()
     def score(self, token_ids: list[int], block_table: list[int], all_positions: bool = True,

@@ -15,6 +15,7 @@ from typing import Any
 import yaml
 
 from engine.linear_tuner import LINEAR_KERNELS
+from engine.core import DECODE_PATHS
 from kv_transfer.config import FaultPoint, TransferConfig
 from router.config import RouterConfig
 from splitserve.observability.logs import LOG_FORMATS
@@ -119,10 +120,14 @@ class EngineSettings:
     prefill_chunk_size: int | None = None
     linear_kernel: str = "auto"  # auto (timed per weight shape at load, cached) | plain | packed | split
     linear_split_allowed: bool | None = None  # None: split allowed when a worker's linear weights <= RAM / 4
+    decode_path: str = "auto"  # engine.core.DECODE_PATHS
+    cuda_graphs: bool = True
 
     def __post_init__(self) -> None:
         if self.linear_kernel not in LINEAR_KERNELS:
             raise ValueError(f"linear_kernel: must be one of {', '.join(LINEAR_KERNELS)}, got {self.linear_kernel!r}")
+        if self.decode_path not in DECODE_PATHS:
+            raise ValueError(f"decode_path: must be one of {', '.join(DECODE_PATHS)}, got {self.decode_path!r}")
 
 
 @dataclass(frozen=True)

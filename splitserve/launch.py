@@ -259,6 +259,7 @@ class Deployment:
             max_num_seqs=e.max_num_seqs, max_num_batched_tokens=e.max_num_batched_tokens,
             prefill_chunk_size=e.prefill_chunk_size, num_threads=role_config.worker_threads(slot),
             linear_kernel=e.linear_kernel, linear_split_allowed=e.linear_split_allowed,
+            decode_path=e.decode_path, cuda_graphs=e.cuda_graphs,
             enable_prefix_caching=role != "decode",  # decode requests arrive with their KV: nothing to reuse
         )  # fmt: skip
         host = c.worker_host if c.worker_host is not None else ("" if c.ray_address else "127.0.0.1")

@@ -95,6 +95,8 @@ def test_from_file(tmp_path):
         ({"prefill": {"cpus": "0-1|1-2"}}, "prefill.cpus: the sets of replicas 0 and 1 share cpu 1"),
         ({"decode": {"cpus": [0], "threads": 2}}, "decode.threads: 2 threads on 1 pinned cpus"),
         ({"decode": {"num_cpus": -1}}, "decode.num_cpus"),
+        ({"engine": {"decode_path": "fast"}}, "engine.decode_path"),
+        ({"engine": {"cuda_graphs": "yes"}}, "engine.cuda_graphs"),
     ],
 )
 def test_errors_name_the_field(raw, field):

@@ -45,3 +45,12 @@ def test_no_workers_and_json_keeps_every_field():
     assert data["metrics_address"] == "" and data["workers"][0]["metrics_address"] == ""
     assert data["workers"][0]["kv_blocks_in_use"] == 0 and data["model"] == "tiny"
     assert (data["workers"][0]["cpus"], data["workers"][0]["threads"]) == ("", 0)
+
+
+def test_decode_graphs_line_only_for_workers_that_captured():
+    graphs = "7 graphs (batch 1-64), captured in 2.10 s, 120.0 MiB"
+    status = make_status([make_worker("decode-0", decode_graphs=graphs), make_worker("prefill-0")])
+    lines = format_status(status, "h:1").splitlines()
+    assert lines[-1] == f"decode-0 decode graphs: {graphs}"
+    assert [line.split()[0] for line in lines[2:4]] == ["decode-0", "prefill-0"] and len(lines) == 5
+    assert status_json(status)["workers"][1]["decode_graphs"] == ""

@@ -229,6 +229,7 @@ class WorkerBase:
             address=self.address, healthy=not self._stopped.is_set(), running=running, waiting=waiting,
             kv_blocks_total=total, kv_blocks_in_use=in_use, kv_blocks_cached=cached,
             incarnation=self.incarnation, metrics_address=self.metrics_address, cpus=self.cpus, threads=self.threads,
+            decode_graphs=self.core.decode_graphs,
         )  # fmt: skip
 
     @property
