@@ -90,7 +90,10 @@ class EngineCore:
                                                         cfg.kernel_policy)  # fmt: skip
         per_block = KVCacheSpec.for_model(self.model_config, 1, cfg.block_size, self.dtype).bytes_per_block
         num_blocks = cfg.num_blocks or max(1, cfg.kv_cache_bytes // per_block)
-        self.static_decode = self.resolve_decode_path() == "static"
+        self.decode_path = self.resolve_decode_path()
+        self.static_decode = self.decode_path == "static"
+        # The decode attention of decode-only steps: a paged_decode backend (static) or the gather (dynamic).
+        self.decode_backend = "gather (engine.attention)"
         # The static path's padding rows write to one scratch block past those the block manager owns.
         cache_blocks = num_blocks + 1 if self.static_decode else num_blocks
         cache_spec = KVCacheSpec.for_model(self.model_config, cache_blocks, cfg.block_size, self.dtype)
@@ -117,6 +120,7 @@ class EngineCore:
     def _static_decode_inputs(self, scratch_block: int) -> StaticDecodeInputs:
         cfg = self.config
         backend = select_backend(self.device, self.dtype)
+        self.decode_backend = f"paged_decode {backend.name}"
         buckets = batch_buckets(cfg.max_num_seqs)
         max_blocks_per_seq = -(-self.max_model_len // cfg.block_size)
         log.info(
