@@ -72,11 +72,12 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # As transformers: normalise in float32, round back, then scale in the model's dtype.
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        # As transformers: normalise in float32, round back, then scale in the model's dtype. ``F.rms_norm``
+        # runs the same float32 ops (x * rsqrt(mean(x^2) + eps), then the weight) in one call: bit-equal to
+        # transformers' chain in fp32 and bf16 here, with 1 or 3 dispatched operators instead of 8.
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        return self.weight * F.rms_norm(x.float(), self.weight.shape, eps=self.eps).to(x.dtype)
 
 
 class Attention(nn.Module):
