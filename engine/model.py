@@ -110,7 +110,7 @@ class MLP(nn.Module):
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(h).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(F.silu(gate).mul_(up))  # in place: one [T, intermediate] buffer fewer
 
 
 class DecoderLayer(nn.Module):
@@ -122,8 +122,10 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(self, h, cos, sin, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, kv_cache, meta)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        # Residual adds into the sublayers' fresh outputs (the same sum, rounded once, as transformers'
+        # ``residual + hidden``), so no new [T, hidden] buffer per add.
+        h = self.self_attn(self.input_layernorm(h), cos, sin, kv_cache, meta).add_(h)
+        return self.mlp(self.post_attention_layernorm(h)).add_(h)
 
 
 class CausalLM(nn.Module):
