@@ -43,8 +43,9 @@ class ModelRunner:
         hidden = self.model(input_ids, positions, max_position, self.kv_cache, meta, on_layer_done)
         if not sample_rows:
             return {}
-        rows = torch.tensor([row for row, _ in sample_rows], device=self.device)
-        logits = self.model.compute_logits(hidden.index_select(0, rows))
+        if len(sample_rows) < hidden.shape[0]:  # else every row samples, in order (a pure decode step)
+            hidden = hidden.index_select(0, torch.tensor([row for row, _ in sample_rows], device=self.device))
+        logits = self.model.compute_logits(hidden)
         requests = [s.request for _, s in sample_rows]
         tokens = self.sampler(logits, requests)
         return {r.request_id: t for r, t in zip(requests, tokens)}
