@@ -95,11 +95,12 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # As transformers: normalise in float32, round back, then scale in the model's dtype.
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        # As transformers: normalise in float32, round back, then scale in the model's dtype. ``F.rms_norm``
+        # runs the same float32 ops (x * rsqrt(mean(x^2) + eps), then the weight) in one call: bit-equal to
+        # transformers' chain in fp32 and bf16 here, with 1 or 3 dispatched operators instead of 8.
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        return self.weight * F.rms_norm(x.float(), self.weight.shape, eps=self.eps).to(x.dtype)
 
 
 class Attention(nn.Module):
@@ -132,7 +133,7 @@ class MLP(nn.Module):
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(h).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(F.silu(gate).mul_(up))  # in place: one [T, intermediate] buffer fewer
 
 
 class DecoderLayer(nn.Module):
@@ -144,8 +145,10 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(self, h, cos, sin, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, kv_cache, meta)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        # Residual adds into the sublayers' fresh outputs (the same sum, rounded once, as transformers'
+        # ``residual + hidden``), so no new [T, hidden] buffer per add.
+        h = self.self_attn(self.input_layernorm(h), cos, sin, kv_cache, meta).add_(h)
+        return self.mlp(self.post_attention_layernorm(h)).add_(h)
 
 
 class CausalLM(nn.Module):

@@ -13,8 +13,10 @@ The only engine module that touches tensors on the device besides the model itse
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 from engine.attention import AttentionMetadata, PrefillChunk
@@ -67,8 +69,9 @@ class ModelRunner:
         hidden = self.model(input_ids, positions, max_position, self.kv_cache, meta, on_layer_done)
         if not sample_rows:
             return {}
-        rows = torch.tensor([row for row, _ in sample_rows], device=self.device)
-        logits = self.model.compute_logits(hidden.index_select(0, rows))
+        if len(sample_rows) < hidden.shape[0]:  # else every row samples, in order (a pure decode step)
+            hidden = hidden.index_select(0, torch.tensor([row for row, _ in sample_rows], device=self.device))
+        logits = self.model.compute_logits(hidden)
         requests = [s.request for _, s in sample_rows]
         tokens = self.sampler(logits, requests)
         return {r.request_id: t for r, t in zip(requests, tokens)}
@@ -133,50 +136,46 @@ class ModelRunner:
                             on_layer_done)  # fmt: skip
         return self.model.compute_logits(hidden if all_positions else hidden[-1:]).float()
 
-    def _rows(self, block_ids: list[int]) -> torch.Tensor:
-        return context_rows(torch.tensor(block_ids, device=self.device), self.kv_cache.spec.num_kv_heads)
+    def _rows(self, block_ids: list[int] | np.ndarray) -> torch.Tensor:
+        ids = np.asarray(block_ids, dtype=np.int64)
+        return context_rows(self._to_device(ids), self.kv_cache.spec.num_kv_heads)
 
     def _prepare(self, items: list[ScheduledRequest]):
+        """The flattened batch of ``items`` (decodes first): input ids, positions, attention metadata, and
+        the (row, item) pairs to sample.
+
+        Built on whole arrays: one padded table of the requests' blocks, and every token's position,
+        slot block and offset computed from it at once (no per-token Python), then moved to the device
+        in one copy per tensor. Block table entries past a request's context are 0, as padding."""
         bs = self.block_size
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slot_blocks: list[int] = []
-        slot_offsets: list[int] = []
-        sample_rows: list[tuple[int, ScheduledRequest]] = []
-        decode_tables: list[list[int]] = []
-        decode_lens: list[int] = []
-        prefills: list[PrefillChunk] = []
-        for item in items:
-            request, n = item.request, item.num_new_tokens
-            start, end = request.num_computed_tokens, request.num_computed_tokens + n
-            table = self.blocks.block_table(request.request_id)
-            offset = len(input_ids)
-            input_ids.extend(request.token_ids[start:end])
-            positions.extend(range(start, end))
-            slot_blocks.extend(table[p // bs] for p in range(start, end))
-            slot_offsets.extend(p % bs for p in range(start, end))
-            if n == 1:
-                decode_tables.append(table[: -(-end // bs)])
-                decode_lens.append(end)
-            else:
-                rows = self._rows(table[: -(-end // bs)]) if start else None
-                prefills.append(PrefillChunk(offset, offset + n, start, rows))
-            if item.samples:
-                sample_rows.append((offset + n - 1, item))
+        num_items = len(items)
+        starts = np.fromiter((s.request.num_computed_tokens for s in items), np.int64, num_items)
+        counts = np.fromiter((s.num_new_tokens for s in items), np.int64, num_items)
+        ends = starts + counts
+        offsets = np.cumsum(counts) - counts  # first row of each item in the flattened batch
+        num_blocks = -(-ends // bs)  # blocks covering each request's context after this step
+        tables = np.zeros((num_items, int(num_blocks.max())), dtype=np.int64)
+        for i, item in enumerate(items):
+            tables[i, : num_blocks[i]] = self.blocks.block_table(item.request.request_id)[: num_blocks[i]]
+        owner = np.repeat(np.arange(num_items), counts)  # the item of every token
+        positions = np.arange(int(counts.sum())) - np.repeat(offsets - starts, counts)
+        num_decodes = int(np.count_nonzero(counts == 1))  # decodes (one new token) come first
+        input_ids = list(itertools.chain.from_iterable(
+            s.request.token_ids[a:b] for s, a, b in zip(items, starts.tolist(), ends.tolist())))  # fmt: skip
         meta = AttentionMetadata(
-            slot_blocks=torch.tensor(slot_blocks, device=self.device),
-            slot_offsets=torch.tensor(slot_offsets, device=self.device),
-            num_decodes=len(decode_tables),
-            decode_context_lens=decode_lens,
-            prefills=prefills,
+            slot_blocks=self._to_device(tables[owner, positions // bs]),
+            slot_offsets=self._to_device(positions % bs),
+            num_decodes=num_decodes,
+            decode_context_lens=ends[:num_decodes].tolist(),
         )
-        if decode_tables:
-            width = max(len(t) for t in decode_tables)
-            padded = [t + [0] * (width - len(t)) for t in decode_tables]
-            meta.decode_rows = self._rows([b for t in padded for b in t])
-        return (
-            torch.tensor(input_ids, device=self.device),
-            torch.tensor(positions, device=self.device),
-            meta,
-            sample_rows,
-        )
+        if num_decodes:
+            width = int(num_blocks[:num_decodes].max())
+            meta.decode_rows = self._rows(tables[:num_decodes, :width].reshape(-1))
+        for i in range(num_decodes, num_items):
+            rows = self._rows(tables[i, : num_blocks[i]]) if starts[i] else None
+            meta.prefills.append(PrefillChunk(int(offsets[i]), int(offsets[i] + counts[i]), int(starts[i]), rows))
+        sample_rows = [(int(offsets[i] + counts[i] - 1), item) for i, item in enumerate(items) if item.samples]
+        return torch.tensor(input_ids, device=self.device), self._to_device(positions), meta, sample_rows
+
+    def _to_device(self, array: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(array)).to(self.device)

@@ -1,32 +1,38 @@
 #!/usr/bin/env python3
-"""Where one decode step's time goes: a torch.profiler breakdown of the offline engine, with an op count.
+"""Where a decode step's time goes: a torch.profiler breakdown of the offline engine at several batch sizes.
 
-Loads the engine on a checkpoint (default: the qwen2.5-0.5b preset, written with make-model when
-missing), starts --batch requests with prompts of about --context tokens (uniform in +-20%), runs
-every prefill and --warmup decode steps, then profiles --steps pure decode steps. Time is split with
-``record_function`` ranges the script opens around the model's own modules (forward hooks; the
-engine is not changed):
+Loads the engine on a checkpoint (default: the qwen2.5-0.5b preset in --dtype, written with make-model
+when missing). For each --batch it starts that many requests with prompts of about --context tokens
+(uniform in +-20%), runs every prefill and --warmup decode steps, times --steps pure decode steps
+without the profiler, then profiles --steps more. Ranges are opened around the engine's own pieces
+(forward hooks and wrappers set up here; the engine is not changed), and every top-level torch
+operator's time goes to the innermost range around it:
 
-- matrix products: every ``Linear`` of the layers (fused q/k/v, o, fused gate/up, down) and the LM
-  head (with the final norm: ``compute_logits``);
-- attention: the attention modules less their q/k/v and o products (rotary, KV write, block gather,
-  masks, the two batched matmuls, softmax);
-- the rest: embeddings, norms, activations, residuals, sampling, scheduling and Python.
+- matmuls: every ``Linear`` (fused q/k/v, o, fused gate/up, down, LM head) and a tied LM head;
+- attention: the attention modules less their products, rotary and cache accesses (SDPA, masks, views);
+- elementwise: RMSNorm, rotary (tables and rotation), SiLU*mul, residual adds, embedding lookup;
+- cache writes/gathers: ``write_kv`` and ``gather_context``;
+- host prep: ``ModelRunner._prepare`` (the flattened batch and the attention metadata);
+- sampling: the sampler, and the selection of the rows it samples;
+- other: the scheduler and whatever else the step dispatches outside those ranges.
 
-It also counts the torch operators a step dispatches (top-level ones: not those an operator calls
-inside itself) and times the same steps without the profiler, whose per-op cost inflates small work.
+Python overhead is the step's wall time (unprofiled) less the time of every top-level operator
+(profiled): what the interpreter spends between operators. A prefill figure is measured too: one
+request of --prefill-len tokens, ``max_tokens=1``, best of --steps.
 
     python scripts/profile_step.py [--model DIR] [--preset qwen2.5-0.5b] [--dtype float32]
-                                   [--batch 32] [--context 200] [--steps 3] [--threads 2] [--json]
+                                   [--batch 1 8 32] [--context 200] [--steps 3] [--threads 2] [--json]
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import random
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -35,47 +41,79 @@ from torch.autograd.profiler import record_function
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+import engine.attention  # noqa: E402
+import engine.model  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
 from engine.hardware import print_header  # noqa: E402
-from engine.model import Attention, Linear  # noqa: E402
+from engine.model import MLP, Attention, DecoderLayer, Linear, RMSNorm  # noqa: E402
 
-RANGES = {"matrix products: layers": "mm_layers", "matrix products: LM head": "mm_head", "attention module": "attn",
-          "attention projections": "attn_proj", "decode step": "step"}  # fmt: skip
+CATEGORIES = ("matmuls", "attention", "elementwise", "cache writes/gathers", "host prep", "sampling", "other")
+RANGE_PREFIX = "ss:"  # our ranges are named "ss:<category>"; everything else the profiler sees is an operator
+STEP_RANGE = "ss:step"
+
+
+def is_range(name: str) -> bool:
+    return name.startswith((RANGE_PREFIX, "ProfilerStep"))
 
 
 def log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def add_ranges(model: torch.nn.Module) -> None:
-    """Open a profiler range around every layer Linear, every Attention and compute_logits."""
+def in_range(category: str, fn):
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+        with record_function(RANGE_PREFIX + category):
+            return fn(*args, **kwargs)
 
-    def wrap(module: torch.nn.Module, name: str) -> None:
+    return wrapped
+
+
+def add_ranges(llm: LLM) -> Callable[[], None]:
+    """Open a category range around the engine's pieces (the innermost one wins for an operator); returns
+    the function that takes them away again, so that unprofiled steps are timed without them."""
+    undo: list[Callable[[], None]] = []
+
+    def patch(obj, name: str, category: str) -> None:
+        original = getattr(obj, name)
+        setattr(obj, name, in_range(category, original))
+        undo.append(lambda: setattr(obj, name, original) if obj.__dict__.get(name) is not original else None)
+
+    def wrap(module: torch.nn.Module, category: str) -> None:
         def pre(_module, _args):
-            _module._ss_range = record_function(name)
-            _module._ss_range.__enter__()
+            _module._ss_ranges = getattr(_module, "_ss_ranges", [])
+            _module._ss_ranges.append(record_function(RANGE_PREFIX + category))
+            _module._ss_ranges[-1].__enter__()
 
         def post(_module, _args, _out):
-            _module._ss_range.__exit__(None, None, None)
+            _module._ss_ranges.pop().__exit__(None, None, None)
 
-        module.register_forward_pre_hook(pre)
-        module.register_forward_hook(post)
+        undo.append(module.register_forward_pre_hook(pre).remove)
+        undo.append(module.register_forward_hook(post).remove)
 
+    model = llm.model
+    kinds = ((Linear, "matmuls"), (Attention, "attention"), (RMSNorm, "elementwise"), (MLP, "elementwise"),
+             (DecoderLayer, "elementwise"), (torch.nn.Embedding, "elementwise"))  # fmt: skip
     for module in model.modules():
-        if isinstance(module, Attention):
-            wrap(module, "attention module")
-            wrap(module.qkv_proj, "attention projections")
-            wrap(module.o_proj, "attention projections")
-    for name, module in model.named_modules():
-        if isinstance(module, Linear) and name.endswith(("gate_up_proj", "down_proj")):
-            wrap(module, "matrix products: layers")
-    compute_logits = model.compute_logits
+        for kind, category in kinds:
+            if isinstance(module, kind):
+                wrap(module, category)
+    # Ops of CausalLM.forward outside the layers (rotary tables) are elementwise; the tied LM head's F.linear
+    # runs in compute_logits itself, so that range is "matmuls" (the final norm inside it is RMSNorm's).
+    patch(model, "forward", "elementwise")
+    patch(model, "compute_logits", "matmuls")
+    for name in ("write_kv", "gather_context"):
+        patch(engine.attention, name, "cache writes/gathers")
+    patch(engine.model, "apply_rotary", "elementwise")
+    patch(llm.runner, "_prepare", "host prep")
+    patch(llm.runner, "execute", "sampling")  # what execute runs outside the model and prep: row selection
+    patch(llm.runner, "sampler", "sampling")
 
-    def logits_in_range(hidden: torch.Tensor) -> torch.Tensor:
-        with record_function("matrix products: LM head"):
-            return compute_logits(hidden)
+    def remove() -> None:
+        for fn in reversed(undo):
+            fn()
 
-    model.compute_logits = logits_in_range
+    return remove
 
 
 def start_batch(llm: LLM, batch: int, context: int, new_tokens: int) -> None:
@@ -90,31 +128,98 @@ def start_batch(llm: LLM, batch: int, context: int, new_tokens: int) -> None:
         llm.step()
 
 
-def top_level_ops(events) -> int:
-    """Operators not called from inside another operator (ranges of ours do not count as operators)."""
-    count = 0
+def attribute(events) -> tuple[dict[str, float], int, float]:
+    """(ms per category, number of top-level operators, ms of the step range) over all profiled steps."""
+    totals = {c: 0.0 for c in CATEGORIES}
+    count, step_ms = 0, 0.0
     for e in events:
-        if e.name in RANGES:
+        if e.name == STEP_RANGE:
+            step_ms += e.cpu_time_total / 1e3
+        if is_range(e.name):
             continue
-        parent = e.cpu_parent
-        while parent is not None and parent.name in RANGES:
+        parent, category = e.cpu_parent, None
+        while parent is not None and is_range(parent.name):
+            if category is None and parent.name.startswith(RANGE_PREFIX) and parent.name != STEP_RANGE:
+                category = parent.name[len(RANGE_PREFIX):]
             parent = parent.cpu_parent
-        count += parent is None
-    return count
+        if parent is None:  # a top-level operator: not called from inside another operator
+            count += 1
+            totals[category or "other"] += e.cpu_time_total / 1e3
+    return totals, count, step_ms
+
+
+def profile_batch(llm: LLM, batch: int, context: int, steps: int, warmup: int) -> dict:
+    log(f"batch {batch}: prefill of {batch} prompts of ~{context} tokens ...")
+    start_batch(llm, batch, context, 2 * steps + warmup + 3)
+    for _ in range(warmup):
+        llm.step()
+    plain = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        llm.step()
+        plain.append(time.perf_counter() - start)
+    lengths = sorted(r.num_tokens for r in llm.scheduler.running)
+    log(f"batch {batch}: profiling {steps} decode steps ...")
+    remove_ranges = add_ranges(llm)
+    # The profiler's first active step costs several times the others: one step of warm-up, not recorded.
+    schedule = torch.profiler.schedule(wait=0, warmup=1, active=steps, repeat=1)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], schedule=schedule) as prof:
+        for _ in range(steps + 1):
+            assert len(llm.scheduler.running) == batch and not llm.scheduler.waiting
+            with record_function(STEP_RANGE):
+                llm.step()
+            prof.step()
+    remove_ranges()
+    while llm.has_unfinished_requests():
+        llm.step()
+    totals, count, step_ms = attribute(prof.events())
+    wall_ms = 1e3 * min(plain)
+    parts = {c: ms / steps for c, ms in totals.items()}
+    ops_ms = sum(parts.values())
+    return {
+        "batch": batch, "context_tokens": {"min": lengths[0], "mean": sum(lengths) / batch, "max": lengths[-1]},
+        "step_ms": wall_ms, "step_ms_profiled": step_ms / steps, "parts_ms": parts,
+        "python_overhead_ms": wall_ms - ops_ms, "ops_per_step": count / steps,
+    }  # fmt: skip
+
+
+def prefill_tok_s(llm: LLM, length: int, repeats: int) -> float:
+    rng = random.Random(1)
+    prompt = [rng.randrange(llm.model_config.vocab_size) for _ in range(length)]
+    sp = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        llm.generate([prompt], sp)
+        best = min(best, time.perf_counter() - start)
+    return length / best
+
+
+def print_table(r: dict) -> None:
+    ctx = r["context_tokens"]
+    print(f"\nbatch {r['batch']}: contexts {ctx['min']}-{ctx['max']} tokens (mean {ctx['mean']:.0f}); step "
+          f"{r['step_ms']:.1f} ms without the profiler (best of the steps), {r['step_ms_profiled']:.1f} ms under it; "
+          f"{r['ops_per_step']:.0f} top-level torch operators per step\n")  # fmt: skip
+    print("| part of a decode step | ms | share of the step |")
+    print("| --- | --- | --- |")
+    rows = [*r["parts_ms"].items(), ("Python overhead (wall minus operator time)", r["python_overhead_ms"])]
+    for name, ms in rows:
+        print(f"| {name} | {ms:.2f} | {ms / r['step_ms']:.0%} |")
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", type=Path, default=None, help="default: models/<preset>")
+    ap.add_argument("--model", type=Path, default=None, help="default: models/<preset>-<dtype>")
     ap.add_argument("--preset", default="qwen2.5-0.5b", help="written to --model when it is missing")
     ap.add_argument("--dtype", default=None, help="default bfloat16 where oneDNN runs it natively, else float32")
-    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--context", type=int, default=200, help="mean prompt length")
     ap.add_argument("--steps", type=int, default=3, help="decode steps profiled (and timed without the profiler)")
     ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--prefill-len", type=int, default=256, help="prompt of the prefill figure (0: skip it)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", action="store_true", help="print one JSON object with every figure")
-    args = ap.parse_args()
+    args, engine_options = ap.parse_known_args()
     torch.set_num_threads(args.threads)
     if args.dtype is None:
         args.dtype = "bfloat16" if torch.ops.mkldnn._is_mkldnn_bf16_supported() else "float32"
@@ -125,61 +230,24 @@ def main() -> int:
 
         log(f"writing the {args.preset} preset ({args.dtype}) to {model_dir} ...")
         make_model(args.preset, model_dir, dtype=args.dtype, overwrite=True)
+    options = dict(opt.lstrip("-").replace("-", "_").split("=", 1) for opt in engine_options)  # e.g. --compile=1
+    options = {k: (v == "1") if v in ("0", "1") else v for k, v in options.items()}
+    start = time.perf_counter()
     llm = LLM(model_dir, dtype=args.dtype, num_threads=args.threads, enable_prefix_caching=False,
-              max_num_seqs=args.batch, max_num_batched_tokens=4096, kv_cache_bytes=1 << 30)  # fmt: skip
-    log(f"prefill of {args.batch} prompts of ~{args.context} tokens ...")
-    start_batch(llm, args.batch, args.context, 2 * args.steps + args.warmup + 2)
-    for _ in range(args.warmup):
-        llm.step()
-    plain = []
-    for _ in range(args.steps):
-        start = time.perf_counter()
-        llm.step()
-        plain.append(time.perf_counter() - start)
-    lengths = sorted(r.num_tokens for r in llm.scheduler.running)
-    add_ranges(llm.model)
-    log(f"profiling {args.steps} decode steps at batch {args.batch} ...")
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        for _ in range(args.steps):
-            assert len(llm.scheduler.running) == args.batch and not llm.scheduler.waiting
-            with record_function("decode step"):
-                llm.step()
-    events = prof.events()
-    totals = {key: 0.0 for key in RANGES.values()}
-    for e in events:
-        if e.name in RANGES:
-            totals[RANGES[e.name]] += e.cpu_time_total / 1e3  # ms
-    steps = args.steps
-    per_step = {k: v / steps for k, v in totals.items()}
-    parts = {
-        "matrix products: layers (q/k/v, o, gate/up, down)": per_step["mm_layers"] + per_step["attn_proj"],
-        "matrix products: LM head (with final norm)": per_step["mm_head"],
-        "attention over the paged cache": per_step["attn"] - per_step["attn_proj"],
-    }
-    parts["the rest (element-wise, sampling, scheduling, Python)"] = per_step["step"] - sum(parts.values())
-    context = sum(lengths) / len(lengths)
-    result = {
-        "machine": machine, "model": str(model_dir), "dtype": args.dtype, "threads": args.threads,
-        "batch": args.batch, "steps": steps, "context_tokens": {"min": lengths[0], "mean": context, "max": lengths[-1]},
-        "preemptions": llm.scheduler.num_preemptions,
-        "step_ms_profiled": per_step["step"], "step_ms_unprofiled": 1e3 * min(plain),
-        "parts_ms": parts, "parts_fraction": {k: v / per_step["step"] for k, v in parts.items()},
-        "top_level_ops_per_step": top_level_ops(events) / steps,
-        "all_ops_per_step": sum(e.name not in RANGES for e in events) / steps,
-    }  # fmt: skip
+              max_num_seqs=max(args.batch), max_num_batched_tokens=8192, kv_cache_bytes=1 << 30, **options)  # fmt: skip
+    load_s = time.perf_counter() - start
+    prefill = prefill_tok_s(llm, args.prefill_len, args.steps) if args.prefill_len else None
+    batches = [profile_batch(llm, b, args.context, args.steps, args.warmup) for b in args.batch]
+    result = {"machine": machine, "model": str(model_dir), "dtype": args.dtype, "threads": args.threads,
+              "engine_options": options, "load_s": load_s, "prefill_len": args.prefill_len,
+              "prefill_tok_s": prefill, "batches": batches}  # fmt: skip
     if args.json:
         print(json.dumps(result))
         return 0
-    print(f"\n{args.batch} requests decoding, contexts {lengths[0]}-{lengths[-1]} tokens (mean {context:.0f}, "
-          f"{result['preemptions']} preemptions); {steps} steps profiled; "
-          f"step {result['step_ms_profiled']:.1f} ms under the profiler, {result['step_ms_unprofiled']:.1f} ms "
-          f"without (best of {steps})\n")  # fmt: skip
-    print("| part of a decode step | ms | fraction |")
-    print("| --- | --- | --- |")
-    for name, ms in parts.items():
-        print(f"| {name} | {ms:.1f} | {result['parts_fraction'][name]:.0%} |")
-    print(f"\ntorch operators per step: {result['top_level_ops_per_step']:.0f} top-level "
-          f"({result['all_ops_per_step']:.0f} counting the ones they call)")
+    print(f"\n{args.dtype}, {args.threads} threads, options {options or 'default'}; load {load_s:.1f} s; "
+          + (f"prefill of {args.prefill_len} tokens: {prefill:.0f} tok/s" if prefill else "prefill not measured"))
+    for r in batches:
+        print_table(r)
     return 0
 
 
