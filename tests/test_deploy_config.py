@@ -126,3 +126,12 @@ def test_metrics_and_log_settings_reach_the_router_and_every_worker():
     for role in ("prefill", "decode"):
         worker = on._worker_config(role, f"{role}-0")
         assert (worker.metrics_port, worker.log_format) == (0, "json")  # workers: a free port each
+
+
+def test_dtype_takes_vllms_names_and_keeps_the_canonical_one():
+    assert DeploymentConfig.from_dict({"dtype": "bf16"}).dtype == "bfloat16"
+    assert DeploymentConfig.from_dict({"dtype": "half"}).dtype == "float16"
+    assert DeploymentConfig().with_overrides(dtype="fp32").dtype == "float32"
+    assert DeploymentConfig().dtype == "auto"
+    with pytest.raises(ConfigError, match="dtype: 'int8'"):
+        DeploymentConfig.from_dict({"dtype": "int8"})
