@@ -18,6 +18,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -94,23 +95,29 @@ def run_offline(python: Path, model: Path, dtype: str, cpus: Sequence[int], time
     """scripts/peer_vllm.py in the peer's python; its JSON result, or {"error": what it printed last}."""
     cmd = [str(python), str(PEER_SCRIPT), "--model", str(model), "--dtype", dtype, *extra]
     start = time.perf_counter()
-    proc = subprocess.Popen(cmd, env=peer_env(cpus, kv_cache_gib), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        _kill_group(proc)
-        out = (proc.stdout.read() if proc.stdout else "") + f"\n(killed after the {timeout_s:.0f} s deadline)"
-    finally:
-        _kill_group(proc)  # vLLM's engine-core children, should any outlive their parent
-    if log_path is not None:
-        log_path.parent.mkdir(parents=True, exist_ok=True)
-        log_path.write_text(out)
+    # Written as it runs (a first start compiles for minutes: the log shows how far it is), read back at the end.
+    with tempfile.TemporaryFile("w+") if log_path is None else _open_log(log_path) as log:
+        proc = subprocess.Popen(cmd, env=peer_env(cpus, kv_cache_gib), stdout=log, stderr=subprocess.STDOUT,
+                                text=True, start_new_session=True)
+        try:
+            proc.wait(timeout=timeout_s)
+            killed = ""
+        except subprocess.TimeoutExpired:
+            killed = f"\n(killed after the {timeout_s:.0f} s deadline)"
+        finally:
+            _kill_group(proc)  # on a timeout, and vLLM's engine-core children, should any outlive their parent
+        log.seek(0)
+        out = log.read() + killed
     for line in reversed(out.splitlines()):
         if line.startswith("{") and '"engine": "vllm"' in line:
             return json.loads(line) | {"wall_s": time.perf_counter() - start}
     tail = "\n".join(out.splitlines()[-25:])
     return {"error": f"exit code {proc.returncode}; last lines:\n{tail}"}
+
+
+def _open_log(path: Path):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return open(path, "w+")  # noqa: SIM115  (a context manager at the caller)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
