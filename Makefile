@@ -42,6 +42,7 @@ test: setup
 	$(VPY) -m pytest $(PYTEST_ARGS)
 	PYTHON=$(VPY) scripts/gpu_check.sh --device cpu
 
+# Both measure vLLM's CPU build in the same run when `make peer` has built .peer (BENCH_ARGS=--no-peer skips it).
 bench-engine: setup
 	$(VPY) scripts/bench_engine.py $(BENCH_ARGS)
 

@@ -19,11 +19,14 @@ from engine.linear_tuner import KernelPolicy, apply_kernels
 from engine.model import CausalLM
 from engine.model_config import ModelConfig
 
-_DTYPES = {
-    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
-    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+# The names --dtype accepts (vLLM's) -> the canonical name kept in configs, status and logs.
+DTYPE_NAMES = {
+    "auto": "auto",
+    "bfloat16": "bfloat16", "bf16": "bfloat16",
+    "float16": "float16", "half": "float16", "fp16": "float16",
+    "float32": "float32", "float": "float32", "fp32": "float32",
 }  # fmt: skip
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _IGNORED = re.compile(r"rotary_emb\.inv_freq$")
 
@@ -32,15 +35,22 @@ class CheckpointError(ValueError):
     """The checkpoint folder is incomplete or does not match config.json (the message names what)."""
 
 
+def canonical_dtype(name: str) -> str:
+    """Any name in DTYPE_NAMES (case-insensitive) -> its canonical name: "bf16" -> "bfloat16", "auto" -> "auto"."""
+    canonical = DTYPE_NAMES.get(name.strip().lower()) if isinstance(name, str) else None
+    if canonical is None:
+        raise ValueError(f"dtype: {name!r} is not supported (use {', '.join(DTYPE_NAMES)})")
+    return canonical
+
+
 def parse_dtype(name: str | torch.dtype, checkpoint_dtype: str | None = None) -> torch.dtype:
-    """'auto' takes the checkpoint's own dtype (float32 when it names none)."""
+    """Any name in DTYPE_NAMES; 'auto' takes the checkpoint's own dtype (float32 when it names none)."""
     if isinstance(name, torch.dtype):
         return name
-    if name == "auto":
-        return _DTYPES.get(checkpoint_dtype or "float32", torch.float32)
-    if name not in _DTYPES:
-        raise ValueError(f"dtype: {name!r} is not supported (use bfloat16, float16, float32 or auto)")
-    return _DTYPES[name]
+    canonical = canonical_dtype(name)
+    if canonical == "auto":
+        return _DTYPES.get(DTYPE_NAMES.get(str(checkpoint_dtype).lower(), ""), torch.float32)
+    return _DTYPES[canonical]
 
 
 def checkpoint_files(model_dir: str | Path) -> list[Path]:

@@ -11,18 +11,24 @@ written with `splitserve make-model` when missing), with fixed prompt lengths an
 - two bounds for a decode step: (weight bytes + KV bytes read) / copy bandwidth, and the time of
   `F.linear` on the model's own weight shapes at that batch size (the practical bound);
 - ratios: batch-1 decode vs transformers batch 1, batch-32 decode vs transformers' best static
-  batch, prefill vs transformers.
+  batch, prefill vs transformers;
+- the peer, vLLM's CPU build (`make peer` builds .peer; `--peer PYTHON` names another, `--no-peer` skips
+  it): its offline `LLM` on the same checkpoint, dtype and cores (scripts/peer_vllm.py, in its own
+  process before our engine loads, so the two never hold memory or cores at once), the same prompts,
+  and our figures as ratios to its own: prefill at batch 1 and 8, decode at each --decode-batches.
 
 Both engines are loaded side by side and measured interleaved (best of --repeats for prefill, best of
 two for decode), so drift in this noisy machine's speed hits both alike.
 
-Usage: python scripts/bench_engine.py [--json] [--model DIR] [--threads 2] [--device cpu|cuda]
+Usage: python scripts/bench_engine.py [--json] [--model DIR] [--dtype float32] [--threads 2] [--device cpu|cuda]
+       [--peer PYTHON | --no-peer]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import sys
 import time
@@ -36,6 +42,9 @@ sys.path.insert(0, str(ROOT))
 
 from engine import LLM, ModelConfig, SamplingParams  # noqa: E402
 from engine.hardware import print_header  # noqa: E402
+from engine.loader import parse_dtype  # noqa: E402
+from splitserve.bench import peer  # noqa: E402
+from splitserve.cli import dtype_arg  # noqa: E402
 
 
 def log(msg: str) -> None:
@@ -172,7 +181,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=Path, default=ROOT / "models" / "qwen2.5-0.5b")
     ap.add_argument("--preset", default="qwen2.5-0.5b", help="written to --model when it is missing")
-    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--dtype", default="bfloat16", type=dtype_arg, help="vLLM's names: auto, bf16, half, float32, ...")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--prompt-len", type=int, default=128)
@@ -182,14 +191,23 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--skip-hf", action="store_true", help="measure splitserve and the bounds only")
     ap.add_argument("--json", action="store_true", help="print one JSON object with every figure")
+    ap.add_argument("--peer", default=None, metavar="PYTHON",
+                    help="the peer venv's python (default: .peer/bin/python when `make peer` has built it)")
+    ap.add_argument("--no-peer", action="store_true", help="do not measure vLLM")
+    ap.add_argument("--peer-timeout", type=float, default=1800.0, help="seconds for the whole vLLM run")
     args = ap.parse_args()
 
     torch.set_num_threads(args.threads)
     dev = args.device
-    machine = print_header(args.dtype, args.threads, dev, to_stderr=args.json)
-    model_dir = ensure_model(args.model, args.preset, args.dtype)
+    peer_python = peer.peer_python(args.peer, args.no_peer) if dev == "cpu" else None
+    model_dir = ensure_model(args.model, args.preset, "bfloat16" if args.dtype == "auto" else args.dtype)
     cfg = ModelConfig.from_model_dir(model_dir)
-    dtype = getattr(torch, args.dtype)
+    dtype = parse_dtype(args.dtype, cfg.checkpoint_dtype)
+    args.dtype = str(dtype).removeprefix("torch.")
+    cpus = peer.pinned_cpus(args.threads) if dev == "cpu" else []
+    if cpus:
+        os.sched_setaffinity(0, cpus)  # our engine on the very cores the peer is bound to
+    machine = print_header(args.dtype, args.threads, dev, to_stderr=args.json)
     decode_batches = [int(b) for b in args.decode_batches.split(",")]
     hf_batches = [int(b) for b in args.hf_batches.split(",")]
     result: dict = {"model": str(model_dir), "dtype": args.dtype, "device": dev, "threads": args.threads,
@@ -202,6 +220,21 @@ def main() -> int:
     kv_bytes_per_token = 2 * cfg.num_layers * cfg.kv_size * elem
     result["copy_bandwidth_gb_s"] = bw / 1e9
     result["weight_bytes"] = weight_bytes
+    result["cpus"] = cpus
+    result["no_peer"] = args.no_peer
+
+    if peer_python is not None:
+        log(f"vLLM (the peer, {peer_python}) on cores {peer.cpu_list(cpus)}: the first start compiles for minutes ...")
+        extra = ["--prompt-len", str(args.prompt_len), "--new-tokens", str(args.new_tokens),
+                 "--decode-batches", args.decode_batches, "--repeats", str(args.repeats)]
+        vllm = peer.run_offline(peer_python, model_dir, args.dtype, cpus, args.peer_timeout, extra,
+                                log_path=ROOT / "results" / "peer_vllm_engine.log")
+        if "error" in vllm:
+            log(f"vLLM failed ({vllm['error']})")
+        else:
+            log(f"vLLM ready in {vllm['load_s']:.0f} s; prefill {vllm['prefill_tok_s']}, decode "
+                + ", ".join(f"batch {b}: {d['tok_s']:.1f} tok/s" for b, d in vllm["decode"].items()))
+        result["vllm"] = vllm
 
     llm = LLM(model_dir, dtype=args.dtype, device=dev, num_threads=args.threads, enable_prefix_caching=False,
               max_num_seqs=max(decode_batches), max_num_batched_tokens=max(2048, 8 * args.prompt_len),
@@ -260,6 +293,15 @@ def main() -> int:
             entry.pop("t1", None)
             log(f"  transformers batch {b}: {entry['decode_tok_s']:.1f} tok/s ({entry['ms_per_step']:.1f} ms/step)")
     result["splitserve"] = ours
+    vllm = result.get("vllm")
+    if vllm and "error" not in vllm:
+        result["ratios_vs_vllm"] = vllm_ratios(ours, vllm)
+        result["targets_vs_vllm"] = {
+            "decode batch 1 and 32 >= 1.2x vLLM": all(
+                result["ratios_vs_vllm"].get(f"decode_batch{b}_vs_vllm", 0) >= 1.2 for b in (1, 32)),
+            "prefill >= 1.0x vLLM (batch 1 and 8)": all(
+                result["ratios_vs_vllm"].get(f"prefill_batch{b}_vs_vllm", 0) >= 1.0 for b in (1, 8)),
+        }
     if hf:
         result["transformers"] = theirs
         best_hf = max(v["decode_tok_s"] for v in theirs.values() if "decode_tok_s" in v)
@@ -283,22 +325,46 @@ def main() -> int:
     return 0
 
 
+def vllm_ratios(ours: dict, vllm: dict) -> dict[str, float]:
+    """Ours over vLLM's (JSON keys are strings on vLLM's side): > 1 is faster than vLLM."""
+    ratios = {}
+    for b, v in ours["prefill_tok_s"].items():
+        if (theirs := vllm["prefill_tok_s"].get(str(b))) is not None:
+            ratios[f"prefill_batch{b}_vs_vllm"] = v / theirs
+    for b, d in ours["decode"].items():
+        if (theirs := vllm["decode"].get(str(b))) is not None:
+            ratios[f"decode_batch{b}_vs_vllm"] = d["tok_s"] / theirs["tok_s"]
+    return ratios
+
+
 def print_table(r: dict) -> None:
     ours, hf = r["splitserve"], r.get("transformers", {})
+    vllm = r.get("vllm") or {}
+    measured = "error" not in vllm and bool(vllm)
     print(f"model {r['model']} ({r['dtype']}, {r['device']}, {r['threads']} threads), prompts of "
           f"{r['prompt_len']} tokens, {r['new_tokens']} new tokens; copy bandwidth {r['copy_bandwidth_gb_s']:.1f} GB/s")  # fmt: skip
+    if not vllm:
+        print("vLLM: not measured (--no-peer)" if r.get("no_peer") else peer.NOT_MEASURED)
+    elif not measured:
+        print(f"vLLM: failed: {vllm['error']}")
+    else:
+        print(f"vLLM {vllm['vllm_version']} (torch {vllm['torch_version']}), offline LLM, cores "
+              f"{vllm['omp_threads_bind']}; ready in {vllm['load_s']:.0f} s (compiles on a first start)")
     print()
-    print("| | batch | splitserve | transformers | ratio |")
-    print("| --- | --- | --- | --- | --- |")
+    cell = lambda x, f=".1f": format(x, f) if x else "-"  # noqa: E731
+    ratio = lambda a, b: f"{a / b:.2f}x" if a and b else "-"  # noqa: E731
+    print("| | batch | splitserve | transformers | ratio | vLLM | ratio |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    peer_prefill = vllm.get("prefill_tok_s", {}) if measured else {}
+    peer_decode = vllm.get("decode", {}) if measured else {}
     for b, v in ours["prefill_tok_s"].items():
-        h = hf.get(b, {}).get("prefill_tok_s")
-        print(f"| prefill tok/s | {b} | {v:.0f} | {h or float('nan'):.0f} | {v / h if h else float('nan'):.2f}x |")
+        h, p = hf.get(b, {}).get("prefill_tok_s"), peer_prefill.get(str(b))
+        print(f"| prefill tok/s | {b} | {v:.0f} | {cell(h, '.0f')} | {ratio(v, h)} | {cell(p, '.0f')} | {ratio(v, p)} |")
     for b in sorted(set(ours["decode"]) | set(hf)):
         v = ours["decode"].get(b, {}).get("tok_s")
         h = hf.get(b, {}).get("decode_tok_s")
-        cell = lambda x: f"{x:.1f}" if x else "-"  # noqa: E731
-        ratio = f"{v / h:.2f}x" if v and h else "-"
-        print(f"| decode tok/s | {b} | {cell(v)} | {cell(h)} | {ratio} |")
+        p = peer_decode.get(str(b), {}).get("tok_s")
+        print(f"| decode tok/s | {b} | {cell(v)} | {cell(h)} | {ratio(v, h)} | {cell(p)} | {ratio(v, p)} |")
     print()
     print("| splitserve decode | batch | ms/step | linear bound ms | fraction | bytes bound ms | fraction |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
@@ -310,6 +376,12 @@ def print_table(r: dict) -> None:
         for k, v in r["ratios"].items():
             print(f"{k}: {v:.2f}" if v is not None else f"{k}: -")
         for k, ok in r["targets"].items():
+            print(f"target {k}: {'met' if ok else 'NOT met'}")
+    if "ratios_vs_vllm" in r:
+        print()
+        for k, v in r["ratios_vs_vllm"].items():
+            print(f"{k}: {v:.2f}")
+        for k, ok in r["targets_vs_vllm"].items():
             print(f"target {k}: {'met' if ok else 'NOT met'}")
 
 

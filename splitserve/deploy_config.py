@@ -241,6 +241,9 @@ class DeploymentConfig:
     security: SecuritySettings = field(default_factory=SecuritySettings)
 
     def __post_init__(self) -> None:
+        from engine.loader import canonical_dtype
+
+        object.__setattr__(self, "dtype", canonical_dtype(self.dtype))  # vLLM's names; the canonical one kept
         if self.mode not in MODES:
             raise ValueError(f"mode: {self.mode!r} is not {' or '.join(MODES)}")
         if self.log_format not in LOG_FORMATS:

@@ -17,6 +17,7 @@ from typing import Literal
 import torch
 from tokenizers import Tokenizer
 
+from engine.loader import canonical_dtype, parse_dtype
 from splitserve.bpe_tokenizer import DEFAULT_SPECIAL_TOKENS, tokenizer_config, train_tokenizer
 from splitserve.random_weights import random_weights, write_safetensors
 
@@ -24,11 +25,6 @@ __all__ = ["PRESETS", "make_model", "train_tokenizer", "write_random_checkpoint"
 
 ConfigFormat = Literal["legacy", "current"]
 
-DTYPES: dict[str, torch.dtype] = {
-    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-    "float16": torch.float16, "fp16": torch.float16,
-    "float32": torch.float32, "fp32": torch.float32,
-}
 MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "MistralForCausalLM": "mistral"}
 ROPE_KEYS = ("rope_theta", "rope_scaling", "rope_parameters")
 # Files a checkpoint may consist of; overwrite=True removes exactly these (plus stale shards).
@@ -246,9 +242,10 @@ def _special_ids(tokenizer: Tokenizer, vocab_size: int) -> dict[str, int]:
 
 
 def _parse_dtype(dtype: str) -> torch.dtype:
-    if dtype not in DTYPES:
-        raise ValueError(f"unsupported dtype {dtype!r}; use one of {', '.join(DTYPES)}")
-    return DTYPES[dtype]
+    """Any of vLLM's names but "auto" (bf16, half, float, ...), as --dtype takes them everywhere."""
+    if canonical_dtype(dtype) == "auto":
+        raise ValueError("unsupported dtype 'auto': a checkpoint is written in bfloat16, float16 or float32")
+    return parse_dtype(dtype)
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

@@ -172,3 +172,12 @@ def test_scale_past_the_cpu_sets_is_refused_naming_the_field():
     deployment = Deployment(DeploymentConfig.from_dict({"model": "/m", "decode": {"cpus": "0|1", "replicas": 2}}))
     with pytest.raises(ValueError, match=r"decode\.cpus: 2 cpu sets bind at most 2 decode workers, not 3"):
         asyncio.run(deployment.scale({"decode": 3}))
+
+
+def test_dtype_takes_vllms_names_and_keeps_the_canonical_one():
+    assert DeploymentConfig.from_dict({"dtype": "bf16"}).dtype == "bfloat16"
+    assert DeploymentConfig.from_dict({"dtype": "half"}).dtype == "float16"
+    assert DeploymentConfig().with_overrides(dtype="fp32").dtype == "float32"
+    assert DeploymentConfig().dtype == "auto"
+    with pytest.raises(ConfigError, match="dtype: 'int8'"):
+        DeploymentConfig.from_dict({"dtype": "int8"})

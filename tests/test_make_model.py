@@ -325,7 +325,7 @@ def test_tokenizer_training_is_deterministic_across_processes():
     assert other_process.stdout == train_tokenizer(2048).to_str()
 
 
-@pytest.mark.parametrize("alias, name", [("bf16", "bfloat16"), ("fp16", "float16"), ("fp32", "float32")])
+@pytest.mark.parametrize("alias, name", [("bf16", "bfloat16"), ("half", "float16"), ("float", "float32")])
 def test_dtype_aliases(alias: str, name: str, tmp_path: Path):
     path = make_model("tiny", tmp_path, dtype=alias, config_format="current")
     config = json.loads((path / "config.json").read_text())

@@ -23,7 +23,13 @@ SWEEP_ONLY = ("rates", "out_dir", "attainment")
 
 def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("action", nargs="?", choices=["sweep"], help="sweep: one run per --rates, goodput and plots")
+    p.add_argument("--backend", default="splitserve", choices=["splitserve", "openai"],
+                   help="splitserve: the router's gRPC API at --addr; openai: any OpenAI-compatible server at "
+                        "--base-url (vLLM, splitserve's --openai-port), streamed /v1/completions")
     p.add_argument("--addr", default="127.0.0.1:50051", help="the router's host:port")
+    p.add_argument("--base-url", default=None, help="with --backend openai: http://host:port of the server")
+    p.add_argument("--model", default=None,
+                   help="with --backend openai: the served model name (default: the first id of GET /v1/models)")
     p.add_argument("--num-prompts", type=int, default=1000, help="requests to send (mooncake: the trace's first N)")
     d = p.add_argument_group("dataset")
     d.add_argument("--dataset", default="random", choices=DATASETS)
@@ -63,11 +69,9 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
 
 def run_bench(args: argparse.Namespace) -> int:
     """``splitserve bench`` and ``splitserve bench sweep``."""
-    import grpc
-
     from splitserve.bench.datasets import DatasetOptions, TokenRange, make_requests
     from splitserve.bench.metrics import parse_goodput, parse_percentiles
-    from splitserve.bench.runner import BenchConfig, get_status
+    from splitserve.bench.runner import BenchConfig
     from splitserve.rpc.security import ClientSecurity
 
     sweep = args.action == "sweep"
@@ -79,21 +83,26 @@ def run_bench(args: argparse.Namespace) -> int:
         raise ValueError("--save-result: a sweep writes its results into --out-dir")
     if sweep and args.dataset == "mooncake":
         raise ValueError("--dataset mooncake: a trace keeps its own arrival times; run it at several --time-scale")
-    config = BenchConfig(addr=args.addr, request_rate=args.request_rate, burstiness=args.burstiness,
+    security = ClientSecurity(**client_security(args))
+    openai = args.backend == "openai"
+    if openai != (args.base_url is not None) or (args.model is not None and not openai):
+        raise ValueError("--base-url, --model: only with --backend openai, which needs --base-url")
+    config = BenchConfig(addr=args.addr, backend=args.backend, base_url=args.base_url or "",
+                         request_rate=args.request_rate, burstiness=args.burstiness,
                          max_concurrency=args.max_concurrency, seed=args.seed, temperature=args.temperature,
                          ignore_eos=args.ignore_eos, request_timeout_s=args.request_timeout,
                          percentiles=parse_percentiles(args.percentiles), goodput=parse_goodput(args.goodput),
-                         progress=not args.no_progress, security=ClientSecurity(**client_security(args)))  # fmt: skip
-    try:
-        status = asyncio.run(get_status(args.addr, security=config.security))
-    except grpc.RpcError as e:
-        print(f"splitserve bench: cannot read the server's status at {args.addr}: {e.code().name}: {e.details()}",
-              file=sys.stderr)  # fmt: skip
+                         progress=not args.no_progress, security=security)
+    server = _openai_server(args, security.api_key) if openai else _grpc_server(args, security)
+    if server is None:
         return 1
-    vocab_size = args.vocab_size or status.vocab_size
+    model_id, max_model_len, vocab_size = server
+    if openai:
+        config = replace(config, model=model_id)
+    vocab_size = args.vocab_size or vocab_size
     if not vocab_size:
         raise ValueError("--vocab-size: the server does not report its vocabulary size; give it")
-    limits = [n for n in (args.max_model_len, status.max_model_len) if n]
+    limits = [n for n in (args.max_model_len, max_model_len) if n]
     options = DatasetOptions(name=args.dataset, num_prompts=args.num_prompts, input_len=args.input_len,
                              output_len=args.output_len, range_ratio=args.range_ratio,
                              random_prefix_len=args.random_prefix_len, shared_prefix_groups=args.shared_prefix_groups,
@@ -102,8 +111,47 @@ def run_bench(args: argparse.Namespace) -> int:
     tokens = TokenRange.for_vocab(vocab_size)
     if sweep:  # fresh prompts per rate: the prefix cache must not carry over from one rate to the next
         return _sweep(args, lambda i: make_requests(replace(options, seed=options.seed + i), tokens), config,
-                      status.model)  # fmt: skip
-    return _single(args, make_requests(options, tokens), config, status.model)
+                      model_id)  # fmt: skip
+    return _single(args, make_requests(options, tokens), config, model_id)
+
+
+def _grpc_server(args: argparse.Namespace, security) -> tuple[str, int, int] | None:
+    """(model, max_model_len, vocab_size) from the router's status; None (reported) when unreachable."""
+    import grpc
+
+    from splitserve.bench.runner import get_status
+
+    try:
+        status = asyncio.run(get_status(args.addr, security=security))
+    except grpc.RpcError as e:
+        print(f"splitserve bench: cannot read the server's status at {args.addr}: {e.code().name}: {e.details()}",
+              file=sys.stderr)
+        return None
+    return status.model, status.max_model_len, status.vocab_size
+
+
+def _openai_server(args: argparse.Namespace, api_key: str | None) -> tuple[str, int, int] | None:
+    """(model, max_model_len, 0) from GET /v1/models: --model (or the first id) and its max_model_len.
+    An OpenAI server does not say its vocabulary size: --vocab-size gives it."""
+    import aiohttp
+
+    from splitserve.bench.openai_backend import list_models
+
+    try:
+        models = asyncio.run(list_models(args.base_url, api_key=api_key))
+    except (aiohttp.ClientError, TimeoutError, RuntimeError, KeyError, ValueError) as e:
+        print(f"splitserve bench: cannot list the models at {args.base_url}: {type(e).__name__}: {e}",
+              file=sys.stderr)
+        return None
+    ids = [m.get("id") for m in models]
+    name = args.model or (ids[0] if ids else None)
+    if name not in ids:
+        print(f"splitserve bench: {args.base_url} serves {ids}, not {name!r} (--model)", file=sys.stderr)
+        return None
+    entry = models[ids.index(name)]
+    if not args.vocab_size:
+        raise ValueError("--vocab-size: needed with --backend openai (an OpenAI server does not report it)")
+    return name, int(entry.get("max_model_len") or 0), 0
 
 
 def _single(args: argparse.Namespace, requests: list[BenchRequest], config: BenchConfig, model_id: str) -> int:

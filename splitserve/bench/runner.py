@@ -1,4 +1,5 @@
-"""Sends the requests over ``grpc.aio`` and times every streamed message.
+"""Sends the requests over ``grpc.aio`` (or, with ``backend="openai"``, over any OpenAI-compatible HTTP
+server: splitserve.bench.openai_backend) and times every streamed message.
 
 Each request is a task that sleeps until it is due (its arrival offset), waits for a slot when
 ``max_concurrency`` is set, and only then counts as sent: TTFT, ITL and E2EL start there, and the
@@ -16,6 +17,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
+from typing import Literal
 
 import grpc
 
@@ -29,9 +31,15 @@ from splitserve.v1 import splitserve_pb2 as pb
 from splitserve.v1 import splitserve_pb2_grpc as pb_grpc
 
 
+BACKENDS = ("splitserve", "openai")
+
+
 @dataclass(frozen=True)
 class BenchConfig:
-    addr: str = "127.0.0.1:50051"
+    addr: str = "127.0.0.1:50051"  # the router's gRPC address (backend "splitserve")
+    backend: Literal["splitserve", "openai"] = "splitserve"
+    base_url: str = ""  # backend "openai": http://host:port of an OpenAI-compatible server
+    model: str = ""  # backend "openai": the served model name sent with every request
     request_rate: float = math.inf  # requests per second; inf: all at once
     burstiness: float = 1.0
     max_concurrency: int | None = None
@@ -45,6 +53,10 @@ class BenchConfig:
     security: ClientSecurity = field(default_factory=ClientSecurity)  # TLS and the API key
 
     def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ValueError(f"--backend: must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
+        if self.backend == "openai" and not self.base_url.startswith(("http://", "https://")):
+            raise ValueError(f"--base-url: backend openai needs an http(s) URL, got {self.base_url!r}")
         if self.max_concurrency is not None and self.max_concurrency < 1:
             raise ValueError(f"--max-concurrency: must be >= 1, got {self.max_concurrency}")
         if not self.request_timeout_s > 0:
@@ -137,14 +149,23 @@ async def run_requests(requests: Sequence[BenchRequest], offsets_s: Sequence[flo
 def benchmark(requests: Sequence[BenchRequest], offsets_s: Sequence[float], config: BenchConfig,
               model_id: str = "", dataset: str = "") -> dict:  # fmt: skip
     """One run: vLLM's result keys, the per-request lists and the run's settings."""
-    records, duration = asyncio.run(run_requests(requests, offsets_s, config))
+    if config.backend == "openai":
+        from splitserve.bench import openai_backend
+
+        if not config.model:
+            raise ValueError("--model: backend openai sends a model name with every request")
+        progress = Progress(len(requests), config.progress)
+        run = openai_backend.run_requests(requests, offsets_s, config, config.model, progress)
+    else:
+        run = run_requests(requests, offsets_s, config)
+    records, duration = asyncio.run(run)
     rate = config.request_rate
     return {
         "date": datetime.now().strftime("%Y%m%d-%H%M%S"),
-        "backend": "splitserve",
-        "model_id": model_id,
+        "backend": config.backend,
+        "model_id": model_id or config.model,
         "dataset": dataset,
-        "addr": config.addr,
+        "addr": config.base_url if config.backend == "openai" else config.addr,
         "num_prompts": len(requests),
         "request_rate": "inf" if math.isinf(rate) else rate,
         "burstiness": config.burstiness,

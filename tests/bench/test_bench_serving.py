@@ -24,7 +24,7 @@ RESULT_KEYS = (
 
 @pytest.fixture(scope="module")
 def deployment(ray_session, serving_model):
-    deployment = start_deployment(serving_model)
+    deployment = start_deployment(serving_model, openai_port=0)  # openai_port: the --backend openai test
     yield deployment
     deployment.stop()
 
@@ -112,3 +112,29 @@ def test_requests_past_their_deadline_are_counted_as_failed(deployment, tmp_path
     result = json.loads(path.read_text())
     assert result["completed"] == 0 and result["failures"] == {"DEADLINE_EXCEEDED": 4}
     assert all(e.startswith("DEADLINE_EXCEEDED") for e in result["errors"]) and result["output_lens"] == [0] * 4
+
+
+def test_the_openai_backend_measures_as_the_grpc_one(deployment, tmp_path):
+    """The same load over splitserve's OpenAI port: the same result keys, every token counted, sane times."""
+    workload = ("--num-prompts", "6", "--input-len", "16", "--output-len", "6", "--max-concurrency", "3",
+                "--seed", "5")
+    run_bench("--addr", deployment.address, *workload, "--save-result", str(tmp_path / "grpc.json"))
+    out = run_bench("--backend", "openai", "--base-url", f"http://{deployment.openai_address}", "--vocab-size",
+                    "2048", *workload, "--save-result", str(tmp_path / "openai.json"))
+    grpc_result, result = (json.loads((tmp_path / f"{name}.json").read_text()) for name in ("grpc", "openai"))
+    assert "============ Serving Benchmark Result ============" in out.stdout
+    assert sorted(result) == sorted(grpc_result)
+    assert result["backend"] == "openai" and result["model_id"] == grpc_result["model_id"] != ""
+    assert result["failed"] == 0 and result["completed"] == 6 and result["total_output_tokens"] == 36
+    assert result["input_lens"] == grpc_result["input_lens"]  # the same prompts
+    assert result["output_lens"] == result["expected_output_lens"] == [6] * 6  # from the usage chunk
+    assert all(0 < t <= e for t, e in zip(result["ttfts"], result["e2els"])) and all(t > 0 for t in result["tpots"])
+    assert all(len(itls) >= 1 for itls in result["itls"]) and result["mean_itl_ms"] > 0
+    assert result["mean_server_prefill_ms"] > 0  # splitserve's timing object, read from the finished choice
+    assert result["max_concurrency"] == 3 and result["output_throughput"] > 0
+
+
+def test_the_openai_backend_names_a_model_the_server_lacks(deployment):
+    out = run_bench("--backend", "openai", "--base-url", f"http://{deployment.openai_address}", "--model", "other",
+                    "--vocab-size", "2048", "--num-prompts", "1", returncode=1)
+    assert "not 'other' (--model)" in out.stderr
