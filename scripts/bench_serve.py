@@ -127,6 +127,12 @@ DEPLOYMENTS = {
     "1p1d": ("splitserve 1P+1D", lambda a: {
         "prefill": {"threads": a.threads, "max_inflight": max(a.in_flight)},
         "decode": {"threads": a.threads, "max_inflight": max(a.in_flight)}}),
+    # Prefill on the first half of the benchmark's cores and decode on the rest, one thread per core,
+    # against 1p1d's two workers each with every core's worth of threads (oversubscribing them).
+    "1p1d-pinned": ("splitserve 1P+1D pinned", lambda a: {
+        "prefill": {"cpus": peer.pinned_cpus(a.threads)[: max(1, a.threads // 2)], "max_inflight": max(a.in_flight)},
+        "decode": {"cpus": peer.pinned_cpus(a.threads)[max(1, a.threads // 2):] or peer.pinned_cpus(a.threads),
+                   "max_inflight": max(a.in_flight)}}),
     "colocated": ("splitserve colocated", lambda a: {
         "mode": "colocated", "colocated": {"threads": a.threads, "max_inflight": max(a.in_flight)}}),
 }
