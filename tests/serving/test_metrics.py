@@ -160,8 +160,8 @@ def test_status_table_and_json(served, capsys):
     table = capsys.readouterr().out.splitlines()
     assert table[0].startswith(f"router {served.address}  model ") and "workers 2/2 healthy" in table[0]
     assert f"metrics {served.router.metrics_address}" in table[0]
-    assert table[1].split() == ["WORKER", "ROLE", "NODE", "HEALTH", "RUN", "WAIT", "KV", "USED", "CACHED", "ADDRESS",
-                                "METRICS"]  # fmt: skip
+    assert table[1].split() == ["WORKER", "ROLE", "NODE", "HEALTH", "RUN", "WAIT", "KV", "USED", "CACHED", "CPUS",
+                                "THREADS", "ADDRESS", "METRICS"]  # fmt: skip
     rows = {line.split()[0]: line.split() for line in table[2:]}
     assert set(rows) == {"prefill-0", "decode-0"}
     assert cli.main(["status", "--addr", served.address, "--json"]) == 0
@@ -171,6 +171,7 @@ def test_status_table_and_json(served, capsys):
         row = rows[w["worker_id"]]
         assert row[1] == w["role"] and row[3] == "ok" and row[-2] == w["address"] and row[-1] == w["metrics_address"]
         assert row[6] == f"{w['kv_blocks_in_use']}/{w['kv_blocks_total']}"
+        assert (row[9], row[10]) == (w["cpus"], str(w["threads"])) and w["threads"] >= 1
         assert w["metrics_address"].startswith("127.0.0.1:") and w["node_id"] and w["healthy"]
 
 
