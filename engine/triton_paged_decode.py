@@ -23,6 +23,7 @@ is installed in CI, so they have not run there (see docs/engine.md).
 
 from __future__ import annotations
 
+import importlib
 from typing import Callable
 
 import torch
@@ -228,14 +229,19 @@ def paged_decode_triton(
 # ---- FlashInfer -------------------------------------------------------------------------------------
 
 
-def _flashinfer_available(device: torch.device | str) -> bool:
+def _cuda_with(module: str, device: torch.device | str) -> bool:
+    """The device is CUDA and ``module`` imports."""
     if torch.device(device).type != "cuda":
         return False
     try:
-        import flashinfer  # noqa: F401
+        importlib.import_module(module)
     except ImportError:
         return False
     return True
+
+
+def _flashinfer_available(device: torch.device | str) -> bool:
+    return _cuda_with("flashinfer", device)
 
 
 _FLASHINFER_WORKSPACES: dict[torch.device, torch.Tensor] = {}
@@ -304,13 +310,7 @@ def paged_decode_flashinfer(
 
 
 def _flash_attn_available(device: torch.device | str) -> bool:
-    if torch.device(device).type != "cuda":
-        return False
-    try:
-        from flash_attn import flash_attn_with_kvcache  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return _cuda_with("flash_attn", device)
 
 
 def paged_decode_flash_attn(
