@@ -17,8 +17,8 @@ The contract every backend meets (``PagedDecodeFn``)::
   block (a dummy one): they are never attended to, so they never disturb a live row.
 
 ``paged_decode_torch`` is the reference, always available. Faster backends (a Triton kernel on CUDA,
-``engine/triton_paged_decode.py``) register themselves with ``register_backend`` at import;
-``select_backend`` returns the preferred one available for a device and dtype.
+``engine/triton_paged_decode.py``) are listed in that module's ``BACKENDS`` and registered on the first
+selection (``OPTIONAL_PRIORITIES`` ranks them), or with ``register_backend``; ``select_backend`` returns the preferred one available for a device and dtype.
 """
 
 from __future__ import annotations
