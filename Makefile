@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 MODELS := models
 PYTEST_ARGS ?=
 
-.PHONY: setup peer serve demo test bench-engine bench-transfer bench-serve bench-cluster bench-disagg loadtest soak fault-drill bench-frontends proto gpu-check clean
+.PHONY: setup peer serve demo test lint format bench-engine bench-transfer bench-serve bench-cluster bench-disagg loadtest soak fault-drill bench-frontends proto gpu-check clean
 
 setup: $(STAMP)
 
@@ -37,17 +37,26 @@ demo: setup $(MODELS)/tiny/config.json
 
 # First a test that cannot fail (no assert) fails the run; then the suite, then the GPU checks
 # rehearsed on the CPU so that scripts/gpu_check.sh cannot rot.
-test: setup
+test: setup lint
 	$(VPY) scripts/check_test_asserts.py
 	$(VPY) -m pytest $(PYTEST_ARGS)
 	PYTHON=$(VPY) scripts/gpu_check.sh --device cpu
+
+# Formatting and lint (ruff, configured in pyproject.toml); `make format` rewrites in place.
+lint: setup
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/ruff check .
+
+format: setup
+	$(VENV)/bin/ruff format .
+	$(VENV)/bin/ruff check --fix .
 
 # Both measure vLLM's CPU build in the same run when `make peer` has built .peer (BENCH_ARGS=--no-peer skips it).
 bench-engine: setup
 	$(VPY) scripts/bench_engine.py $(BENCH_ARGS)
 
 bench-transfer: setup
-	$(VPY) -m kv_transfer.bench $(BENCH_ARGS)
+	$(VPY) -m splitserve.kv_transfer.bench $(BENCH_ARGS)
 
 bench-serve: setup
 	$(VPY) scripts/bench_serve.py $(BENCH_ARGS)

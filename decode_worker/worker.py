@@ -23,18 +23,18 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from engine.request import FinishReason, Request
-from engine.sampling_params import SamplingParams, SamplingParamsError
-from kv_transfer.handles import TransferHandle, TransferState
-from kv_transfer.receiver import KVReceiver
-from kv_transfer.service import KVTransferServicer
+from splitserve.engine.request import FinishReason, Request
+from splitserve.engine.sampling_params import SamplingParams, SamplingParamsError
+from splitserve.kv_transfer.handles import TransferHandle, TransferState
+from splitserve.kv_transfer.receiver import KVReceiver
+from splitserve.kv_transfer.service import KVTransferServicer
 from splitserve.observability.logs import request_context
 from splitserve.rpc import kv_transfer_pb2_grpc
 from splitserve.rpc import workers_pb2 as wpb
 from splitserve.rpc import workers_pb2_grpc as wpb_grpc
 from splitserve.rpc.convert import FINISH_TO_PB, sampling_from_pb, stop_reason_text
-from worker_common.base import END, WorkerBase, WorkerError, ms_since
-from worker_common.config import WorkerConfig
+from splitserve.worker_common.base import END, WorkerBase, WorkerError, ms_since
+from splitserve.worker_common.config import WorkerConfig
 
 log = logging.getLogger("splitserve.decode")
 
@@ -57,8 +57,9 @@ class DecodeWorker(WorkerBase):
     def __init__(self, config: WorkerConfig) -> None:
         super().__init__(config)
         self.scheduler = self.core.make_scheduler(preemption="hand_back")
-        self.receiver = KVReceiver(self.core.kv_cache, self.fingerprint, config.worker_id, host=config.host,
-                                   config=config.transfer)  # fmt: skip
+        self.receiver = KVReceiver(
+            self.core.kv_cache, self.fingerprint, config.worker_id, host=config.host, config=config.transfer
+        )
         self.jobs: dict[str, DecodeJob] = {}
 
     @property
@@ -96,8 +97,10 @@ class DecodeWorker(WorkerBase):
             if message.request_id in self.jobs or self.receiver.has_transfer(message.request_id):
                 raise WorkerError("ALREADY_EXISTS", f"request_id: {message.request_id!r} is already here")
             if len(self.jobs) >= self.config.max_inflight:
-                refusal = wpb.LeaseRefused(reason=f"at capacity ({self.config.max_inflight} requests, its max_inflight)",
-                                           free_blocks=blocks.num_free_blocks)  # fmt: skip
+                refusal = wpb.LeaseRefused(
+                    reason=f"at capacity ({self.config.max_inflight} requests, its max_inflight)",
+                    free_blocks=blocks.num_free_blocks,
+                )
                 return None, wpb.DecodeEvent(refused=refusal)
             # Room for the prompt's KV and the first token of this leg; decoding grows it step by step.
             if not blocks.allocate(message.request_id, len(prompt) + len(output) + 1):
@@ -113,15 +116,18 @@ class DecodeWorker(WorkerBase):
                 del self.jobs[message.request_id]
             raise WorkerError("ALREADY_EXISTS", f"request_id: {message.request_id!r} is still being released") from None
         job.transfer.on_terminal(lambda handle: self._kv_ended(job, handle))
-        destination = wpb.KVDestination(receiver_id=self.config.worker_id, incarnation=self.receiver.incarnation,
-                                        control_address=self.address)  # fmt: skip
+        destination = wpb.KVDestination(
+            receiver_id=self.config.worker_id, incarnation=self.receiver.incarnation, control_address=self.address
+        )
         return job, wpb.DecodeEvent(lease=wpb.LeaseGranted(destination=destination, blocks=len(table)))
 
     def _kv_ended(self, job: DecodeJob, handle: TransferHandle) -> None:
         """The transfer ended (transfer or caller thread): admit on success, else give the lease back."""
         self.metrics.transfer_ended("received", handle)
         if handle.state is TransferState.FAILED:
-            log.warning("KV transfer of %s failed: %s", job.request_id, handle.error, extra={"request_id": job.request_id})
+            log.warning(
+                "KV transfer of %s failed: %s", job.request_id, handle.error, extra={"request_id": job.request_id}
+            )
         if handle.state is TransferState.DONE:
             self.submit(("admit", job))
             return
@@ -188,11 +194,15 @@ class DecodeWorker(WorkerBase):
             advanced = self.scheduler.update(output, sampled)
         for request in advanced:
             job = self.jobs[request.request_id]
-            job.events.put(wpb.DecodeEvent(tokens=wpb.Tokens(token_ids=[request.token_ids[-1]],
-                                                              index=request.num_output_tokens - 1)))  # fmt: skip
+            job.events.put(
+                wpb.DecodeEvent(
+                    tokens=wpb.Tokens(token_ids=[request.token_ids[-1]], index=request.num_output_tokens - 1)
+                )
+            )
             if request.is_finished:
-                finished = wpb.Finished(finish_reason=FINISH_TO_PB[request.finish_reason],
-                                        stop_reason=stop_reason_text(request.stop_reason))  # fmt: skip
+                finished = wpb.Finished(
+                    finish_reason=FINISH_TO_PB[request.finish_reason], stop_reason=stop_reason_text(request.stop_reason)
+                )
                 self._end(job, wpb.DecodeEvent(finished=finished))
         if self.config.faults.decode_step_delay_s:
             time.sleep(self.config.faults.decode_step_delay_s)

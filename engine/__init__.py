@@ -10,15 +10,15 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
-    "LLM": "engine.llm",
-    "EngineConfig": "engine.core",
-    "EngineCore": "engine.core",
-    "RequestOutput": "engine.llm",
-    "SamplingParams": "engine.sampling_params",
-    "SamplingParamsError": "engine.sampling_params",
-    "ModelConfig": "engine.model_config",
-    "BlockManager": "engine.block_manager",
-    "Tokenizer": "engine.tokenizer",
+    "LLM": "splitserve.engine.llm",
+    "EngineConfig": "splitserve.engine.core",
+    "EngineCore": "splitserve.engine.core",
+    "RequestOutput": "splitserve.engine.llm",
+    "SamplingParams": "splitserve.engine.sampling_params",
+    "SamplingParamsError": "splitserve.engine.sampling_params",
+    "ModelConfig": "splitserve.engine.model_config",
+    "BlockManager": "splitserve.engine.block_manager",
+    "Tokenizer": "splitserve.engine.tokenizer",
 }
 
 __all__ = list(_EXPORTS)

@@ -13,7 +13,7 @@ shared by every layer.
 
 A decode-only step may instead come with ``StaticDecodeMetadata`` (the model runner's static path):
 a padded batch of decodes whose slots, block tables and lengths are device tensors of fixed shape,
-attended by a ``engine.paged_decode`` backend with no host work per layer.
+attended by a ``splitserve.engine.paged_decode`` backend with no host work per layer.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from engine.kv_cache import gather_context, write_kv
-from engine.paged_decode import PagedDecodeFn
+from splitserve.engine.kv_cache import gather_context, write_kv
+from splitserve.engine.paged_decode import PagedDecodeFn
 
 
 @dataclass
@@ -32,7 +32,9 @@ class PrefillChunk:
     start: int  # first token of the chunk in the flattened batch
     end: int
     num_computed: int  # tokens of this request already in the cache before the chunk
-    context_rows: torch.Tensor | None  # kv_cache.context_rows of the blocks covering the context; None if num_computed == 0
+    context_rows: (
+        torch.Tensor | None
+    )  # kv_cache.context_rows of the blocks covering the context; None if num_computed == 0
 
     @property
     def context_len(self) -> int:

@@ -29,9 +29,7 @@ def hash_block(parent_hash: int, token_ids: Sequence[int]) -> int:
     return int.from_bytes(hashlib.blake2b(payload, digest_size=8).digest(), "little")
 
 
-def iter_block_hashes(
-    token_ids: Sequence[int], block_size: int, parent_hash: int = ROOT_HASH
-) -> Iterator[int]:
+def iter_block_hashes(token_ids: Sequence[int], block_size: int, parent_hash: int = ROOT_HASH) -> Iterator[int]:
     """Yield the chained hash of every *full* block of ``token_ids`` (a trailing partial block has none)."""
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")

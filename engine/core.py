@@ -11,19 +11,19 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.block_manager import BlockManager
-from engine.cuda_graphs import CaptureStats, CudaGraphBackend
-from engine.kv_cache import KVCache, KVCacheSpec
-from engine.linear_tuner import LINEAR_KERNELS, KernelPolicy
-from engine.loader import build_model, parse_dtype
-from engine.model_config import ModelConfig
-from engine.model_runner import ModelRunner
-from engine.paged_decode import select_backend
-from engine.sampler import Sampler
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerConfig
-from engine.static_decode import StaticDecodeInputs, batch_buckets
-from engine.tokenizer import Tokenizer
+from splitserve.engine.block_manager import BlockManager
+from splitserve.engine.cuda_graphs import CaptureStats, CudaGraphBackend
+from splitserve.engine.kv_cache import KVCache, KVCacheSpec
+from splitserve.engine.linear_tuner import LINEAR_KERNELS, KernelPolicy
+from splitserve.engine.loader import build_model, parse_dtype
+from splitserve.engine.model_config import ModelConfig
+from splitserve.engine.model_runner import ModelRunner
+from splitserve.engine.paged_decode import select_backend
+from splitserve.engine.sampler import Sampler
+from splitserve.engine.sampling_params import SamplingParams
+from splitserve.engine.scheduler import Scheduler, SchedulerConfig
+from splitserve.engine.static_decode import StaticDecodeInputs, batch_buckets
+from splitserve.engine.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -86,14 +86,15 @@ class EngineCore:
         self.tokenizer = Tokenizer.from_model_dir(cfg.model_dir)
         self.dtype = parse_dtype(cfg.dtype, self.model_config.checkpoint_dtype)
         self.device = torch.device(cfg.device)
-        self.model, self.weights_checksum = build_model(self.model_config, cfg.model_dir, self.dtype, self.device,
-                                                        cfg.kernel_policy)  # fmt: skip
+        self.model, self.weights_checksum = build_model(
+            self.model_config, cfg.model_dir, self.dtype, self.device, cfg.kernel_policy
+        )
         per_block = KVCacheSpec.for_model(self.model_config, 1, cfg.block_size, self.dtype).bytes_per_block
         num_blocks = cfg.num_blocks or max(1, cfg.kv_cache_bytes // per_block)
         self.decode_path = self.resolve_decode_path()
         self.static_decode = self.decode_path == "static"
         # The decode attention of decode-only steps: a paged_decode backend (static) or the gather (dynamic).
-        self.decode_backend = "gather (engine.attention)"
+        self.decode_backend = "gather (splitserve.engine.attention)"
         # The static path's padding rows write to one scratch block past those the block manager owns.
         cache_blocks = num_blocks + 1 if self.static_decode else num_blocks
         cache_spec = KVCacheSpec.for_model(self.model_config, cache_blocks, cfg.block_size, self.dtype)
@@ -112,7 +113,7 @@ class EngineCore:
                 self.runner.graphs = None
 
     def resolve_decode_path(self) -> str:
-        """"static" or "dynamic" for this engine's device (see ``EngineConfig.decode_path``)."""
+        """ "static" or "dynamic" for this engine's device (see ``EngineConfig.decode_path``)."""
         if self.config.decode_path != "auto":
             return self.config.decode_path
         return "static" if self.device.type == "cuda" else "dynamic"
@@ -125,7 +126,9 @@ class EngineCore:
         max_blocks_per_seq = -(-self.max_model_len // cfg.block_size)
         log.info(
             "static decode path: buckets %s, %d blocks per sequence, paged decode backend %r",
-            buckets, max_blocks_per_seq, backend.name,
+            buckets,
+            max_blocks_per_seq,
+            backend.name,
         )
         return StaticDecodeInputs(buckets, max_blocks_per_seq, cfg.block_size, scratch_block, self.device, backend.fn)
 
@@ -136,9 +139,13 @@ class EngineCore:
 
     def make_scheduler(self, **mode) -> Scheduler:
         cfg = self.config
-        scheduler_config = SchedulerConfig(max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
-                                           prefill_chunk_size=cfg.prefill_chunk_size, max_model_len=self.max_model_len,
-                                           **mode)  # fmt: skip
+        scheduler_config = SchedulerConfig(
+            max_num_seqs=cfg.max_num_seqs,
+            max_num_batched_tokens=cfg.max_num_batched_tokens,
+            prefill_chunk_size=cfg.prefill_chunk_size,
+            max_model_len=self.max_model_len,
+            **mode,
+        )
         return Scheduler(scheduler_config, self.blocks, self.eos_token_ids)
 
     def check_request(self, token_ids: list[int], sampling: SamplingParams) -> None:

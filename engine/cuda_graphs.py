@@ -2,7 +2,7 @@
 
 A decode step of a small model on a fast GPU is bound by the host launching ~1,500 small kernels, not
 by the GPU. A graph records those launches once and replays them with one call. What makes that
-correct is ``engine.static_decode``: each bucket's forward reads only persistent buffers (refilled in
+correct is ``splitserve.engine.static_decode``: each bucket's forward reads only persistent buffers (refilled in
 place before each replay) and the KV cache, at fixed addresses and shapes.
 
 Lifecycle::
@@ -75,7 +75,8 @@ class CaptureStats:
     def summary(self) -> str:
         """One line for logs and worker status."""
         sizes = f"batch {min(self.buckets)}-{max(self.buckets)}"
-        return f"{len(self.buckets)} graphs ({sizes}), captured in {self.seconds:.2f} s, {self.memory_bytes / (1 << 20):.1f} MiB"
+        mib = self.memory_bytes / (1 << 20)
+        return f"{len(self.buckets)} graphs ({sizes}), captured in {self.seconds:.2f} s, {mib:.1f} MiB"
 
 
 class DecodeGraphs:
@@ -118,4 +119,3 @@ class DecodeGraphs:
         """The forward of ``bucket`` on the current buffers: hidden states [bucket, hidden_size]."""
         self.graphs[bucket].replay()
         return self.hidden[:bucket]
-

@@ -146,14 +146,18 @@ def header_lines(
     m = describe_machine(device) if machine is None else machine
     isa = m["isa"]
     amx = isa["amx_tile"] and isa["amx_bf16"]
-    cpu = (f"cpu: {m['cpu_model'] or 'unknown'}, {m['logical_cores']} logical cores "
-           f"({m['usable_cores']} usable); avx2 {_yes_no(isa['avx2'])}, avx512f {_yes_no(isa['avx512f'])}, "
-           f"avx512bw {_yes_no(isa['avx512bw'])}, avx512_bf16 {_yes_no(isa['avx512_bf16'])}, "
-           f"amx_bf16 {_yes_no(amx)}, avx_ne_convert {_yes_no(isa['avx_ne_convert'])}")  # fmt: skip
+    cpu = (
+        f"cpu: {m['cpu_model'] or 'unknown'}, {m['logical_cores']} logical cores "
+        f"({m['usable_cores']} usable); avx2 {_yes_no(isa['avx2'])}, avx512f {_yes_no(isa['avx512f'])}, "
+        f"avx512bw {_yes_no(isa['avx512bw'])}, avx512_bf16 {_yes_no(isa['avx512_bf16'])}, "
+        f"amx_bf16 {_yes_no(amx)}, avx_ne_convert {_yes_no(isa['avx_ne_convert'])}"
+    )
     torch_part = f"torch {m.get('torch') or 'not installed'}"
     if "torch_cpu_capability" in m:
-        torch_part += (f" (cpu capability {m['torch_cpu_capability']}, oneDNN bf16 {_yes_no(m['onednn_bf16'])}"
-                       f"{', cuda ' + m['cuda'] if m.get('cuda') else ''})")  # fmt: skip
+        torch_part += (
+            f" (cpu capability {m['torch_cpu_capability']}, oneDNN bf16 {_yes_no(m['onednn_bf16'])}"
+            f"{', cuda ' + m['cuda'] if m.get('cuda') else ''})"
+        )
     versions = f"{torch_part}, transformers {m.get('transformers') or 'not installed'}, python {m['python']}"
     run = [f"device {device or 'cpu'}"]
     if m.get("gpu"):

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.model_config import ModelConfig
+from splitserve.engine.model_config import ModelConfig
 
 
 @dataclass(frozen=True)
@@ -59,7 +59,9 @@ class KVCache:
         layer_ids = torch.arange(layers.start, layers.stop, device=self.device)
         return (layer_ids[:, None] * self.spec.num_blocks + block_ids.to(self.device)[None, :]).reshape(-1)
 
-    def gather_blocks(self, block_ids: torch.Tensor, layers: range | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    def gather_blocks(
+        self, block_ids: torch.Tensor, layers: range | None = None, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Copy blocks out: ``[len(layers), len(block_ids), 2, kv_heads, block_size, head_dim]``.
 
         One ``index_select`` over (layer, block) rows: measured here, it is 2x faster than selecting on
@@ -87,7 +89,9 @@ class KVCache:
         return 2 * self.spec.num_kv_heads * self.spec.block_size * self.spec.head_dim
 
 
-def write_kv(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks: torch.Tensor, offsets: torch.Tensor) -> None:
+def write_kv(
+    cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks: torch.Tensor, offsets: torch.Tensor
+) -> None:
     """Store new keys/values ``[T, kv_heads, head_dim]`` of one layer at (block, offset) per token."""
     cache[blocks, 0, :, offsets] = k
     cache[blocks, 1, :, offsets] = v

@@ -38,8 +38,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from engine.hardware import describe_machine
-from engine.model import CausalLM, Linear, can_pack, onednn_runs
+from splitserve.engine.hardware import describe_machine
+from splitserve.engine.model import CausalLM, Linear, can_pack, onednn_runs
 
 logger = logging.getLogger(__name__)
 
@@ -157,9 +157,7 @@ def measure(
 
 def is_steady(times: dict[str, dict[int, float]]) -> bool:
     """No row count still timed ``SPIKE`` times slower than the next larger one (see ``measure``)."""
-    return not any(
-        t[m] > SPIKE * t[bigger] for t in times.values() for m, bigger in zip(sorted(t), sorted(t)[1:])
-    )
+    return not any(t[m] > SPIKE * t[bigger] for t in times.values() for m, bigger in zip(sorted(t), sorted(t)[1:]))
 
 
 def score(times: dict[str, dict[int, float]], rows: tuple[int, ...], path_at: Callable[[int], str]) -> float:

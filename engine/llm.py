@@ -19,12 +19,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.core import EngineConfig, EngineCore
-from engine.detokenizer import IncrementalDetokenizer
-from engine.request import FinishReason, Request
-from engine.sampling_params import SamplingParams
-from engine.stop_strings import StopStringMatcher
-from engine.tokenizer import Tokenizer
+from splitserve.engine.core import EngineConfig, EngineCore
+from splitserve.engine.detokenizer import IncrementalDetokenizer
+from splitserve.engine.request import FinishReason, Request
+from splitserve.engine.sampling_params import SamplingParams
+from splitserve.engine.stop_strings import StopStringMatcher
+from splitserve.engine.tokenizer import Tokenizer
 
 
 @dataclass
@@ -57,7 +57,10 @@ class LLM:
         self.config, self.model_config, self.tokenizer = core.config, core.model_config, core.tokenizer
         self.dtype, self.device, self.model = core.dtype, core.device, core.model
         self.weights_checksum, self.kv_cache, self.blocks, self.runner = (
-            core.weights_checksum, core.kv_cache, core.blocks, core.runner
+            core.weights_checksum,
+            core.kv_cache,
+            core.blocks,
+            core.runner,
         )
         self.scheduler = core.make_scheduler()
         self._streams: dict[str, _Stream] = {}

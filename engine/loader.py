@@ -15,17 +15,22 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from engine.linear_tuner import KernelPolicy, apply_kernels
-from engine.model import CausalLM
-from engine.model_config import ModelConfig
+from splitserve.engine.linear_tuner import KernelPolicy, apply_kernels
+from splitserve.engine.model import CausalLM
+from splitserve.engine.model_config import ModelConfig
 
 # The names --dtype accepts (vLLM's) -> the canonical name kept in configs, status and logs.
 DTYPE_NAMES = {
     "auto": "auto",
-    "bfloat16": "bfloat16", "bf16": "bfloat16",
-    "float16": "float16", "half": "float16", "fp16": "float16",
-    "float32": "float32", "float": "float32", "fp32": "float32",
-}  # fmt: skip
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+    "float16": "float16",
+    "half": "float16",
+    "fp16": "float16",
+    "float32": "float32",
+    "float": "float32",
+    "fp32": "float32",
+}
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _IGNORED = re.compile(r"rotary_emb\.inv_freq$")
@@ -152,12 +157,15 @@ def load_weights(model: CausalLM, model_dir: str | Path) -> str:
 
 
 def build_model(
-    cfg: ModelConfig, model_dir: str | Path, dtype: torch.dtype, device: torch.device,
+    cfg: ModelConfig,
+    model_dir: str | Path,
+    dtype: torch.dtype,
+    device: torch.device,
     kernels: KernelPolicy | None = None,
 ) -> tuple[CausalLM, str]:
     """Construct without random init (meta device), allocate on ``device``, load; returns (model, checksum).
 
-    ``kernels`` says which kernel each linear layer runs (``engine.linear_tuner``: timed per shape at
+    ``kernels`` says which kernel each linear layer runs (``splitserve.engine.linear_tuner``: timed per shape at
     ``auto``, the default); the checksum is of the weights as loaded, before any repacking.
     """
     with torch.device("meta"):

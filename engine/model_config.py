@@ -97,9 +97,7 @@ class ModelConfig:
         archs = raw.get("architectures") or []
         arch = next((a for a in archs if a in ARCHITECTURES), None)
         if arch is None:
-            raise ModelConfigError(
-                f"architectures: {archs!r} is not supported (supported: {', '.join(ARCHITECTURES)})"
-            )
+            raise ModelConfigError(f"architectures: {archs!r} is not supported (supported: {', '.join(ARCHITECTURES)})")
         family = ARCHITECTURES[arch]
         hidden = _req(raw, "hidden_size", int)
         heads = _req(raw, "num_attention_heads", int)

@@ -3,10 +3,11 @@
 The only engine module that touches tensors on the device besides the model itself. Two paths:
 
 - dynamic (every step can take it): decodes (one new token) go first in the flattened batch, then
-  prefill chunks, as ``engine.attention`` expects; shapes follow the step.
+  prefill chunks, as ``splitserve.engine.attention`` expects; shapes follow the step.
 - static (decode-only steps, when the runner has ``StaticDecodeInputs``): the batch padded to a bucket
-  in persistent buffers (``engine.static_decode``), attention by ``engine.paged_decode``, and on CUDA
-  a replay of the bucket's captured graph (``engine.cuda_graphs``). A step with a prefill chunk, a
+  in persistent buffers (``splitserve.engine.static_decode``), attention by
+  ``splitserve.engine.paged_decode``, and on CUDA
+  a replay of the bucket's captured graph (``splitserve.engine.cuda_graphs``). A step with a prefill chunk, a
   layer hook (a prefill worker streaming layer groups) or more decodes than the largest bucket takes
   the dynamic path.
 """
@@ -19,14 +20,14 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from engine.attention import AttentionMetadata, PrefillChunk
-from engine.block_manager import BlockManager
-from engine.cuda_graphs import CaptureStats, DecodeGraphs, GraphBackend
-from engine.kv_cache import KVCache, context_rows
-from engine.model import CausalLM
-from engine.sampler import Sampler
-from engine.scheduler import ScheduledRequest, SchedulerOutput
-from engine.static_decode import StaticDecodeInputs
+from splitserve.engine.attention import AttentionMetadata, PrefillChunk
+from splitserve.engine.block_manager import BlockManager
+from splitserve.engine.cuda_graphs import CaptureStats, DecodeGraphs, GraphBackend
+from splitserve.engine.kv_cache import KVCache, context_rows
+from splitserve.engine.model import CausalLM
+from splitserve.engine.sampler import Sampler
+from splitserve.engine.scheduler import ScheduledRequest, SchedulerOutput
+from splitserve.engine.static_decode import StaticDecodeInputs
 
 
 class ModelRunner:
@@ -108,7 +109,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def capture_decode_graphs(self, backend: GraphBackend) -> CaptureStats:
-        """Capture the static decode forward of every bucket (see ``engine.cuda_graphs``); later decode-only
+        """Capture the static decode forward of every bucket (see ``splitserve.engine.cuda_graphs``); later decode-only
         steps replay them. The buffers hold padding while capturing, so the warm-ups write only scratch."""
         assert self.static is not None, "CUDA graphs need the static decode path"
         cfg = self.model.config
@@ -117,8 +118,13 @@ class ModelRunner:
         return self.graphs.capture()
 
     @torch.inference_mode()
-    def score(self, token_ids: list[int], block_table: list[int], all_positions: bool = True,
-              on_layer_done: Callable[[int], None] | None = None) -> torch.Tensor:  # fmt: skip
+    def score(
+        self,
+        token_ids: list[int],
+        block_table: list[int],
+        all_positions: bool = True,
+        on_layer_done: Callable[[int], None] | None = None,
+    ) -> torch.Tensor:
         """A full prefill of ``token_ids`` into ``block_table``; float32 logits at every position
         ([len(token_ids), vocab]) or, with ``all_positions=False``, at the last one ([1, vocab])."""
         bs = self.block_size
@@ -132,8 +138,9 @@ class ModelRunner:
             decode_rows=self._rows(block_table[:1]) if n == 1 else None,
         )
         positions = torch.arange(n, device=self.device)
-        hidden = self.model(torch.tensor(token_ids, device=self.device), positions, n - 1, self.kv_cache, meta,
-                            on_layer_done)  # fmt: skip
+        hidden = self.model(
+            torch.tensor(token_ids, device=self.device), positions, n - 1, self.kv_cache, meta, on_layer_done
+        )
         return self.model.compute_logits(hidden if all_positions else hidden[-1:]).float()
 
     def _rows(self, block_ids: list[int] | np.ndarray) -> torch.Tensor:
@@ -160,8 +167,11 @@ class ModelRunner:
         owner = np.repeat(np.arange(num_items), counts)  # the item of every token
         positions = np.arange(int(counts.sum())) - np.repeat(offsets - starts, counts)
         num_decodes = int(np.count_nonzero(counts == 1))  # decodes (one new token) come first
-        input_ids = list(itertools.chain.from_iterable(
-            s.request.token_ids[a:b] for s, a, b in zip(items, starts.tolist(), ends.tolist())))  # fmt: skip
+        input_ids = list(
+            itertools.chain.from_iterable(
+                s.request.token_ids[a:b] for s, a, b in zip(items, starts.tolist(), ends.tolist())
+            )
+        )
         meta = AttentionMetadata(
             slot_blocks=self._to_device(tables[owner, positions // bs]),
             slot_offsets=self._to_device(positions % bs),

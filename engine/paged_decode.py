@@ -18,7 +18,8 @@ The contract every backend meets (``PagedDecodeFn``)::
 
 ``paged_decode_torch`` is the reference, always available. Faster backends (a Triton kernel on CUDA,
 ``engine/triton_paged_decode.py``) are listed in that module's ``BACKENDS`` and registered on the first
-selection (``OPTIONAL_PRIORITIES`` ranks them), or with ``register_backend``; ``select_backend`` returns the preferred one available for a device and dtype.
+selection (``OPTIONAL_PRIORITIES`` ranks them), or with ``register_backend``; ``select_backend`` returns the
+preferred one available for a device and dtype.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ import torch.nn.functional as F
 PagedDecodeFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float, "int | None"], torch.Tensor]
 
 # Modules that register a backend when imported; absent ones are skipped.
-OPTIONAL_BACKEND_MODULES = ("engine.triton_paged_decode",)
+OPTIONAL_BACKEND_MODULES = ("splitserve.engine.triton_paged_decode",)
 # The Triton kernel is preferred over the torch reference where it runs (CUDA). FlashInfer and
 # FlashAttention rank below the reference, so they run only when named: FlashInfer's plan reads the
 # lengths on the host (a CUDA graph cannot capture it) and FlashAttention 2 needs 256-token pages.
@@ -92,7 +93,11 @@ class BackendRegistry:
         self._optional_imported = False
 
     def register(
-        self, name: str, fn: PagedDecodeFn, is_available: Callable[[torch.device, torch.dtype], bool], priority: int = 10
+        self,
+        name: str,
+        fn: PagedDecodeFn,
+        is_available: Callable[[torch.device, torch.dtype], bool],
+        priority: int = 10,
     ) -> None:
         if name in self._backends:
             raise ValueError(f"paged decode backend {name!r} is already registered")
@@ -128,8 +133,12 @@ class BackendRegistry:
                 continue
             for name, fn, available in getattr(loaded, "BACKENDS", ()):
                 if name not in self._backends:
-                    self.register(name, fn, lambda device, dtype, available=available: available(device),
-                                  priority=OPTIONAL_PRIORITIES.get(name, -1))
+                    self.register(
+                        name,
+                        fn,
+                        lambda device, dtype, available=available: available(device),
+                        priority=OPTIONAL_PRIORITIES.get(name, -1),
+                    )
 
 
 # The process's registry: backends are code, registered at import like codecs, not configuration.

@@ -14,8 +14,8 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from engine.rng import random_seed
-from engine.sampling_params import SamplingParams
+from splitserve.engine.rng import random_seed
+from splitserve.engine.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.Enum):
@@ -56,8 +56,14 @@ class Request:
             self.seed = self.sampling.seed if self.sampling.seed is not None else random_seed()
 
     @classmethod
-    def resume(cls, request_id: str, prompt_token_ids: list[int], output_token_ids: list[int],
-               sampling: SamplingParams, seed: int) -> Request:  # fmt: skip
+    def resume(
+        cls,
+        request_id: str,
+        prompt_token_ids: list[int],
+        output_token_ids: list[int],
+        sampling: SamplingParams,
+        seed: int,
+    ) -> Request:
         """A request that already generated ``output_token_ids`` elsewhere (migration, re-prefill)."""
         request = cls(request_id, prompt_token_ids, sampling, seed=seed)
         request.token_ids.extend(output_token_ids)

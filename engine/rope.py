@@ -10,7 +10,7 @@ import math
 
 import torch
 
-from engine.model_config import RopeConfig
+from splitserve.engine.model_config import RopeConfig
 
 
 def inverse_frequencies(rope: RopeConfig, head_dim: int) -> tuple[torch.Tensor, float]:

@@ -12,8 +12,8 @@ from collections.abc import Sequence
 
 import torch
 
-from engine.request import Request
-from engine.rng import keyed_uniform
+from splitserve.engine.request import Request
+from splitserve.engine.rng import keyed_uniform
 
 
 class Sampler:

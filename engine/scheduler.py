@@ -15,8 +15,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal
 
-from engine.block_manager import NO_HIT, BlockManager
-from engine.request import FinishReason, Request, RequestStatus
+from splitserve.engine.block_manager import NO_HIT, BlockManager
+from splitserve.engine.request import FinishReason, Request, RequestStatus
 
 
 @dataclass(frozen=True)

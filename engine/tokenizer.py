@@ -131,7 +131,10 @@ class Tokenizer:
             if bool(add_bos_token) != adds_bos:
                 logger.warning(
                     "%s: add_bos_token=%s but the post-processor of %s %s; following %s as transformers does",
-                    config_file, add_bos_token, TOKENIZER_FILE, "adds bos" if adds_bos else "does not add bos",
+                    config_file,
+                    add_bos_token,
+                    TOKENIZER_FILE,
+                    "adds bos" if adds_bos else "does not add bos",
                     TOKENIZER_FILE,
                 )
         return tokenizer
@@ -214,8 +217,7 @@ def _chat_template(model_dir: Path, tokenizer_config: dict[str, Any]) -> str | N
         return value
     config_file = model_dir / TOKENIZER_CONFIG_FILE
     if not isinstance(value, list) or not all(
-        isinstance(t, dict) and isinstance(t.get("name"), str) and isinstance(t.get("template"), str)
-        for t in value
+        isinstance(t, dict) and isinstance(t.get("name"), str) and isinstance(t.get("template"), str) for t in value
     ):
         raise ValueError(f"{config_file}: chat_template must be a string or a list of {{name, template}} dicts")
     return next((t["template"] for t in value if t["name"] == "default"), None)

@@ -8,7 +8,7 @@ Every backend has one signature::
 Request ``b`` attends to its keys ``0 .. context_lens[b] - 1`` (only the last ``window`` of them when a
 window is given), stored at ``cache_layer[block_tables[b, t // block_size], :, :, t % block_size]``.
 Entries of a block table past a request's last block are never read. A row with context length 0
-gives zeros. ``BACKENDS`` lists ``(name, fn, is_available)`` for ``engine.paged_decode`` to register.
+gives zeros. ``BACKENDS`` lists ``(name, fn, is_available)`` for ``splitserve.engine.paged_decode`` to register.
 
 The Triton kernel (``paged_decode_triton``) is graph-capturable: its grid and every buffer follow from
 shapes alone, it reads lengths and block ids on the device, and nothing returns to the host. One
@@ -24,7 +24,7 @@ is installed in CI, so they have not run there (see docs/engine.md).
 from __future__ import annotations
 
 import importlib
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -71,15 +71,41 @@ if triton is not None:
 
     @triton.jit
     def _paged_decode_kernel(
-        q_ptr, cache_ptr, tables_ptr, lens_ptr, out_ptr, part_m_ptr, part_l_ptr,
-        scale, window, blocks_per_split,
-        stride_qb, stride_qh, stride_qd,
-        stride_cn, stride_ckv, stride_ch, stride_ct, stride_cd,
-        stride_tb, stride_tn,
-        stride_ob, stride_oh, stride_os, stride_od,
-        GROUP: tl.constexpr, GROUP_P: tl.constexpr, BLOCK: tl.constexpr, BLOCK_P: tl.constexpr,
-        HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, HAS_WINDOW: tl.constexpr, SPLIT: tl.constexpr,
-        TILE_BLOCKS: tl.constexpr, USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+        q_ptr,
+        cache_ptr,
+        tables_ptr,
+        lens_ptr,
+        out_ptr,
+        part_m_ptr,
+        part_l_ptr,
+        scale,
+        window,
+        blocks_per_split,
+        stride_qb,
+        stride_qh,
+        stride_qd,
+        stride_cn,
+        stride_ckv,
+        stride_ch,
+        stride_ct,
+        stride_cd,
+        stride_tb,
+        stride_tn,
+        stride_ob,
+        stride_oh,
+        stride_os,
+        stride_od,
+        GROUP: tl.constexpr,
+        GROUP_P: tl.constexpr,
+        BLOCK: tl.constexpr,
+        BLOCK_P: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        HEAD_DIM_P: tl.constexpr,
+        HAS_WINDOW: tl.constexpr,
+        SPLIT: tl.constexpr,
+        TILE_BLOCKS: tl.constexpr,
+        USE_DOT: tl.constexpr,
+        DOT_PRECISION: tl.constexpr,
     ):
         b = tl.program_id(0)
         kv_head = tl.program_id(1)
@@ -89,8 +115,11 @@ if triton is not None:
         g_ok, d_ok = g < GROUP, d < HEAD_DIM
         heads = kv_head * GROUP + g
 
-        q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :] * stride_qd,
-                    mask=g_ok[:, None] & d_ok[None, :], other=0.0)  # [G, D]
+        q = tl.load(
+            q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :] * stride_qd,
+            mask=g_ok[:, None] & d_ok[None, :],
+            other=0.0,
+        )  # [G, D]
 
         length = tl.load(lens_ptr + b)
         first_key = 0
@@ -111,8 +140,13 @@ if triton is not None:
             pos = n * BLOCK + slot
             valid = (slot < BLOCK) & (n < hi) & (pos < length) & (pos >= first_key)
             block = tl.load(tables_ptr + b * stride_tb + n * stride_tn, mask=n < hi, other=0).to(tl.int64)
-            ptrs = cache_ptr + block[:, None] * stride_cn + kv_head * stride_ch + slot[:, None] * stride_ct \
+            ptrs = (
+                cache_ptr
+                + block[:, None] * stride_cn
+                + kv_head * stride_ch
+                + slot[:, None] * stride_ct
                 + d[None, :] * stride_cd
+            )
             kv_mask = valid[:, None] & d_ok[None, :]
             k = tl.load(ptrs, mask=kv_mask, other=0.0)  # [keys, D]
             v = tl.load(ptrs + stride_ckv, mask=kv_mask, other=0.0)
@@ -145,9 +179,18 @@ if triton is not None:
 
     @triton.jit
     def _merge_splits_kernel(
-        part_ptr, part_m_ptr, part_l_ptr, out_ptr, num_splits,
-        stride_ob, stride_oh, stride_od,
-        HEADS: tl.constexpr, SPLITS_P: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr,
+        part_ptr,
+        part_m_ptr,
+        part_l_ptr,
+        out_ptr,
+        num_splits,
+        stride_ob,
+        stride_oh,
+        stride_od,
+        HEADS: tl.constexpr,
+        SPLITS_P: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        HEAD_DIM_P: tl.constexpr,
     ):
         b = tl.program_id(0)
         h = tl.program_id(1)
@@ -156,11 +199,11 @@ if triton is not None:
         s_ok, d_ok = s < num_splits, d < HEAD_DIM
         state = (b * HEADS + h) * num_splits + s
         m = tl.load(part_m_ptr + state, mask=s_ok, other=float("-inf"))
-        l = tl.load(part_l_ptr + state, mask=s_ok, other=0.0)
+        denom = tl.load(part_l_ptr + state, mask=s_ok, other=0.0)
         acc = tl.load(part_ptr + state[:, None] * HEAD_DIM + d[None, :], mask=s_ok[:, None] & d_ok[None, :], other=0.0)
         m_max = tl.max(m, axis=0)
         w = tl.exp(m - tl.where(m_max == float("-inf"), 0.0, m_max))  # 0 for splits without keys
-        total = tl.sum(w * l, axis=0)
+        total = tl.sum(w * denom, axis=0)
         out = tl.sum(w[:, None] * acc, axis=0) / tl.where(total > 0, total, 1.0)
         out = tl.where(total > 0, out, 0.0)
         tl.store(out_ptr + b * stride_ob + h * stride_oh + d * stride_od, out.to(out_ptr.dtype.element_ty), mask=d_ok)
@@ -187,11 +230,14 @@ def paged_decode_triton(
     batch, heads, head_dim = q.shape
     num_blocks, two, kv_heads, block_size, cache_dim = cache_layer.shape
     if two != 2 or cache_dim != head_dim or heads % kv_heads or q.dtype != cache_layer.dtype:
-        raise ValueError(f"q {tuple(q.shape)} {q.dtype} does not fit cache_layer {tuple(cache_layer.shape)} "
-                         f"{cache_layer.dtype}")
+        raise ValueError(
+            f"q {tuple(q.shape)} {q.dtype} does not fit cache_layer {tuple(cache_layer.shape)} {cache_layer.dtype}"
+        )
     if block_tables.shape[0] != batch or context_lens.shape != (batch,):
-        raise ValueError(f"block_tables {tuple(block_tables.shape)} / context_lens {tuple(context_lens.shape)} "
-                         f"do not match the batch of {batch}")
+        raise ValueError(
+            f"block_tables {tuple(block_tables.shape)} / context_lens {tuple(context_lens.shape)} "
+            f"do not match the batch of {batch}"
+        )
     out = torch.empty((batch, heads, head_dim), dtype=q.dtype, device=q.device)
     if batch == 0:
         return out
@@ -206,23 +252,57 @@ def paged_decode_triton(
     group_p = max(16, _next_pow2(group)) if use_dot else _next_pow2(group)  # tl.dot: every side >= 16
     tile_keys = TILE_KEYS_DOT if use_dot else TILE_ELEMS_NO_DOT // (group_p * head_dim_p)
     tile_blocks = _next_pow2(max(1, tile_keys // block_p, 16 // block_p if use_dot else 1))
-    consts = dict(GROUP=group, GROUP_P=group_p, BLOCK=block_size, BLOCK_P=block_p, HEAD_DIM=head_dim,
-                  HEAD_DIM_P=head_dim_p, HAS_WINDOW=window is not None, TILE_BLOCKS=tile_blocks, USE_DOT=use_dot,
-                  DOT_PRECISION="ieee" if q.dtype == torch.float32 else None)
+    consts = dict(
+        GROUP=group,
+        GROUP_P=group_p,
+        BLOCK=block_size,
+        BLOCK_P=block_p,
+        HEAD_DIM=head_dim,
+        HEAD_DIM_P=head_dim_p,
+        HAS_WINDOW=window is not None,
+        TILE_BLOCKS=tile_blocks,
+        USE_DOT=use_dot,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else None,
+    )
     grid = (batch, kv_heads, num_splits)
     cache_strides = cache_layer.stride()
     args = (scale, window or 0, blocks_per_split, *q.stride(), *cache_strides, *block_tables.stride())
     if num_splits == 1:
-        _paged_decode_kernel[grid](q, cache_layer, block_tables, context_lens, out, out, out, *args,
-                                   out.stride(0), out.stride(1), 0, out.stride(2), SPLIT=False, **consts)
+        _paged_decode_kernel[grid](
+            q,
+            cache_layer,
+            block_tables,
+            context_lens,
+            out,
+            out,
+            out,
+            *args,
+            out.stride(0),
+            out.stride(1),
+            0,
+            out.stride(2),
+            SPLIT=False,
+            **consts,
+        )
         return out
     part = torch.empty((batch, heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
     part_m = torch.empty((batch, heads, num_splits), dtype=torch.float32, device=q.device)
     part_l = torch.empty_like(part_m)
-    _paged_decode_kernel[grid](q, cache_layer, block_tables, context_lens, part, part_m, part_l, *args,
-                               *part.stride(), SPLIT=True, **consts)
-    _merge_splits_kernel[(batch, heads)](part, part_m, part_l, out, num_splits, *out.stride(), HEADS=heads,
-                                         SPLITS_P=_next_pow2(num_splits), HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p)
+    _paged_decode_kernel[grid](
+        q, cache_layer, block_tables, context_lens, part, part_m, part_l, *args, *part.stride(), SPLIT=True, **consts
+    )
+    _merge_splits_kernel[(batch, heads)](
+        part,
+        part_m,
+        part_l,
+        out,
+        num_splits,
+        *out.stride(),
+        HEADS=heads,
+        SPLITS_P=_next_pow2(num_splits),
+        HEAD_DIM=head_dim,
+        HEAD_DIM_P=head_dim_p,
+    )
     return out
 
 
@@ -297,8 +377,16 @@ def paged_decode_flashinfer(
         workspace = _FLASHINFER_WORKSPACES[q.device] = torch.zeros(128 << 20, dtype=torch.uint8, device=q.device)
     wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, kv_layout="HND")
     wrapper.plan(
-        indptr, indices, last_page_len, heads, kv_heads, head_dim, page_size,
-        window_left=-1 if window is None else window - 1, q_data_type=q.dtype, kv_data_type=cache_layer.dtype,
+        indptr,
+        indices,
+        last_page_len,
+        heads,
+        kv_heads,
+        head_dim,
+        page_size,
+        window_left=-1 if window is None else window - 1,
+        q_data_type=q.dtype,
+        kv_data_type=cache_layer.dtype,
         sm_scale=scale,
     )
     out = wrapper.run(q.contiguous(), cache_layer)
@@ -334,8 +422,14 @@ def paged_decode_flash_attn(
     v_cache = cache_layer[:, 1].transpose(1, 2)
     lens = context_lens.to(torch.int32)
     out = flash_attn_with_kvcache(
-        q.unsqueeze(1), k_cache, v_cache, cache_seqlens=lens, block_table=block_tables.to(torch.int32),
-        softmax_scale=scale, causal=True, window_size=(-1, -1) if window is None else (window - 1, 0),
+        q.unsqueeze(1),
+        k_cache,
+        v_cache,
+        cache_seqlens=lens,
+        block_table=block_tables.to(torch.int32),
+        softmax_scale=scale,
+        causal=True,
+        window_size=(-1, -1) if window is None else (window - 1, 0),
     )  # [B, 1, H, d]
     out = out.squeeze(1)
     return torch.where((lens > 0)[:, None, None], out, torch.zeros((), dtype=out.dtype, device=out.device))

@@ -12,7 +12,7 @@ The layer-group part writes a KV-heavy checkpoint (full multi-head attention), p
 the sender and measures when its KV is complete on the receiver: sent after prefill, or streamed by
 layer groups while later layers compute.
 
-    python -m kv_transfer.bench [--json] [--sizes 128,1024,8192,32768] [--repeats 3]
+    python -m splitserve.kv_transfer.bench [--json] [--sizes 128,1024,8192,32768] [--repeats 3]
 With --json the last line of stdout is one JSON object; its "results" list holds, per size, tokens,
 bytes, seconds, gbps, raw_gbps and ratio.
 """
@@ -32,10 +32,21 @@ import time
 
 PRESET_SPEC = {"num_layers": 24, "num_kv_heads": 2, "head_dim": 64, "block_size": 16}
 # A KV-heavy shape: full multi-head attention, 32 KiB of KV per token.
-KV_HEAVY = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 2048, "hidden_size": 1024,
-            "intermediate_size": 2816, "num_hidden_layers": 8, "num_attention_heads": 16, "num_key_value_heads": 16,
-            "max_position_embeddings": 8192, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": False,
-            "hidden_act": "silu"}  # fmt: skip
+KV_HEAVY = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "vocab_size": 2048,
+    "hidden_size": 1024,
+    "intermediate_size": 2816,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 16,
+    "max_position_embeddings": 8192,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "tie_word_embeddings": False,
+    "hidden_act": "silu",
+}
 
 
 def log(message: str) -> None:
@@ -49,28 +60,41 @@ def _process(conn, role: str, spec: dict | None, model_dir: str | None, config, 
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     import torch
 
-    from engine.kv_cache import KVCache, KVCacheSpec
-    from kv_transfer.comm import connect_store, open_communicator
-    from kv_transfer.descriptor import LayoutFingerprint
-    from kv_transfer.receiver import KVReceiver
-    from kv_transfer.sender import KVSender, PeerAddress
-    from kv_transfer.service import GrpcConnection, serve
+    from splitserve.engine.kv_cache import KVCache, KVCacheSpec
+    from splitserve.kv_transfer.comm import connect_store, open_communicator
+    from splitserve.kv_transfer.descriptor import LayoutFingerprint
+    from splitserve.kv_transfer.receiver import KVReceiver
+    from splitserve.kv_transfer.sender import KVSender, PeerAddress
+    from splitserve.kv_transfer.service import GrpcConnection, serve
 
     torch.set_num_threads(threads)
     device = torch.device("cpu")
     llm = None
     if model_dir is not None:
-        from engine import LLM
+        from splitserve.engine import LLM
 
-        llm = LLM(model_dir, dtype="bfloat16", num_blocks=spec["num_blocks"], block_size=spec["block_size"],
-                  enable_prefix_caching=False, num_threads=threads)  # fmt: skip
+        llm = LLM(
+            model_dir,
+            dtype="bfloat16",
+            num_blocks=spec["num_blocks"],
+            block_size=spec["block_size"],
+            enable_prefix_caching=False,
+            num_threads=threads,
+        )
         cache = llm.kv_cache
     else:
         cache = KVCache(KVCacheSpec(dtype=torch.bfloat16, **spec), device)
     if role == "sender":
         cache.tensor.copy_(torch.randn(cache.tensor.shape, dtype=torch.float32).to(torch.bfloat16))
-    fp = LayoutFingerprint("bench", "bfloat16", spec["block_size"], spec["num_layers"], spec["num_kv_heads"],
-                           spec["head_dim"], "bench-weights")  # fmt: skip
+    fp = LayoutFingerprint(
+        "bench",
+        "bfloat16",
+        spec["block_size"],
+        spec["num_layers"],
+        spec["num_kv_heads"],
+        spec["head_dim"],
+        "bench-weights",
+    )
     state: dict = {}
 
     def digest(blocks: list[int]) -> str:
@@ -91,8 +115,9 @@ def _process(conn, role: str, spec: dict | None, model_dir: str | None, config, 
                 store = endpoint.store
             else:
                 store = state["raw_store"] = connect_store("127.0.0.1", store_port, 30)
-            state["raw"] = open_communicator("gloo", store, "raw/", 1 if role == "receiver" else 0, "127.0.0.1", 60,
-                                             device)  # fmt: skip
+            state["raw"] = open_communicator(
+                "gloo", store, "raw/", 1 if role == "receiver" else 0, "127.0.0.1", 60, device
+            )
 
         state["raw_thread"] = threading.Thread(target=build)
         state["raw_thread"].start()
@@ -133,8 +158,12 @@ def _process(conn, role: str, spec: dict | None, model_dir: str | None, config, 
         handle = state.pop(tid)
         handle.wait(120)
         endpoint.release(tid)
-        return {"state": handle.state.value, "error": handle.error, "at": handle.finished_at,
-                "digest": digest(list(handle.block_ids[:count]))}  # fmt: skip
+        return {
+            "state": handle.state.value,
+            "error": handle.error,
+            "at": handle.finished_at,
+            "digest": digest(list(handle.block_ids[:count])),
+        }
 
     def send(tid: str, peer, blocks: list[int], tokens: int) -> dict:
         start = time.monotonic()
@@ -158,8 +187,16 @@ def _process(conn, role: str, spec: dict | None, model_dir: str | None, config, 
             endpoint.release(tid)
         return {"start": start, "prefilled": prefilled, "state": handle.state.value if handle else "done"}
 
-    commands = {"info": lambda: info, "raw_setup": raw_setup, "raw": raw, "expect": expect, "received": received,
-                "send": send, "prefill": prefill, "copy_cost": copy_cost}  # fmt: skip
+    commands = {
+        "info": lambda: info,
+        "raw_setup": raw_setup,
+        "raw": raw,
+        "expect": expect,
+        "received": received,
+        "send": send,
+        "prefill": prefill,
+        "copy_cost": copy_cost,
+    }
     while True:
         command, args = conn.recv()
         if command == "exit":
@@ -174,8 +211,9 @@ class _Proc:
     def __init__(self, role: str, spec: dict, model_dir: str | None, config) -> None:
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.process = ctx.Process(target=_process, args=(child, role, spec, model_dir, config, self.threads),
-                                   daemon=True)  # fmt: skip
+        self.process = ctx.Process(
+            target=_process, args=(child, role, spec, model_dir, config, self.threads), daemon=True
+        )
         self.process.start()
 
     def post(self, command: str, *args) -> None:
@@ -240,12 +278,23 @@ def measure_sizes(sizes: list[int], repeats: int, config) -> list[dict]:
                 if r:
                     best = min(best, got["at"] - sent["start"])
             gather, scatter = p.call("copy_cost", src), d.call("copy_cost", dst)
-            row = {"tokens": tokens, "bytes": nbytes, "seconds": best, "gbps": nbytes / best / 1e9,
-                   "raw_seconds": best_raw, "raw_gbps": nbytes / best_raw / 1e9, "ratio": best_raw / best,
-                   "gather_seconds": gather, "scatter_seconds": scatter, "checksum_verified": True}  # fmt: skip
-            log(f"  {tokens:>6} tokens {nbytes / 2**20:8.1f} MiB: {row['gbps']:.2f} GB/s, raw {row['raw_gbps']:.2f} "
+            row = {
+                "tokens": tokens,
+                "bytes": nbytes,
+                "seconds": best,
+                "gbps": nbytes / best / 1e9,
+                "raw_seconds": best_raw,
+                "raw_gbps": nbytes / best_raw / 1e9,
+                "ratio": best_raw / best,
+                "gather_seconds": gather,
+                "scatter_seconds": scatter,
+                "checksum_verified": True,
+            }
+            log(
+                f"  {tokens:>6} tokens {nbytes / 2**20:8.1f} MiB: {row['gbps']:.2f} GB/s, raw {row['raw_gbps']:.2f} "
                 f"GB/s, ratio {row['ratio']:.2f} (gather alone {nbytes / gather / 1e9:.1f} GB/s, scatter alone "
-                f"{nbytes / scatter / 1e9:.1f} GB/s)")  # fmt: skip
+                f"{nbytes / scatter / 1e9:.1f} GB/s)"
+            )
             results.append(row)
         return results
     finally:
@@ -260,9 +309,13 @@ def measure_layer_groups(prompt_len: int, repeats: int, config) -> dict:
         model_dir = str(write_random_checkpoint(tmp + "/model", KV_HEAVY, dtype="bfloat16", seed=0))
         bs = 16
         n = -(-prompt_len // bs)
-        spec = {"num_layers": KV_HEAVY["num_hidden_layers"], "num_kv_heads": KV_HEAVY["num_key_value_heads"],
-                "head_dim": KV_HEAVY["hidden_size"] // KV_HEAVY["num_attention_heads"], "block_size": bs,
-                "num_blocks": n + 8}  # fmt: skip
+        spec = {
+            "num_layers": KV_HEAVY["num_hidden_layers"],
+            "num_kv_heads": KV_HEAVY["num_key_value_heads"],
+            "head_dim": KV_HEAVY["hidden_size"] // KV_HEAVY["num_attention_heads"],
+            "block_size": bs,
+            "num_blocks": n + 8,
+        }
         d, p = _Proc("receiver", spec, None, config), _Proc("sender", spec, model_dir, config)
         try:
             info = d.call("info")
@@ -283,15 +336,22 @@ def measure_layer_groups(prompt_len: int, repeats: int, config) -> dict:
                     if r:
                         best[mode] = min(best.get(mode, float("inf")), got["at"] - timing["start"])
             kv_bytes = n * bs * spec["num_layers"] * 2 * spec["num_kv_heads"] * spec["head_dim"] * 2
-            out = {"prompt_tokens": prompt_len, "kv_bytes": kv_bytes, "layers": spec["num_layers"],
-                   "layer_group_size": config.layer_group_size, "prefill_seconds": prefill_only,
-                   "kv_on_receiver_after_prefill_seconds": best["after"],
-                   "kv_on_receiver_streamed_seconds": best["streamed"],
-                   "transfer_cost_after_prefill_seconds": best["after"] - prefill_only,
-                   "transfer_cost_streamed_seconds": best["streamed"] - prefill_only}  # fmt: skip
-            log(f"  prefill {prefill_only * 1e3:.0f} ms; KV on the receiver after prefill + send: "
+            out = {
+                "prompt_tokens": prompt_len,
+                "kv_bytes": kv_bytes,
+                "layers": spec["num_layers"],
+                "layer_group_size": config.layer_group_size,
+                "prefill_seconds": prefill_only,
+                "kv_on_receiver_after_prefill_seconds": best["after"],
+                "kv_on_receiver_streamed_seconds": best["streamed"],
+                "transfer_cost_after_prefill_seconds": best["after"] - prefill_only,
+                "transfer_cost_streamed_seconds": best["streamed"] - prefill_only,
+            }
+            log(
+                f"  prefill {prefill_only * 1e3:.0f} ms; KV on the receiver after prefill + send: "
                 f"{best['after'] * 1e3:.0f} ms (+{out['transfer_cost_after_prefill_seconds'] * 1e3:.0f}), streamed: "
-                f"{best['streamed'] * 1e3:.0f} ms (+{out['transfer_cost_streamed_seconds'] * 1e3:.0f})")  # fmt: skip
+                f"{best['streamed'] * 1e3:.0f} ms (+{out['transfer_cost_streamed_seconds'] * 1e3:.0f})"
+            )
             return out
         finally:
             p.stop()
@@ -309,20 +369,31 @@ def main() -> int:
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     _Proc.threads = args.threads
-    from engine.hardware import print_header
+    from splitserve.engine.hardware import print_header
 
-    machine = print_header("bfloat16 (KV cache and the KV-heavy model)", f"{args.threads} in each of the two processes",
-                           "cpu", to_stderr=args.json)  # fmt: skip
+    machine = print_header(
+        "bfloat16 (KV cache and the KV-heavy model)",
+        f"{args.threads} in each of the two processes",
+        "cpu",
+        to_stderr=args.json,
+    )
 
-    from kv_transfer.config import TransferConfig
+    from splitserve.kv_transfer.config import TransferConfig
 
-    config = TransferConfig(op_timeout_s=30.0, transfer_timeout_s=120.0, pair_setup_timeout_s=30.0,
-                            max_message_bytes=args.message_mib << 20)
+    config = TransferConfig(
+        op_timeout_s=30.0, transfer_timeout_s=120.0, pair_setup_timeout_s=30.0, max_message_bytes=args.message_mib << 20
+    )
     sizes = [int(s) for s in args.sizes.split(",")]
     log("transfer of the qwen2.5-0.5b preset's KV between two processes ...")
-    result: dict = {"machine": machine, "config": {"max_message_bytes": config.max_message_bytes, "whole_request_bytes":
-                               config.whole_request_bytes, "layer_group_size": config.layer_group_size},
-                    "results": measure_sizes(sizes, args.repeats, config)}  # fmt: skip
+    result: dict = {
+        "machine": machine,
+        "config": {
+            "max_message_bytes": config.max_message_bytes,
+            "whole_request_bytes": config.whole_request_bytes,
+            "layer_group_size": config.layer_group_size,
+        },
+        "results": measure_sizes(sizes, args.repeats, config),
+    }
     if not args.skip_layer_groups:
         log(f"layer-group streaming on a KV-heavy model (full MHA), {args.prompt_len}-token prompt ...")
         result["layer_groups"] = measure_layer_groups(args.prompt_len, max(1, args.repeats - 1), config)
@@ -332,14 +403,20 @@ def main() -> int:
         print("| tokens | MiB | splitserve GB/s | raw send GB/s | ratio | gather alone GB/s | scatter alone GB/s |")
         print("| --- | --- | --- | --- | --- | --- | --- |")
         for r in result["results"]:
-            print(f"| {r['tokens']} | {r['bytes'] / 2**20:.1f} | {r['gbps']:.2f} | {r['raw_gbps']:.2f} | {r['ratio']:.2f} "
-                  f"| {r['bytes'] / r['gather_seconds'] / 1e9:.1f} | {r['bytes'] / r['scatter_seconds'] / 1e9:.1f} |")
+            print(
+                f"| {r['tokens']} | {r['bytes'] / 2**20:.1f} | {r['gbps']:.2f} | {r['raw_gbps']:.2f} "
+                f"| {r['ratio']:.2f} "
+                f"| {r['bytes'] / r['gather_seconds'] / 1e9:.1f} | {r['bytes'] / r['scatter_seconds'] / 1e9:.1f} |"
+            )
         if "layer_groups" in result:
             lg = result["layer_groups"]
-            print(f"\nKV-heavy model, {lg['prompt_tokens']}-token prompt ({lg['kv_bytes'] / 2**20:.0f} MiB of KV, "
-                  f"{lg['layers']} layers, groups of {lg['layer_group_size']}): prefill {lg['prefill_seconds'] * 1e3:.0f} ms; "
-                  f"transfer adds {lg['transfer_cost_after_prefill_seconds'] * 1e3:.0f} ms when sent after prefill, "
-                  f"{lg['transfer_cost_streamed_seconds'] * 1e3:.0f} ms when streamed by layer group")  # fmt: skip
+            print(
+                f"\nKV-heavy model, {lg['prompt_tokens']}-token prompt ({lg['kv_bytes'] / 2**20:.0f} MiB of KV, "
+                f"{lg['layers']} layers, groups of {lg['layer_group_size']}): "
+                f"prefill {lg['prefill_seconds'] * 1e3:.0f} ms; "
+                f"transfer adds {lg['transfer_cost_after_prefill_seconds'] * 1e3:.0f} ms when sent after prefill, "
+                f"{lg['transfer_cost_streamed_seconds'] * 1e3:.0f} ms when streamed by layer group"
+            )
     return 0
 
 

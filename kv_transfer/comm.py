@@ -57,8 +57,14 @@ def bind_store(host: str, port: int = 0, timeout_s: float = 10.0) -> tuple[dist.
     sock.bind((host, port))
     sock.listen(128)
     bound_port = sock.getsockname()[1]
-    store = dist.TCPStore(host, bound_port, is_master=True, timeout=_timedelta(timeout_s), wait_for_workers=False,
-                          master_listen_fd=sock.detach())  # fmt: skip
+    store = dist.TCPStore(
+        host,
+        bound_port,
+        is_master=True,
+        timeout=_timedelta(timeout_s),
+        wait_for_workers=False,
+        master_listen_fd=sock.detach(),
+    )
     return store, bound_port
 
 

@@ -46,8 +46,11 @@ class FaultPoint:
 
     def fires(self, role: Role, transfer_id: str, messages_done: int) -> bool:
         """Whether this point fires for ``transfer_id`` once it has moved ``messages_done`` messages."""
-        return (self.role == role and self.after_messages == messages_done
-                and transfer_id.startswith(self.request_id_prefix))  # fmt: skip
+        return (
+            self.role == role
+            and self.after_messages == messages_done
+            and transfer_id.startswith(self.request_id_prefix)
+        )
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """Control-path messages of a pair, as plain dataclasses, and the channel abstraction they travel on.
 
-The sender and receiver state machines speak these types only; ``kv_transfer.service`` maps them to
+The sender and receiver state machines speak these types only; ``splitserve.kv_transfer.service`` maps them to
 the gRPC service in ``proto/splitserve/rpc/kv_transfer.proto``, and ``local_connection`` carries them
 in memory (tests, and the GPU check, which runs without gRPC). Torch-free.
 """
@@ -14,7 +14,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from kv_transfer.descriptor import LayoutFingerprint
+from splitserve.kv_transfer.descriptor import LayoutFingerprint
 
 
 @dataclass(frozen=True)

@@ -84,10 +84,19 @@ _WIRE_KEYS = frozenset(
 def encode_descriptor(d: PayloadDescriptor) -> bytes:
     return msgpack.packb(
         {
-            "v": d.version, "seq": d.seq, "id": d.transfer_id, "layers": [d.layer_start, d.layer_end],
-            "blocks": [d.block_start, d.block_end], "num_blocks": d.num_blocks, "num_tokens": d.num_tokens,
-            "dtype": d.dtype, "shape": list(d.shape), "nbytes": d.nbytes, "last": d.last, "commit": d.commit,
-        },  # fmt: skip
+            "v": d.version,
+            "seq": d.seq,
+            "id": d.transfer_id,
+            "layers": [d.layer_start, d.layer_end],
+            "blocks": [d.block_start, d.block_end],
+            "num_blocks": d.num_blocks,
+            "num_tokens": d.num_tokens,
+            "dtype": d.dtype,
+            "shape": list(d.shape),
+            "nbytes": d.nbytes,
+            "last": d.last,
+            "commit": d.commit,
+        },
         use_bin_type=True,
     )
 
@@ -100,10 +109,17 @@ def decode_descriptor(data: bytes, max_bytes: int = 64 << 10) -> PayloadDescript
         raise DescriptorError(f"descriptor: {len(data)} bytes exceeds the limit of {max_bytes}")
     try:
         raw = msgpack.unpackb(
-            data, raw=False, strict_map_key=True, use_list=True, max_bin_len=_MAX_COMMIT_BYTES,
-            max_str_len=_MAX_COMMIT_BYTES, max_array_len=64, max_map_len=64, max_ext_len=0,
+            data,
+            raw=False,
+            strict_map_key=True,
+            use_list=True,
+            max_bin_len=_MAX_COMMIT_BYTES,
+            max_str_len=_MAX_COMMIT_BYTES,
+            max_array_len=64,
+            max_map_len=64,
+            max_ext_len=0,
             ext_hook=_refuse_ext,
-        )  # fmt: skip
+        )
     except DescriptorError:
         raise
     except Exception as e:  # msgpack raises several unrelated types for bad input
@@ -139,10 +155,21 @@ def decode_descriptor(data: bytes, max_bytes: int = 64 << 10) -> PayloadDescript
         raise DescriptorError("last: must be a boolean")
     commit = _commit(raw["commit"])
     return PayloadDescriptor(
-        seq=_int(raw, "seq", 0), transfer_id=transfer_id, layer_start=layer_start, layer_end=layer_end,
-        block_start=block_start, block_end=block_end, num_blocks=num_blocks, num_tokens=_int(raw, "num_tokens", 1),
-        dtype=dtype, shape=tuple(shape), nbytes=_int(raw, "nbytes", 1), last=last, commit=commit, version=version,
-    )  # fmt: skip
+        seq=_int(raw, "seq", 0),
+        transfer_id=transfer_id,
+        layer_start=layer_start,
+        layer_end=layer_end,
+        block_start=block_start,
+        block_end=block_end,
+        num_blocks=num_blocks,
+        num_tokens=_int(raw, "num_tokens", 1),
+        dtype=dtype,
+        shape=tuple(shape),
+        nbytes=_int(raw, "nbytes", 1),
+        last=last,
+        commit=commit,
+        version=version,
+    )
 
 
 def _refuse_ext(code: int, data: bytes) -> Any:

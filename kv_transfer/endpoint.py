@@ -7,8 +7,8 @@ import os
 import threading
 import time
 
-from kv_transfer.config import Role, TransferConfig
-from kv_transfer.handles import TransferHandle, TransferState
+from splitserve.kv_transfer.config import Role, TransferConfig
+from splitserve.kv_transfer.handles import TransferHandle, TransferState
 
 log = logging.getLogger("splitserve.kv_transfer")
 
@@ -53,8 +53,13 @@ class Endpoint:
         fault = self.config.fault(self.role, handle.transfer_id, messages_done)
         if fault is None:
             return
-        log.warning("kv %s fault point: %s after %d messages of transfer %s", self.role, fault.action,
-                    messages_done, handle.transfer_id)  # fmt: skip
+        log.warning(
+            "kv %s fault point: %s after %d messages of transfer %s",
+            self.role,
+            fault.action,
+            messages_done,
+            handle.transfer_id,
+        )
         if fault.action == "die":
             os._exit(17)
         if fault.action == "pause":

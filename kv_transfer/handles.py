@@ -102,4 +102,5 @@ class TransferHandle:
         return True
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.transfer_id!r}, {self._state.value}{', ' + self._error if self._error else ''})"
+        error = ", " + self._error if self._error else ""
+        return f"{type(self).__name__}({self.transfer_id!r}, {self._state.value}{error})"

@@ -23,17 +23,37 @@ from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
-from engine.kv_cache import KVCache
-from kv_transfer.comm import (
-    Communicator, CommunicatorFactory, TransferError, bind_store, choose_backend, open_communicator,
-)  # fmt: skip
-from kv_transfer.config import TransferConfig
-from kv_transfer.control import (
-    Ack, AckStatus, Cancel, DescriptorBytes, Hello, PairClosed, PairRefused, ReceiverMessage, SenderMessage, Welcome,
-)  # fmt: skip
-from kv_transfer.descriptor import PROTOCOL_VERSION, DescriptorError, LayoutFingerprint, PayloadDescriptor, decode_descriptor
-from kv_transfer.endpoint import Endpoint
-from kv_transfer.handles import TransferHandle, TransferState
+from splitserve.engine.kv_cache import KVCache
+from splitserve.kv_transfer.comm import (
+    Communicator,
+    CommunicatorFactory,
+    TransferError,
+    bind_store,
+    choose_backend,
+    open_communicator,
+)
+from splitserve.kv_transfer.config import TransferConfig
+from splitserve.kv_transfer.control import (
+    Ack,
+    AckStatus,
+    Cancel,
+    DescriptorBytes,
+    Hello,
+    PairClosed,
+    PairRefused,
+    ReceiverMessage,
+    SenderMessage,
+    Welcome,
+)
+from splitserve.kv_transfer.descriptor import (
+    PROTOCOL_VERSION,
+    DescriptorError,
+    LayoutFingerprint,
+    PayloadDescriptor,
+    decode_descriptor,
+)
+from splitserve.kv_transfer.endpoint import Endpoint
+from splitserve.kv_transfer.handles import TransferHandle, TransferState
 
 log = logging.getLogger("splitserve.kv_transfer")
 
@@ -56,7 +76,9 @@ class ReceiveHandle(TransferHandle):
 
 
 class _ReceiverPair:
-    def __init__(self, hello: Hello, generation: int, prefix: str, send: Callable[[ReceiverMessage | PairClosed], None]) -> None:
+    def __init__(
+        self, hello: Hello, generation: int, prefix: str, send: Callable[[ReceiverMessage | PairClosed], None]
+    ) -> None:
         self.hello, self.generation, self.prefix, self.send = hello, generation, prefix, send
         self.name = f"{hello.sender_id}#{generation}"
         self.queue: queue.Queue[PayloadDescriptor | None] = queue.Queue()
@@ -71,10 +93,15 @@ class KVReceiver(Endpoint):
     role = "receiver"
 
     def __init__(
-        self, cache: KVCache, fingerprint: LayoutFingerprint, receiver_id: str, host: str = "127.0.0.1",
-        config: TransferConfig | None = None, store_port: int = 0,
+        self,
+        cache: KVCache,
+        fingerprint: LayoutFingerprint,
+        receiver_id: str,
+        host: str = "127.0.0.1",
+        config: TransferConfig | None = None,
+        store_port: int = 0,
         communicator_factory: CommunicatorFactory = open_communicator,
-    ) -> None:  # fmt: skip
+    ) -> None:
         super().__init__(config)
         self.cache, self.fingerprint, self.receiver_id, self.host = cache, fingerprint, receiver_id, host
         self.incarnation = uuid.uuid4().hex
@@ -91,7 +118,9 @@ class KVReceiver(Endpoint):
         """Accept a transfer into these leased blocks (in the sender's block order)."""
         if not block_ids:
             raise ValueError("block_ids: at least one destination block is needed")
-        handle = ReceiveHandle(transfer_id, tuple(block_ids), timeout_s or self.config.transfer_timeout_s, self.cache.device)
+        handle = ReceiveHandle(
+            transfer_id, tuple(block_ids), timeout_s or self.config.transfer_timeout_s, self.cache.device
+        )
         with self._lock:
             if transfer_id in self._transfers:
                 raise ValueError(f"transfer_id: {transfer_id!r} is already expected")
@@ -112,7 +141,9 @@ class KVReceiver(Endpoint):
 
     # ---- one pair session (run by the control service, one thread per pair) ---------------------
 
-    def serve_pair(self, inbound: Iterator[SenderMessage], send: Callable[[ReceiverMessage | PairClosed], None]) -> None:
+    def serve_pair(
+        self, inbound: Iterator[SenderMessage], send: Callable[[ReceiverMessage | PairClosed], None]
+    ) -> None:
         """Run a sender's control stream until it ends; raises PairRefused to refuse or end it with an error.
 
         ``send`` delivers a message to the sender; ``send(PairClosed(reason))`` ends the stream.
@@ -130,8 +161,18 @@ class KVReceiver(Endpoint):
         pair = _ReceiverPair(first, generation, prefix, send)
         self._register(pair)
         threading.Thread(target=self._lane, args=(pair,), name=f"kv-recv-{pair.name}", daemon=True).start()
-        send(Welcome(PROTOCOL_VERSION, self.receiver_id, self.incarnation, generation, self.host, self.store_port,
-                     prefix, self.backend))  # fmt: skip
+        send(
+            Welcome(
+                PROTOCOL_VERSION,
+                self.receiver_id,
+                self.incarnation,
+                generation,
+                self.host,
+                self.store_port,
+                prefix,
+                self.backend,
+            )
+        )
         try:
             for message in inbound:
                 pair.last_used = time.monotonic()
@@ -154,7 +195,9 @@ class KVReceiver(Endpoint):
         if hello.protocol_version != PROTOCOL_VERSION:
             raise PairRefused("FAILED_PRECONDITION", f"protocol_version {hello.protocol_version} != {PROTOCOL_VERSION}")
         if hello.receiver_incarnation and hello.receiver_incarnation != self.incarnation:
-            raise PairRefused("FAILED_PRECONDITION", "receiver_incarnation: this receiver restarted; fetch its endpoint again")
+            raise PairRefused(
+                "FAILED_PRECONDITION", "receiver_incarnation: this receiver restarted; fetch its endpoint again"
+            )
         diff = hello.fingerprint.mismatches(self.fingerprint)
         if diff:
             raise PairRefused("FAILED_PRECONDITION", f"layout fingerprint mismatch: {'; '.join(diff)}")
@@ -182,8 +225,9 @@ class KVReceiver(Endpoint):
     def _lane(self, pair: _ReceiverPair) -> None:
         cfg = self.config
         try:
-            pair.comm = self._open_communicator(self.backend, self.store, pair.prefix, 1, self.host, cfg.op_timeout_s,
-                                                self.cache.device)  # fmt: skip
+            pair.comm = self._open_communicator(
+                self.backend, self.store, pair.prefix, 1, self.host, cfg.op_timeout_s, self.cache.device
+            )
         except Exception as e:
             self._break(pair, f"group setup failed: {e}")
             return
@@ -241,7 +285,9 @@ class KVReceiver(Endpoint):
             self.cache.scatter_blocks(dest, data.view(self._dtype), range(desc.layer_start, desc.layer_end))
             for layer in range(desc.layer_start, desc.layer_end):
                 base = layer * handle.num_blocks
-                handle.landed[base + desc.block_start : base + desc.block_end] = b"\x01" * (desc.block_end - desc.block_start)
+                handle.landed[base + desc.block_start : base + desc.block_end] = b"\x01" * (
+                    desc.block_end - desc.block_start
+                )
             handle.units_landed += desc.num_units
             handle.nbytes += desc.nbytes
             if desc.last:
@@ -269,8 +315,14 @@ class KVReceiver(Endpoint):
             handle.landed = bytearray(fp.num_layers * desc.num_blocks)
         elif handle.num_blocks != desc.num_blocks:
             return f"num_blocks changed from {handle.num_blocks} to {desc.num_blocks}"
-        expected = (desc.layer_end - desc.layer_start, desc.block_end - desc.block_start, 2, fp.num_kv_heads,
-                    fp.block_size, fp.head_dim)  # fmt: skip
+        expected = (
+            desc.layer_end - desc.layer_start,
+            desc.block_end - desc.block_start,
+            2,
+            fp.num_kv_heads,
+            fp.block_size,
+            fp.head_dim,
+        )
         if desc.shape != expected:
             return f"shape {list(desc.shape)} != {list(expected)}"
         if desc.nbytes != desc.num_units * fp.bytes_per_block_layer:

@@ -21,15 +21,29 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.kv_cache import KVCache
-from kv_transfer.comm import (
-    Communicator, CommunicatorFactory, TransferError, choose_backend, connect_store, open_communicator,
-)  # fmt: skip
-from kv_transfer.config import TransferConfig
-from kv_transfer.control import Ack, AckStatus, Cancel, ControlConnection, DescriptorBytes, Hello, PairClosed, Welcome
-from kv_transfer.descriptor import PROTOCOL_VERSION, LayoutFingerprint, PayloadDescriptor, encode_descriptor
-from kv_transfer.endpoint import Endpoint
-from kv_transfer.handles import TransferHandle, TransferState
+from splitserve.engine.kv_cache import KVCache
+from splitserve.kv_transfer.comm import (
+    Communicator,
+    CommunicatorFactory,
+    TransferError,
+    choose_backend,
+    connect_store,
+    open_communicator,
+)
+from splitserve.kv_transfer.config import TransferConfig
+from splitserve.kv_transfer.control import (
+    Ack,
+    AckStatus,
+    Cancel,
+    ControlConnection,
+    DescriptorBytes,
+    Hello,
+    PairClosed,
+    Welcome,
+)
+from splitserve.kv_transfer.descriptor import PROTOCOL_VERSION, LayoutFingerprint, PayloadDescriptor, encode_descriptor
+from splitserve.kv_transfer.endpoint import Endpoint
+from splitserve.kv_transfer.handles import TransferHandle, TransferState
 
 log = logging.getLogger("splitserve.kv_transfer")
 
@@ -44,8 +58,16 @@ class PeerAddress:
 
 
 class SendHandle(TransferHandle):
-    def __init__(self, transfer_id: str, block_ids: tuple[int, ...], num_tokens: int, num_layers: int,
-                 streaming: bool, timeout_s: float, device: torch.device) -> None:  # fmt: skip
+    def __init__(
+        self,
+        transfer_id: str,
+        block_ids: tuple[int, ...],
+        num_tokens: int,
+        num_layers: int,
+        streaming: bool,
+        timeout_s: float,
+        device: torch.device,
+    ) -> None:
         super().__init__(transfer_id, block_ids, timeout_s)
         self.src = torch.tensor(block_ids, dtype=torch.long, device=device)
         self.num_tokens, self.num_layers, self.streaming = num_tokens, num_layers, streaming
@@ -85,10 +107,15 @@ class KVSender(Endpoint):
     role = "sender"
 
     def __init__(
-        self, cache: KVCache, fingerprint: LayoutFingerprint, sender_id: str,
-        connect: Callable[[PeerAddress], ControlConnection], host: str = "127.0.0.1",
-        config: TransferConfig | None = None, communicator_factory: CommunicatorFactory = open_communicator,
-    ) -> None:  # fmt: skip
+        self,
+        cache: KVCache,
+        fingerprint: LayoutFingerprint,
+        sender_id: str,
+        connect: Callable[[PeerAddress], ControlConnection],
+        host: str = "127.0.0.1",
+        config: TransferConfig | None = None,
+        communicator_factory: CommunicatorFactory = open_communicator,
+    ) -> None:
         super().__init__(config)
         self.cache, self.fingerprint, self.sender_id, self.host = cache, fingerprint, sender_id, host
         self.incarnation = uuid.uuid4().hex
@@ -99,16 +126,30 @@ class KVSender(Endpoint):
 
     # ---- the prefill worker's side --------------------------------------------------------------
 
-    def start(self, transfer_id: str, peer: PeerAddress, block_ids: Sequence[int], num_tokens: int,
-              timeout_s: float | None = None) -> SendHandle:  # fmt: skip
+    def start(
+        self,
+        transfer_id: str,
+        peer: PeerAddress,
+        block_ids: Sequence[int],
+        num_tokens: int,
+        timeout_s: float | None = None,
+    ) -> SendHandle:
         """Begin pushing a request's KV (its blocks in token order) to ``peer``; returns at once."""
         fp = self.fingerprint
         if -(-num_tokens // fp.block_size) != len(block_ids):
-            raise ValueError(f"block_ids: {len(block_ids)} blocks for {num_tokens} tokens of block size {fp.block_size}")
+            raise ValueError(
+                f"block_ids: {len(block_ids)} blocks for {num_tokens} tokens of block size {fp.block_size}"
+            )
         total = fp.num_layers * len(block_ids) * fp.bytes_per_block_layer
-        handle = SendHandle(transfer_id, tuple(block_ids), num_tokens, fp.num_layers,
-                            total > self.config.whole_request_bytes, timeout_s or self.config.transfer_timeout_s,
-                            self.cache.device)  # fmt: skip
+        handle = SendHandle(
+            transfer_id,
+            tuple(block_ids),
+            num_tokens,
+            fp.num_layers,
+            total > self.config.whole_request_bytes,
+            timeout_s or self.config.transfer_timeout_s,
+            self.cache.device,
+        )
         with self._lock:
             if transfer_id in self._transfers:
                 raise ValueError(f"transfer_id: {transfer_id!r} is already being sent")
@@ -195,8 +236,9 @@ class KVSender(Endpoint):
     def _setup(self, pair: _SenderPair) -> None:
         cfg, peer = self.config, pair.peer
         pair.conn = self._connect(peer)
-        pair.conn.send(Hello(PROTOCOL_VERSION, self.sender_id, self.incarnation, peer.incarnation, self.fingerprint,
-                             self.host))  # fmt: skip
+        pair.conn.send(
+            Hello(PROTOCOL_VERSION, self.sender_id, self.incarnation, peer.incarnation, self.fingerprint, self.host)
+        )
         try:
             welcome = pair.conn.receive(cfg.pair_setup_timeout_s)
         except queue.Empty:
@@ -208,8 +250,9 @@ class KVSender(Endpoint):
         if welcome.backend != self.backend:
             raise TransferError(f"backend: receiver uses {welcome.backend}, this sender's KV needs {self.backend}")
         store = connect_store(welcome.store_host, welcome.store_port, cfg.pair_setup_timeout_s)
-        pair.comm = self._open_communicator(self.backend, store, welcome.store_prefix, 0, self.host, cfg.op_timeout_s,
-                                            self.cache.device)  # fmt: skip
+        pair.comm = self._open_communicator(
+            self.backend, store, welcome.store_prefix, 0, self.host, cfg.op_timeout_s, self.cache.device
+        )
         pair.store = store
         threading.Thread(target=self._read_acks, args=(pair,), name="kv-send-acks", daemon=True).start()
 
@@ -275,12 +318,20 @@ class KVSender(Endpoint):
     def _post(self, pair: _SenderPair, message: _Message, data: torch.Tensor):
         handle = message.handle
         desc = PayloadDescriptor(
-            seq=pair.next_seq, transfer_id=handle.transfer_id, layer_start=message.layer_start,
-            layer_end=message.layer_end, block_start=message.block_start, block_end=message.block_end,
-            num_blocks=len(handle.block_ids), num_tokens=handle.num_tokens, dtype=self.fingerprint.dtype,
-            shape=tuple(data.shape), nbytes=data.numel() * data.element_size(), last=message.last,
+            seq=pair.next_seq,
+            transfer_id=handle.transfer_id,
+            layer_start=message.layer_start,
+            layer_end=message.layer_end,
+            block_start=message.block_start,
+            block_end=message.block_end,
+            num_blocks=len(handle.block_ids),
+            num_tokens=handle.num_tokens,
+            dtype=self.fingerprint.dtype,
+            shape=tuple(data.shape),
+            nbytes=data.numel() * data.element_size(),
+            last=message.last,
             commit=message.commit,
-        )  # fmt: skip
+        )
         pair.next_seq += 1
         handle.messages_moved += 1  # only this pair's lane thread posts for the handle
         handle._start()

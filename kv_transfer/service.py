@@ -2,7 +2,7 @@
 
 The decode worker serves ``KVTransfer.Pair`` (``KVTransferServicer``, or ``serve`` for a standalone
 server); a prefill worker's ``KVSender`` dials it through ``GrpcConnection``. Protobuf lives at this
-edge only: the sender and receiver speak the dataclasses of ``kv_transfer.control``.
+edge only: the sender and receiver speak the dataclasses of ``splitserve.kv_transfer.control``.
 """
 
 from __future__ import annotations
@@ -14,34 +14,54 @@ from concurrent import futures
 
 import grpc
 
-from kv_transfer.control import (
-    Ack, AckStatus, Cancel, ControlConnection, DescriptorBytes, Hello, PairClosed, PairRefused, ReceiverMessage,
-    SenderMessage, Welcome,
-)  # fmt: skip
-from kv_transfer.descriptor import LayoutFingerprint
-from kv_transfer.receiver import KVReceiver
+from splitserve.kv_transfer.control import (
+    Ack,
+    AckStatus,
+    Cancel,
+    ControlConnection,
+    DescriptorBytes,
+    Hello,
+    PairClosed,
+    PairRefused,
+    ReceiverMessage,
+    SenderMessage,
+    Welcome,
+)
+from splitserve.kv_transfer.descriptor import LayoutFingerprint
+from splitserve.kv_transfer.receiver import KVReceiver
 from splitserve.rpc import kv_transfer_pb2 as pb
 from splitserve.rpc import kv_transfer_pb2_grpc as pb_grpc
-from splitserve.rpc.options import CLIENT_OPTIONS, SERVER_OPTIONS
 from splitserve.rpc.auth import server_interceptors
+from splitserve.rpc.options import CLIENT_OPTIONS, SERVER_OPTIONS
 from splitserve.rpc.security import InternalSecurity
 
 # ---- protobuf at the edge ------------------------------------------------------------------------
 
 
 def _fingerprint_to_pb(fp: LayoutFingerprint) -> pb.LayoutFingerprint:
-    return pb.LayoutFingerprint(model=fp.model, dtype=fp.dtype, block_size=fp.block_size, num_layers=fp.num_layers,
-                                num_kv_heads=fp.num_kv_heads, head_dim=fp.head_dim,
-                                weights_checksum=fp.weights_checksum)  # fmt: skip
+    return pb.LayoutFingerprint(
+        model=fp.model,
+        dtype=fp.dtype,
+        block_size=fp.block_size,
+        num_layers=fp.num_layers,
+        num_kv_heads=fp.num_kv_heads,
+        head_dim=fp.head_dim,
+        weights_checksum=fp.weights_checksum,
+    )
 
 
 def sender_to_pb(message: SenderMessage) -> pb.SenderMessage:
     if isinstance(message, Hello):
-        return pb.SenderMessage(hello=pb.Hello(
-            protocol_version=message.protocol_version, sender_id=message.sender_id,
-            sender_incarnation=message.sender_incarnation, receiver_incarnation=message.receiver_incarnation,
-            fingerprint=_fingerprint_to_pb(message.fingerprint), sender_host=message.sender_host,
-        ))  # fmt: skip
+        return pb.SenderMessage(
+            hello=pb.Hello(
+                protocol_version=message.protocol_version,
+                sender_id=message.sender_id,
+                sender_incarnation=message.sender_incarnation,
+                receiver_incarnation=message.receiver_incarnation,
+                fingerprint=_fingerprint_to_pb(message.fingerprint),
+                sender_host=message.sender_host,
+            )
+        )
     if isinstance(message, DescriptorBytes):
         return pb.SenderMessage(descriptor=message.data)
     return pb.SenderMessage(cancel=pb.Cancel(transfer_id=message.transfer_id, reason=message.reason))
@@ -51,8 +71,9 @@ def sender_from_pb(message: pb.SenderMessage) -> SenderMessage:
     kind = message.WhichOneof("kind")
     if kind == "hello":
         h, f = message.hello, message.hello.fingerprint
-        fp = LayoutFingerprint(f.model, f.dtype, f.block_size, f.num_layers, f.num_kv_heads, f.head_dim,
-                               f.weights_checksum)  # fmt: skip
+        fp = LayoutFingerprint(
+            f.model, f.dtype, f.block_size, f.num_layers, f.num_kv_heads, f.head_dim, f.weights_checksum
+        )
         return Hello(h.protocol_version, h.sender_id, h.sender_incarnation, h.receiver_incarnation, fp, h.sender_host)
     if kind == "descriptor":
         return DescriptorBytes(message.descriptor)
@@ -63,21 +84,36 @@ def sender_from_pb(message: pb.SenderMessage) -> SenderMessage:
 
 def receiver_to_pb(message: ReceiverMessage) -> pb.ReceiverMessage:
     if isinstance(message, Welcome):
-        return pb.ReceiverMessage(welcome=pb.Welcome(
-            protocol_version=message.protocol_version, receiver_id=message.receiver_id,
-            receiver_incarnation=message.receiver_incarnation, generation=message.generation,
-            store_host=message.store_host, store_port=message.store_port, store_prefix=message.store_prefix,
-            backend=message.backend,
-        ))  # fmt: skip
-    return pb.ReceiverMessage(ack=pb.Ack(transfer_id=message.transfer_id, seq=message.seq,
-                                         status=message.status.value, error=message.error))  # fmt: skip
+        return pb.ReceiverMessage(
+            welcome=pb.Welcome(
+                protocol_version=message.protocol_version,
+                receiver_id=message.receiver_id,
+                receiver_incarnation=message.receiver_incarnation,
+                generation=message.generation,
+                store_host=message.store_host,
+                store_port=message.store_port,
+                store_prefix=message.store_prefix,
+                backend=message.backend,
+            )
+        )
+    return pb.ReceiverMessage(
+        ack=pb.Ack(transfer_id=message.transfer_id, seq=message.seq, status=message.status.value, error=message.error)
+    )
 
 
 def receiver_from_pb(message: pb.ReceiverMessage) -> ReceiverMessage:
     if message.WhichOneof("kind") == "welcome":
         w = message.welcome
-        return Welcome(w.protocol_version, w.receiver_id, w.receiver_incarnation, w.generation, w.store_host,
-                       w.store_port, w.store_prefix, w.backend)  # fmt: skip
+        return Welcome(
+            w.protocol_version,
+            w.receiver_id,
+            w.receiver_incarnation,
+            w.generation,
+            w.store_host,
+            w.store_port,
+            w.store_prefix,
+            w.backend,
+        )
     a = message.ack
     try:
         status = AckStatus(a.status)
@@ -124,13 +160,17 @@ class KVTransferServicer(pb_grpc.KVTransferServicer):
             yield receiver_to_pb(item)
 
 
-def serve(receiver: KVReceiver, host: str = "127.0.0.1", port: int = 0,
-          security: InternalSecurity | None = None) -> tuple[grpc.Server, int]:  # fmt: skip
+def serve(
+    receiver: KVReceiver, host: str = "127.0.0.1", port: int = 0, security: InternalSecurity | None = None
+) -> tuple[grpc.Server, int]:
     """A standalone gRPC server for a receiver, bound to ``host`` only (mTLS and the cluster token
     when ``security`` says so); returns (server, port)."""
     security = security or InternalSecurity()
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=receiver.config.max_pairs + 8),
-                         options=SERVER_OPTIONS, interceptors=server_interceptors(security.policy(), aio=False))  # fmt: skip
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=receiver.config.max_pairs + 8),
+        options=SERVER_OPTIONS,
+        interceptors=server_interceptors(security.policy(), aio=False),
+    )
     pb_grpc.add_KVTransferServicer_to_server(KVTransferServicer(receiver), server)
     bound = security.add_port(server, f"{host}:{port}")
     if bound == 0:

@@ -1,5 +1,5 @@
 import sys
 
-from worker_common.cli import main
+from splitserve.worker_common.cli import main
 
 sys.exit(main("prefill"))

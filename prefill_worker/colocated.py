@@ -20,12 +20,12 @@ from __future__ import annotations
 
 import time
 
-from engine.request import FinishReason, Request
-from prefill_worker.worker import PrefillJob, PrefillWorker
+from splitserve.engine.request import FinishReason, Request
+from splitserve.prefill_worker.worker import PrefillJob, PrefillWorker
 from splitserve.rpc import workers_pb2 as wpb
 from splitserve.rpc.convert import FINISH_TO_PB, stop_reason_text
-from worker_common.base import END, WorkerError
-from worker_common.config import WorkerConfig
+from splitserve.worker_common.base import END, WorkerError
+from splitserve.worker_common.config import WorkerConfig
 
 
 class ColocatedWorker(PrefillWorker):
@@ -84,16 +84,22 @@ class ColocatedWorker(PrefillWorker):
             job.done = True
             job.first_token_at = time.monotonic()
             self.metrics.prefix_cache(request.num_tokens - 1, request.num_cached_tokens)
-            job.events.put(wpb.PrefillEvent(first_token=wpb.FirstToken(
-                token_id=token, cached_tokens=request.num_cached_tokens,
-                queue_ms=((job.first_scheduled or job.arrival) - job.arrival) * 1e3,
-                compute_ms=(job.first_token_at - (job.first_scheduled or job.arrival)) * 1e3,
-            )))  # fmt: skip
+            job.events.put(
+                wpb.PrefillEvent(
+                    first_token=wpb.FirstToken(
+                        token_id=token,
+                        cached_tokens=request.num_cached_tokens,
+                        queue_ms=((job.first_scheduled or job.arrival) - job.arrival) * 1e3,
+                        compute_ms=(job.first_token_at - (job.first_scheduled or job.arrival)) * 1e3,
+                    )
+                )
+            )
         else:
             job.events.put(wpb.PrefillEvent(tokens=wpb.Tokens(token_ids=[token], index=request.num_output_tokens - 1)))
         if request.is_finished:  # the scheduler has freed its blocks
-            finished = wpb.Finished(finish_reason=FINISH_TO_PB[request.finish_reason],
-                                    stop_reason=stop_reason_text(request.stop_reason))  # fmt: skip
+            finished = wpb.Finished(
+                finish_reason=FINISH_TO_PB[request.finish_reason], stop_reason=stop_reason_text(request.stop_reason)
+            )
             self._finish_job(job, wpb.PrefillEvent(finished=finished))
         elif self.draining:
             self._hand_back(job)

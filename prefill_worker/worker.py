@@ -22,17 +22,17 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from engine.request import FinishReason, Request
-from engine.sampling_params import SamplingParamsError
-from kv_transfer.handles import TransferHandle, TransferState
-from kv_transfer.sender import KVSender, PeerAddress, SendHandle
-from kv_transfer.service import GrpcConnection
+from splitserve.engine.request import FinishReason, Request
+from splitserve.engine.sampling_params import SamplingParamsError
+from splitserve.kv_transfer.handles import TransferHandle, TransferState
+from splitserve.kv_transfer.sender import KVSender, PeerAddress, SendHandle
+from splitserve.kv_transfer.service import GrpcConnection
 from splitserve.observability.logs import request_context
 from splitserve.rpc import workers_pb2 as wpb
 from splitserve.rpc import workers_pb2_grpc as wpb_grpc
 from splitserve.rpc.convert import FINISH_TO_PB, sampling_from_pb, stop_reason_text
-from worker_common.base import END, WorkerBase, WorkerError, stream_events
-from worker_common.config import WorkerConfig
+from splitserve.worker_common.base import END, WorkerBase, WorkerError, stream_events
+from splitserve.worker_common.config import WorkerConfig
 
 log = logging.getLogger("splitserve.prefill")
 
@@ -53,9 +53,14 @@ class PrefillWorker(WorkerBase):
     def __init__(self, config: WorkerConfig) -> None:
         super().__init__(config)
         self.scheduler = self.core.make_scheduler(hand_off_after_first_token=True)
-        self.sender = KVSender(self.core.kv_cache, self.fingerprint, config.worker_id,
-                               connect=lambda peer: GrpcConnection(peer.control, config.security), host=config.host,
-                               config=config.transfer)  # fmt: skip
+        self.sender = KVSender(
+            self.core.kv_cache,
+            self.fingerprint,
+            config.worker_id,
+            connect=lambda peer: GrpcConnection(peer.control, config.security),
+            host=config.host,
+            config=config.transfer,
+        )
         self.jobs: dict[str, PrefillJob] = {}
         self._subscribers: list[queue.Queue] = []
 
@@ -97,8 +102,9 @@ class PrefillWorker(WorkerBase):
                 raise WorkerError("ALREADY_EXISTS", f"request_id: {message.request_id!r} is already here")
             held = self.credited()
             if held >= 2 * self.config.max_inflight:
-                raise WorkerError("RESOURCE_EXHAUSTED", f"{self.config.role} worker has {held} requests "
-                                                        f"(twice its max_inflight)")  # fmt: skip
+                raise WorkerError(
+                    "RESOURCE_EXHAUSTED", f"{self.config.role} worker has {held} requests (twice its max_inflight)"
+                )
             self.jobs[message.request_id] = job
         self.submit(("add", job))
         return job
@@ -167,7 +173,9 @@ class PrefillWorker(WorkerBase):
                 job.first_scheduled = now
             if item.samples and job.destination is not None and job.transfer is None:
                 request = item.request
-                blocks = self.core.blocks.block_table(request.request_id)[: -(-request.num_tokens // self.core.config.block_size)]
+                blocks = self.core.blocks.block_table(request.request_id)[
+                    : -(-request.num_tokens // self.core.config.block_size)
+                ]
                 job.transfer = self.sender.start(request.request_id, job.destination, blocks, request.num_tokens)
                 streaming.append(job.transfer)
         hook = (lambda n: [self.sender.layers_ready(h, n) for h in streaming]) if streaming else None
@@ -185,10 +193,11 @@ class PrefillWorker(WorkerBase):
         token = request.token_ids[-1]
         self.metrics.prefix_cache(request.num_tokens - 1, request.num_cached_tokens)
         event = wpb.FirstToken(
-            token_id=token, cached_tokens=request.num_cached_tokens,
+            token_id=token,
+            cached_tokens=request.num_cached_tokens,
             queue_ms=((job.first_scheduled or job.arrival) - job.arrival) * 1e3,
             compute_ms=(job.first_token_at - (job.first_scheduled or job.arrival)) * 1e3,
-        )  # fmt: skip
+        )
         if request.finish_reason is not None:
             event.finish_reason = FINISH_TO_PB[request.finish_reason]
             event.stop_reason = stop_reason_text(request.stop_reason)
@@ -208,14 +217,25 @@ class PrefillWorker(WorkerBase):
         self._release(job)
         self.metrics.transfer_ended("sent", handle)
         if handle.state is TransferState.FAILED:
-            log.warning("KV transfer of %s to %s failed: %s", job.request.request_id, job.destination.receiver_id,
-                        handle.error, extra={"request_id": job.request.request_id})  # fmt: skip
+            log.warning(
+                "KV transfer of %s to %s failed: %s",
+                job.request.request_id,
+                job.destination.receiver_id,
+                handle.error,
+                extra={"request_id": job.request.request_id},
+            )
         if report:
             ok = handle.state is TransferState.DONE
-            job.events.put(wpb.PrefillEvent(transfer=wpb.TransferResult(
-                ok=ok, error="" if ok else f"{handle.state.value}: {handle.error}",
-                transfer_ms=((handle.finished_at or time.monotonic()) - job.first_token_at) * 1e3, bytes=handle.nbytes,
-            )))  # fmt: skip
+            job.events.put(
+                wpb.PrefillEvent(
+                    transfer=wpb.TransferResult(
+                        ok=ok,
+                        error="" if ok else f"{handle.state.value}: {handle.error}",
+                        transfer_ms=((handle.finished_at or time.monotonic()) - job.first_token_at) * 1e3,
+                        bytes=handle.nbytes,
+                    )
+                )
+            )
         self._finish_job(job, END)
 
     def _release(self, job: PrefillJob) -> None:
@@ -264,10 +284,14 @@ class PrefillWorker(WorkerBase):
         with self.lock:
             events = self.core.blocks.take_events()
             for event in events:
-                kind = {"stored": wpb.CacheEvent.STORED, "removed": wpb.CacheEvent.REMOVED,
-                        "cleared": wpb.CacheEvent.REMOVED}[event.kind]  # fmt: skip
-                message = wpb.CacheEvent(kind=kind, block_hashes=list(event.block_hashes),
-                                         block_size=self.core.config.block_size)  # fmt: skip
+                kind = {
+                    "stored": wpb.CacheEvent.STORED,
+                    "removed": wpb.CacheEvent.REMOVED,
+                    "cleared": wpb.CacheEvent.REMOVED,
+                }[event.kind]
+                message = wpb.CacheEvent(
+                    kind=kind, block_hashes=list(event.block_hashes), block_size=self.core.config.block_size
+                )
                 for subscriber in self._subscribers:
                     subscriber.put(message)
 
@@ -298,6 +322,7 @@ class _Servicer(wpb_grpc.PrefillWorkerServicer):
     def CacheEvents(self, request, context):  # noqa: N802
         events, snapshot = self.worker.subscribe()
         context.add_callback(lambda: self.worker.unsubscribe(events))
-        yield wpb.CacheEvent(kind=wpb.CacheEvent.SNAPSHOT, block_hashes=snapshot,
-                             block_size=self.worker.core.config.block_size)  # fmt: skip
+        yield wpb.CacheEvent(
+            kind=wpb.CacheEvent.SNAPSHOT, block_hashes=snapshot, block_size=self.worker.core.config.block_size
+        )
         yield from stream_events(events, context, lambda event: event)

@@ -7,17 +7,26 @@ import asyncio
 import signal
 import sys
 
-from router.config import RouterConfig
-from router.server import Router
-from router.workers import WorkerAddress
 from splitserve.observability.logs import configure_logging
+from splitserve.router.config import RouterConfig
+from splitserve.router.server import Router
+from splitserve.router.workers import WorkerAddress
 
 
 async def _run(args: argparse.Namespace) -> None:
     workers = [WorkerAddress("prefill", a) for a in args.prefill] + [WorkerAddress("decode", a) for a in args.decode]
-    router = Router(RouterConfig(model_dir=args.model, host=args.host, port=args.port, block_size=args.block_size,
-                                 routing_policy=args.policy, metrics_port=args.metrics_port,
-                                 openai_port=args.openai_port), workers)  # fmt: skip
+    router = Router(
+        RouterConfig(
+            model_dir=args.model,
+            host=args.host,
+            port=args.port,
+            block_size=args.block_size,
+            routing_policy=args.policy,
+            metrics_port=args.metrics_port,
+            openai_port=args.openai_port,
+        ),
+        workers,
+    )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
@@ -31,7 +40,7 @@ async def _run(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m router", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m splitserve.router", description=__doc__)
     p.add_argument("--model", required=True, help="the workers' model folder (for its tokenizer and config)")
     p.add_argument("--prefill", action="append", required=True, help="a prefill worker's host:port (repeatable)")
     p.add_argument("--decode", action="append", required=True, help="a decode worker's host:port (repeatable)")

@@ -38,7 +38,9 @@ class RouterConfig:
 
     def __post_init__(self) -> None:
         if self.routing_policy not in ("prefix_aware", "least_loaded", "round_robin"):
-            raise ValueError(f"routing_policy: {self.routing_policy!r} is not prefix_aware, least_loaded or round_robin")
+            raise ValueError(
+                f"routing_policy: {self.routing_policy!r} is not prefix_aware, least_loaded or round_robin"
+            )
         for name in ("max_migrations", "max_prefill_retries"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)}")

@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from router.config import RouterConfig
-from router.policy import choose_decode, choose_prefill
-from router.workers import DecodeHandle, PrefillHandle, WorkerPool, read_call, start_call
+from splitserve.router.config import RouterConfig
+from splitserve.router.policy import choose_decode, choose_prefill
+from splitserve.router.workers import DecodeHandle, PrefillHandle, WorkerPool, read_call, start_call
 from splitserve.rpc import workers_pb2 as wpb
 
 log = logging.getLogger("splitserve.router")
@@ -107,8 +107,14 @@ class Dispatcher:
         while self.waiting:
             ticket = self.waiting[0]
             views = [p.view for p in self.pool.prefill]
-            view = choose_prefill(views, self.config.routing_policy, ticket.prompt_hashes, self.block_size,
-                                  self.config.overlap_weight, self._turn)  # fmt: skip
+            view = choose_prefill(
+                views,
+                self.config.routing_policy,
+                ticket.prompt_hashes,
+                self.block_size,
+                self.config.overlap_weight,
+                self._turn,
+            )
             if view is None:
                 return
             self._turn += 1
@@ -133,10 +139,13 @@ class Dispatcher:
             if view is None:
                 if time.monotonic() > deadline:
                     if not self.pool.decode:
-                        raise RouterError("UNAVAILABLE", "no decode worker is in the pool (lost or not started) "
-                                                         "within lease_timeout_s")  # fmt: skip
-                    raise RouterError("UNAVAILABLE", f"no decode worker had room for {needed} KV blocks "
-                                                     "within lease_timeout_s")  # fmt: skip
+                        raise RouterError(
+                            "UNAVAILABLE",
+                            "no decode worker is in the pool (lost or not started) within lease_timeout_s",
+                        )
+                    raise RouterError(
+                        "UNAVAILABLE", f"no decode worker had room for {needed} KV blocks within lease_timeout_s"
+                    )
                 refused.clear()
                 await asyncio.sleep(0.02)
                 continue
@@ -155,7 +164,7 @@ class Dispatcher:
                     return worker, call, first.lease
                 view.free_blocks, reserved = first.refused.free_blocks, False  # the worker's own count
                 refused.add(view.worker_id)
-            except (grpc.aio.AioRpcError, asyncio.TimeoutError) as e:
+            except (TimeoutError, grpc.aio.AioRpcError) as e:
                 if isinstance(e, grpc.aio.AioRpcError) and e.code() == grpc.StatusCode.INVALID_ARGUMENT:
                     raise RouterError("INVALID_ARGUMENT", e.details()) from None
                 view.healthy = False

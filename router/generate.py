@@ -23,15 +23,15 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from engine.block_hash import block_hashes
-from engine.detokenizer import IncrementalDetokenizer
-from engine.sampling_params import SamplingParams
-from engine.stop_strings import StopStringMatcher
-from engine.tokenizer import Tokenizer
-from router.config import RouterConfig
-from router.dispatcher import Dispatcher, RouterError, Ticket
-from router.metrics import FINISH_REASON_LABELS, Outcome, RequestSummary, RouterMetrics
-from router.workers import read_call, start_call
+from splitserve.engine.block_hash import block_hashes
+from splitserve.engine.detokenizer import IncrementalDetokenizer
+from splitserve.engine.sampling_params import SamplingParams
+from splitserve.engine.stop_strings import StopStringMatcher
+from splitserve.engine.tokenizer import Tokenizer
+from splitserve.router.config import RouterConfig
+from splitserve.router.dispatcher import Dispatcher, RouterError, Ticket
+from splitserve.router.metrics import FINISH_REASON_LABELS, Outcome, RequestSummary, RouterMetrics
+from splitserve.router.workers import read_call, start_call
 from splitserve.rpc import workers_pb2 as wpb
 from splitserve.rpc.convert import sampling_to_pb
 from splitserve.v1 import splitserve_pb2 as pb
@@ -51,11 +51,17 @@ class Clock:
     def timing(self, prefill_worker: str, decode_worker: str) -> pb.Timing:
         now = time.monotonic()
         ms = lambda a, b: ((b or now) - (a or now)) * 1e3  # noqa: E731
-        return pb.Timing(queue_ms=ms(self.arrival, self.dispatched), prefill_ms=ms(self.dispatched, self.first_token),
-                         transfer_ms=self.transfer_ms, first_token_ms=ms(self.arrival, self.first_token),
-                         decode_ms=ms(self.first_token, now), total_ms=ms(self.arrival, now),
-                         prefill_worker=prefill_worker, decode_worker=decode_worker,
-                         reprefills=self.reprefills)  # fmt: skip
+        return pb.Timing(
+            queue_ms=ms(self.arrival, self.dispatched),
+            prefill_ms=ms(self.dispatched, self.first_token),
+            transfer_ms=self.transfer_ms,
+            first_token_ms=ms(self.arrival, self.first_token),
+            decode_ms=ms(self.first_token, now),
+            total_ms=ms(self.arrival, now),
+            prefill_worker=prefill_worker,
+            decode_worker=decode_worker,
+            reprefills=self.reprefills,
+        )
 
 
 @dataclass
@@ -83,8 +89,16 @@ class WorkerLost(Exception):
 
 
 class RequestRun:
-    def __init__(self, request_id: str, prompt: list[int], sampling: SamplingParams, tokenizer: Tokenizer,
-                 dispatcher: Dispatcher, config: RouterConfig, metrics: RouterMetrics | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        request_id: str,
+        prompt: list[int],
+        sampling: SamplingParams,
+        tokenizer: Tokenizer,
+        dispatcher: Dispatcher,
+        config: RouterConfig,
+        metrics: RouterMetrics | None = None,
+    ) -> None:
         self.request_id, self.prompt, self.sampling = request_id, prompt, sampling
         self.dispatcher, self.config = dispatcher, config
         self.metrics = metrics or RouterMetrics()
@@ -112,19 +126,27 @@ class RequestRun:
             except WorkerLost as lost:
                 if lost.worker_failed:
                     self.dispatcher.pool.lost(lost.worker)
-                log.warning("request %s: %s; %s", self.request_id, lost.message,
-                            "retrying its prefill" if not self.output else f"migrating it ({len(self.output)} tokens out)")
+                log.warning(
+                    "request %s: %s; %s",
+                    self.request_id,
+                    lost.message,
+                    "retrying its prefill" if not self.output else f"migrating it ({len(self.output)} tokens out)",
+                )
                 if not self.output:  # nothing reached the client yet: retry the prefill
                     self.prefill_retries += 1
                     self.metrics.prefill_retries.inc()
                     if self.prefill_retries > self.config.max_prefill_retries:
-                        raise RouterError("UNAVAILABLE", f"{lost.message}; gave up after {self.prefill_retries - 1} retries") from None
+                        raise RouterError(
+                            "UNAVAILABLE", f"{lost.message}; gave up after {self.prefill_retries - 1} retries"
+                        ) from None
                 else:
                     self.migrations += 1
                     self.clock.reprefills += 1
                     self.metrics.migrations.inc()
                     if self.migrations > self.config.max_migrations:
-                        raise RouterError("UNAVAILABLE", f"{lost.message}; gave up after {self.migrations - 1} migrations") from None
+                        raise RouterError(
+                            "UNAVAILABLE", f"{lost.message}; gave up after {self.migrations - 1} migrations"
+                        ) from None
         yield self._final()
 
     async def _leg(self):
@@ -144,17 +166,30 @@ class RequestRun:
         try:
             try:
                 if self.sampling.max_tokens - len(self.output) > 1:
-                    request = wpb.DecodeRequest(request_id=self.request_id, prompt_token_ids=self.prompt,
-                                                output_token_ids=self.output, sampling=self.sampling_pb)  # fmt: skip
+                    request = wpb.DecodeRequest(
+                        request_id=self.request_id,
+                        prompt_token_ids=self.prompt,
+                        output_token_ids=self.output,
+                        sampling=self.sampling_pb,
+                    )
                     deadline = time.monotonic() + self.config.lease_timeout_s
-                    decode, call, grant = await self.dispatcher.lease(request, len(self.prompt) + len(self.output),
-                                                                      deadline)  # fmt: skip
+                    decode, call, grant = await self.dispatcher.lease(
+                        request, len(self.prompt) + len(self.output), deadline
+                    )
                     calls.append(call)
                     self.decode_worker = decode.worker_id
-                prefill_call = _start(prefill.stub.Prefill, wpb.PrefillRequest(
-                    request_id=self.request_id, prompt_token_ids=self.prompt, output_token_ids=self.output,
-                    sampling=self.sampling_pb, destination=grant.destination if grant else None,
-                ), "prefill", prefill)  # fmt: skip
+                prefill_call = _start(
+                    prefill.stub.Prefill,
+                    wpb.PrefillRequest(
+                        request_id=self.request_id,
+                        prompt_token_ids=self.prompt,
+                        output_token_ids=self.output,
+                        sampling=self.sampling_pb,
+                        destination=grant.destination if grant else None,
+                    ),
+                    "prefill",
+                    prefill,
+                )
                 calls.append(prefill_call)
                 first = (await _read(prefill_call, "prefill", prefill)).first_token
             finally:
@@ -188,9 +223,17 @@ class RequestRun:
     async def _colocated_leg(self, worker, ticket: Ticket):
         """A colocated worker does both phases on one call; it holds the credit to the end."""
         self.decode_worker = worker.worker_id
-        call = _start(worker.stub.Prefill, wpb.PrefillRequest(request_id=self.request_id, prompt_token_ids=self.prompt,
-                                                              output_token_ids=self.output, sampling=self.sampling_pb),
-                      "colocated", worker)  # fmt: skip
+        call = _start(
+            worker.stub.Prefill,
+            wpb.PrefillRequest(
+                request_id=self.request_id,
+                prompt_token_ids=self.prompt,
+                output_token_ids=self.output,
+                sampling=self.sampling_pb,
+            ),
+            "colocated",
+            worker,
+        )
         try:
             first = (await _read(call, "colocated", worker)).first_token
             self.dispatcher.prefilled(worker, ticket)
@@ -209,8 +252,9 @@ class RequestRun:
         now = time.monotonic()
         if self.clock.first_token is None:
             self.clock.first_token, self.cached_tokens = now, first.cached_tokens
-            self.metrics.first_token(now - self.clock.arrival, now - self.clock.dispatched, len(self.prompt),
-                                     first.cached_tokens)  # fmt: skip
+            self.metrics.first_token(
+                now - self.clock.arrival, now - self.clock.dispatched, len(self.prompt), first.cached_tokens
+            )
         return now
 
     async def _decode(self, call, worker, role: str = "decode", leg: LegTransfer | None = None):
@@ -249,14 +293,22 @@ class RequestRun:
                     leg.nbytes = event.transfer.bytes or leg.nbytes
                     return
                 self.metrics.transfer_failures.inc()
-                failure = WorkerLost("prefill", prefill, f"KV transfer from {prefill.worker_id} failed: "
-                                                         f"{event.transfer.error}", worker_failed=False)  # fmt: skip
+                failure = WorkerLost(
+                    "prefill",
+                    prefill,
+                    f"KV transfer from {prefill.worker_id} failed: {event.transfer.error}",
+                    worker_failed=False,
+                )
                 break
             else:
                 return
         except grpc.aio.AioRpcError as e:
-            failure = WorkerLost("prefill", prefill, f"prefill worker {prefill.worker_id} failed before its KV "
-                                                     f"transfer ended: {e.code().name}: {e.details()}")  # fmt: skip
+            failure = WorkerLost(
+                "prefill",
+                prefill,
+                f"prefill worker {prefill.worker_id} failed before its KV "
+                f"transfer ended: {e.code().name}: {e.details()}",
+            )
         self.transfer_failure = failure
         decode_call.cancel()
 
@@ -286,12 +338,19 @@ class RequestRun:
                 stop = self.stops.matched
             if stop is not None:
                 self.finish_reason, self.stop_reason = pb.FINISH_REASON_STOP, stop
-        usage = pb.Usage(prompt_tokens=len(self.prompt), completion_tokens=len(self.output),
-                         cached_tokens=self.cached_tokens or 0)  # fmt: skip
+        usage = pb.Usage(
+            prompt_tokens=len(self.prompt), completion_tokens=len(self.output), cached_tokens=self.cached_tokens or 0
+        )
         self.timing = self.clock.timing(self.prefill_worker, self.decode_worker)
-        return pb.GenerateResponse(request_id=self.request_id, text=text, index=len(self.output),
-                                   finish_reason=self.finish_reason, stop_reason=self.stop_reason, usage=usage,
-                                   timing=self.timing)  # fmt: skip
+        return pb.GenerateResponse(
+            request_id=self.request_id,
+            text=text,
+            index=len(self.output),
+            finish_reason=self.finish_reason,
+            stop_reason=self.stop_reason,
+            usage=usage,
+            timing=self.timing,
+        )
 
     def summary(self, outcome: Outcome, status: str, message: str = "") -> RequestSummary:
         """How the request ended, with the final message's timing (or the timing so far)."""
@@ -300,8 +359,17 @@ class RequestRun:
         if not finished or timing is None:
             timing = self.clock.timing(self.prefill_worker, self.decode_worker)
         finish_reason = FINISH_REASON_LABELS.get(self.finish_reason, "") if finished else ""
-        return RequestSummary(self.request_id, outcome, status, message, finish_reason, len(self.prompt),
-                              len(self.output), self.cached_tokens or 0, timing)  # fmt: skip
+        return RequestSummary(
+            self.request_id,
+            outcome,
+            status,
+            message,
+            finish_reason,
+            len(self.prompt),
+            len(self.output),
+            self.cached_tokens or 0,
+            timing,
+        )
 
 
 _FATAL = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.ALREADY_EXISTS)

@@ -50,42 +50,86 @@ class RequestSummary:
 class RouterMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = r = registry or CollectorRegistry()
-        self.requests = Counter("splitserve_requests", "Requests ended, by outcome (finished, error, cancelled), "
-                                "gRPC status code and finish reason (stop, length; empty unless finished)",
-                                ["outcome", "status", "finish_reason"], registry=r)  # fmt: skip
-        self.queue = Histogram("splitserve_request_queue_seconds", "Time in the router's queue, arrival to dispatch",
-                               buckets=LATENCY_S, registry=r)  # fmt: skip
-        self.ttft = Histogram("splitserve_time_to_first_token_seconds", "Arrival to the first token sent",
-                              buckets=LATENCY_S, registry=r)  # fmt: skip
-        self.itl = Histogram("splitserve_inter_token_latency_seconds", "Gap between consecutive messages carrying "
-                             "tokens of one request", buckets=STEP_S, registry=r)  # fmt: skip
-        self.e2e = Histogram("splitserve_e2e_request_latency_seconds", "Arrival to the last message, finished "
-                             "requests", buckets=E2E_S, registry=r)  # fmt: skip
-        self.prefill = Histogram("splitserve_request_prefill_seconds", "Dispatch to the first token (decode lease, "
-                                 "prefill worker queue and compute)", buckets=LATENCY_S, registry=r)  # fmt: skip
-        self.decode = Histogram("splitserve_request_decode_seconds", "First token to the last token, finished "
-                                "requests", buckets=E2E_S, registry=r)  # fmt: skip
-        self.transfer = Histogram("splitserve_kv_transfer_seconds", "One leg's KV transfer as it delays decoding: "
-                                  "first token until every layer landed", buckets=TRANSFER_S, registry=r)  # fmt: skip
-        self.transfer_bytes = Histogram("splitserve_kv_transfer_bytes", "One leg's KV payload in bytes",
-                                        buckets=TRANSFER_BYTES, registry=r)  # fmt: skip
-        self.transfer_failures = Counter("splitserve_kv_transfer_failures", "KV transfers that failed (the leg ran "
-                                         "again)", registry=r)  # fmt: skip
-        self.prompt_tokens = Counter("splitserve_prompt_tokens", "Prompt tokens of requests that reached their "
-                                     "first token", registry=r)  # fmt: skip
-        self.cache_hits = Counter("splitserve_prefix_cache_hit_tokens", "Of those, tokens served from a prefill "
-                                  "worker's prefix cache", registry=r)  # fmt: skip
+        self.requests = Counter(
+            "splitserve_requests",
+            "Requests ended, by outcome (finished, error, cancelled), "
+            "gRPC status code and finish reason (stop, length; empty unless finished)",
+            ["outcome", "status", "finish_reason"],
+            registry=r,
+        )
+        self.queue = Histogram(
+            "splitserve_request_queue_seconds",
+            "Time in the router's queue, arrival to dispatch",
+            buckets=LATENCY_S,
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "splitserve_time_to_first_token_seconds", "Arrival to the first token sent", buckets=LATENCY_S, registry=r
+        )
+        self.itl = Histogram(
+            "splitserve_inter_token_latency_seconds",
+            "Gap between consecutive messages carrying tokens of one request",
+            buckets=STEP_S,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "splitserve_e2e_request_latency_seconds",
+            "Arrival to the last message, finished requests",
+            buckets=E2E_S,
+            registry=r,
+        )
+        self.prefill = Histogram(
+            "splitserve_request_prefill_seconds",
+            "Dispatch to the first token (decode lease, prefill worker queue and compute)",
+            buckets=LATENCY_S,
+            registry=r,
+        )
+        self.decode = Histogram(
+            "splitserve_request_decode_seconds",
+            "First token to the last token, finished requests",
+            buckets=E2E_S,
+            registry=r,
+        )
+        self.transfer = Histogram(
+            "splitserve_kv_transfer_seconds",
+            "One leg's KV transfer as it delays decoding: first token until every layer landed",
+            buckets=TRANSFER_S,
+            registry=r,
+        )
+        self.transfer_bytes = Histogram(
+            "splitserve_kv_transfer_bytes", "One leg's KV payload in bytes", buckets=TRANSFER_BYTES, registry=r
+        )
+        self.transfer_failures = Counter(
+            "splitserve_kv_transfer_failures", "KV transfers that failed (the leg ran again)", registry=r
+        )
+        self.prompt_tokens = Counter(
+            "splitserve_prompt_tokens", "Prompt tokens of requests that reached their first token", registry=r
+        )
+        self.cache_hits = Counter(
+            "splitserve_prefix_cache_hit_tokens",
+            "Of those, tokens served from a prefill worker's prefix cache",
+            registry=r,
+        )
         self.generation_tokens = Counter("splitserve_generation_tokens", "Tokens sent to clients", registry=r)
-        self.request_prompt_tokens = Histogram("splitserve_request_prompt_tokens", "Prompt length, finished "
-                                               "requests", buckets=TOKENS, registry=r)  # fmt: skip
-        self.request_generation_tokens = Histogram("splitserve_request_generation_tokens", "Output length, "
-                                                   "finished requests", buckets=TOKENS, registry=r)  # fmt: skip
-        self.migrations = Counter("splitserve_request_migrations", "Requests moved off a lost decode worker "
-                                  "(re-prefilled elsewhere)", registry=r)  # fmt: skip
-        self.preemptions = Counter("splitserve_request_preemptions", "Requests a decode worker handed back (out "
-                                   "of KV blocks, or draining) and the router re-prefilled", registry=r)  # fmt: skip
-        self.prefill_retries = Counter("splitserve_request_prefill_retries", "Prefills retried after their "
-                                       "prefill worker was lost", registry=r)  # fmt: skip
+        self.request_prompt_tokens = Histogram(
+            "splitserve_request_prompt_tokens", "Prompt length, finished requests", buckets=TOKENS, registry=r
+        )
+        self.request_generation_tokens = Histogram(
+            "splitserve_request_generation_tokens", "Output length, finished requests", buckets=TOKENS, registry=r
+        )
+        self.migrations = Counter(
+            "splitserve_request_migrations",
+            "Requests moved off a lost decode worker (re-prefilled elsewhere)",
+            registry=r,
+        )
+        self.preemptions = Counter(
+            "splitserve_request_preemptions",
+            "Requests a decode worker handed back (out of KV blocks, or draining) and the router re-prefilled",
+            registry=r,
+        )
+        self.prefill_retries = Counter(
+            "splitserve_request_prefill_retries", "Prefills retried after their prefill worker was lost", registry=r
+        )
 
     def watch(self, router) -> None:
         """Read the router's queue and its workers' last polled status at every scrape."""
@@ -132,27 +176,46 @@ class _PoolCollector:
         router = self.router
         waiting = len(router.dispatcher.waiting) if router.dispatcher is not None else 0
         yield GaugeMetricFamily("splitserve_requests_waiting", "Requests in the router's queue", value=waiting)
-        yield GaugeMetricFamily("splitserve_requests_running", "Requests dispatched and not ended",
-                                value=max(0, len(router.inflight) - waiting))  # fmt: skip
+        yield GaugeMetricFamily(
+            "splitserve_requests_running",
+            "Requests dispatched and not ended",
+            value=max(0, len(router.inflight) - waiting),
+        )
         labels = ["worker_id", "role"]
         families = {
-            "up": GaugeMetricFamily("splitserve_worker_up", "1 if the worker answered its last status poll",
-                                    labels=labels),  # fmt: skip
-            "running": GaugeMetricFamily("splitserve_worker_requests_running", "Requests being computed on the "
-                                         "worker (last status poll)", labels=labels),  # fmt: skip
-            "waiting": GaugeMetricFamily("splitserve_worker_requests_waiting", "Requests queued on the worker, "
-                                         "or waiting for their KV (decode)", labels=labels),  # fmt: skip
-            "capacity": GaugeMetricFamily("splitserve_worker_kv_blocks_capacity", "KV blocks of the worker",
-                                          labels=labels),  # fmt: skip
-            "in_use": GaugeMetricFamily("splitserve_worker_kv_blocks_in_use", "KV blocks held by live requests or "
-                                        "transfers", labels=labels),  # fmt: skip
-            "cached": GaugeMetricFamily("splitserve_worker_kv_blocks_cached", "Evictable prefix-cache blocks",
-                                        labels=labels),  # fmt: skip
+            "up": GaugeMetricFamily(
+                "splitserve_worker_up", "1 if the worker answered its last status poll", labels=labels
+            ),
+            "running": GaugeMetricFamily(
+                "splitserve_worker_requests_running",
+                "Requests being computed on the worker (last status poll)",
+                labels=labels,
+            ),
+            "waiting": GaugeMetricFamily(
+                "splitserve_worker_requests_waiting",
+                "Requests queued on the worker, or waiting for their KV (decode)",
+                labels=labels,
+            ),
+            "capacity": GaugeMetricFamily(
+                "splitserve_worker_kv_blocks_capacity", "KV blocks of the worker", labels=labels
+            ),
+            "in_use": GaugeMetricFamily(
+                "splitserve_worker_kv_blocks_in_use", "KV blocks held by live requests or transfers", labels=labels
+            ),
+            "cached": GaugeMetricFamily(
+                "splitserve_worker_kv_blocks_cached", "Evictable prefix-cache blocks", labels=labels
+            ),
         }
         for w in list(router.pool.workers) if router.pool is not None else []:
             s, values = w.status, [w.worker_id, w.spec.role]
-            figures = {"up": float(w.healthy), "running": s.running, "waiting": s.waiting,
-                       "capacity": s.kv_blocks_total, "in_use": s.kv_blocks_in_use, "cached": s.kv_blocks_cached}  # fmt: skip
+            figures = {
+                "up": float(w.healthy),
+                "running": s.running,
+                "waiting": s.waiting,
+                "capacity": s.kv_blocks_total,
+                "in_use": s.kv_blocks_in_use,
+                "cached": s.kv_blocks_cached,
+            }
             for key, value in figures.items():
                 families[key].add_metric(values, value)
         yield from families.values()
@@ -160,13 +223,21 @@ class _PoolCollector:
 
 def log_request(summary: RequestSummary) -> None:
     """One line per request, with the figures of its ``Timing`` (as text, and as JSON fields)."""
-    fields = {"request_id": summary.request_id, "outcome": summary.outcome, "status": summary.status,
-              "finish_reason": summary.finish_reason, "prompt_tokens": summary.prompt_tokens,
-              "completion_tokens": summary.completion_tokens, "cached_tokens": summary.cached_tokens}  # fmt: skip
+    fields = {
+        "request_id": summary.request_id,
+        "outcome": summary.outcome,
+        "status": summary.status,
+        "finish_reason": summary.finish_reason,
+        "prompt_tokens": summary.prompt_tokens,
+        "completion_tokens": summary.completion_tokens,
+        "cached_tokens": summary.cached_tokens,
+    }
     t = summary.timing
     if t is not None:
-        fields |= {name: round(getattr(t, name), 3) for name in
-                   ("queue_ms", "prefill_ms", "transfer_ms", "first_token_ms", "decode_ms", "total_ms")}  # fmt: skip
+        fields |= {
+            name: round(getattr(t, name), 3)
+            for name in ("queue_ms", "prefill_ms", "transfer_ms", "first_token_ms", "decode_ms", "total_ms")
+        }
         fields |= {"reprefills": t.reprefills, "prefill_worker": t.prefill_worker, "decode_worker": t.decode_worker}
     if summary.message:
         fields["error"] = summary.message

@@ -46,8 +46,14 @@ class DecodeView:
     healthy: bool = True
 
 
-def choose_prefill(workers: Sequence[PrefillView], policy: str, prompt_hashes: Sequence[int], block_size: int,
-                   overlap_weight: float, turn: int = 0) -> PrefillView | None:  # fmt: skip
+def choose_prefill(
+    workers: Sequence[PrefillView],
+    policy: str,
+    prompt_hashes: Sequence[int],
+    block_size: int,
+    overlap_weight: float,
+    turn: int = 0,
+) -> PrefillView | None:
     """The prefill worker for a prompt, or None when no healthy worker has room."""
     candidates = [w for w in workers if w.healthy and w.credit > 0]
     if not candidates:

@@ -18,26 +18,26 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from engine.model_config import ModelConfig
-from engine.sampling_params import SamplingParamsError
-from engine.tokenizer import Tokenizer
-from router.config import RouterConfig
-from router.dispatcher import Dispatcher, RouterError
-from router.generate import RequestRun
-from router.metrics import RequestSummary, RouterMetrics, log_request
-from router.workers import WorkerAddress, WorkerPool
+from splitserve.engine.model_config import ModelConfig
+from splitserve.engine.sampling_params import SamplingParamsError
+from splitserve.engine.tokenizer import Tokenizer
 from splitserve.observability.exporter import MetricsServer
 from splitserve.observability.logs import request_context
+from splitserve.router.config import RouterConfig
+from splitserve.router.dispatcher import Dispatcher, RouterError
+from splitserve.router.generate import RequestRun
+from splitserve.router.metrics import RequestSummary, RouterMetrics, log_request
+from splitserve.router.workers import WorkerAddress, WorkerPool
 from splitserve.rpc import workers_pb2 as wpb
 from splitserve.rpc import workers_pb2_grpc as wpb_grpc
+from splitserve.rpc.auth import server_interceptors
 from splitserve.rpc.convert import sampling_from_pb
 from splitserve.rpc.options import SERVER_OPTIONS
-from splitserve.rpc.auth import server_interceptors
 from splitserve.v1 import splitserve_pb2 as pb
 from splitserve.v1 import splitserve_pb2_grpc as pb_grpc
 
 if TYPE_CHECKING:
-    from router.openai.server import OpenAIServer
+    from splitserve.router.openai.server import OpenAIServer
 
 log = logging.getLogger("splitserve.router")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["SplitServe"].full_name
@@ -95,8 +95,9 @@ class Router(pb_grpc.SplitServeServicer):
         port = public.add_port(self.server, f"{cfg.host}:{cfg.port}")
         if port == 0:
             raise OSError(f"could not bind the router to {cfg.host}:{cfg.port}")
-        self.internal_server = grpc.aio.server(options=SERVER_OPTIONS,
-                                               interceptors=server_interceptors(internal.policy(), aio=True))  # fmt: skip
+        self.internal_server = grpc.aio.server(
+            options=SERVER_OPTIONS, interceptors=server_interceptors(internal.policy(), aio=True)
+        )
         wpb_grpc.add_RegistryServicer_to_server(_Registry(self.pool), self.internal_server)
         internal_port = internal.add_port(self.internal_server, f"{cfg.host}:{cfg.internal_port}")
         if internal_port == 0:
@@ -110,15 +111,22 @@ class Router(pb_grpc.SplitServeServicer):
         self.address = f"{cfg.host}:{port}"
         self.internal_address = f"{cfg.host}:{internal_port}"
         if cfg.openai_port is not None:
-            from router.openai.server import OpenAIServer  # aiohttp and jinja2 load only when it is on
+            from splitserve.router.openai.server import OpenAIServer  # aiohttp and jinja2 load only when it is on
 
             self.openai = OpenAIServer(self)
             self.openai_address = await self.openai.start(cfg.host, cfg.openai_port)
-            log.info("router serving the OpenAI API on %s://%s/v1", "https" if public.tls_cert else "http",
-                     self.openai_address)  # fmt: skip
-        log.info("router serving clients on %s (%s), workers on %s (%s)", self.address,
-                 "TLS" if public.tls_cert else "plaintext", self.internal_address,
-                 "mTLS" if internal.tls else "plaintext")  # fmt: skip
+            log.info(
+                "router serving the OpenAI API on %s://%s/v1",
+                "https" if public.tls_cert else "http",
+                self.openai_address,
+            )
+        log.info(
+            "router serving clients on %s (%s), workers on %s (%s)",
+            self.address,
+            "TLS" if public.tls_cert else "plaintext",
+            self.internal_address,
+            "mTLS" if internal.tls else "plaintext",
+        )
         return self.address
 
     async def stop(self, grace_s: float = 1.0) -> None:
@@ -209,8 +217,11 @@ class Router(pb_grpc.SplitServeServicer):
         has_prompt, has_ids = request.HasField("prompt"), len(request.token_ids) > 0
         size = request.ByteSize()
         if size > cfg.max_message_bytes:
-            raise RouterError("INVALID_ARGUMENT", f"{'prompt' if has_prompt else 'token_ids'}: the request is {size} "
-                                                  f"bytes, over the limit of {cfg.max_message_bytes}")  # fmt: skip
+            raise RouterError(
+                "INVALID_ARGUMENT",
+                f"{'prompt' if has_prompt else 'token_ids'}: the request is {size} "
+                f"bytes, over the limit of {cfg.max_message_bytes}",
+            )
         if has_prompt == has_ids:
             raise RouterError("INVALID_ARGUMENT", "prompt, token_ids: give exactly one of them")
         if has_prompt:
@@ -236,12 +247,17 @@ class Router(pb_grpc.SplitServeServicer):
             raise RouterError("INVALID_ARGUMENT", f"{field}: {str(e).split(': ', 1)[1]}") from None
         max_len = self.model_config.max_position_embeddings
         if len(tokens) + sampling.max_tokens > max_len:
-            raise RouterError("INVALID_ARGUMENT", f"sampling.max_tokens: prompt ({len(tokens)} tokens) + max_tokens "
-                                                  f"({sampling.max_tokens}) exceeds the context length {max_len}")  # fmt: skip
+            raise RouterError(
+                "INVALID_ARGUMENT",
+                f"sampling.max_tokens: prompt ({len(tokens)} tokens) + max_tokens "
+                f"({sampling.max_tokens}) exceeds the context length {max_len}",
+            )
         if request.HasField("request_id"):
             request_id = request.request_id
             if not 0 < len(request_id) <= cfg.max_request_id_chars or not request_id.isprintable():
-                raise RouterError("INVALID_ARGUMENT", f"request_id: must be 1 to {cfg.max_request_id_chars} printable characters")
+                raise RouterError(
+                    "INVALID_ARGUMENT", f"request_id: must be 1 to {cfg.max_request_id_chars} printable characters"
+                )
         else:
             request_id = f"{self._prefix}-{next(self._ids)}"
         if request_id in self.inflight:
@@ -258,12 +274,15 @@ class Router(pb_grpc.SplitServeServicer):
             status.address = status.address or w.spec.address
             status.node_id = w.spec.node or status.node_id
             workers.append(status)
-        return pb.GetStatusResponse(workers=workers, queued_requests=len(self.dispatcher.waiting),
-                                    running_requests=len(self.inflight) - len(self.dispatcher.waiting),
-                                    model=self.model_name,
-                                    vocab_size=self.tokenizer.vocab_size,
-                                    max_model_len=self.model_config.max_position_embeddings,
-                                    metrics_address=self.metrics_address)  # fmt: skip
+        return pb.GetStatusResponse(
+            workers=workers,
+            queued_requests=len(self.dispatcher.waiting),
+            running_requests=len(self.inflight) - len(self.dispatcher.waiting),
+            model=self.model_name,
+            vocab_size=self.tokenizer.vocab_size,
+            max_model_len=self.model_config.max_position_embeddings,
+            metrics_address=self.metrics_address,
+        )
 
 
 async def _maybe_await(result) -> None:
@@ -279,7 +298,10 @@ class _Registry(wpb_grpc.RegistryServicer):
 
     async def Register(self, info: wpb.WorkerInfo, context):  # noqa: N802
         if info.role not in ("prefill", "decode", "colocated") or not info.address or not info.worker_id:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "role (prefill, decode or colocated), worker_id and address are required")
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "role (prefill, decode or colocated), worker_id and address are required",
+            )
         handle = await self.pool.register(info)
         try:
             yield wpb.RegistryCommand(kind=wpb.RegistryCommand.ACCEPTED)
@@ -296,10 +318,14 @@ class _Admin(wpb_grpc.AdminServicer):
     async def Scale(self, request: wpb.ScaleRequest, context):  # noqa: N802
         if self.router.scaler is None:
             await context.abort(grpc.StatusCode.UNIMPLEMENTED, "this router was not started by splitserve serve")
-        targets = {role: getattr(request, role) for role in ("prefill", "decode", "colocated") if request.HasField(role)}
+        targets = {
+            role: getattr(request, role) for role in ("prefill", "decode", "colocated") if request.HasField(role)
+        }
         zero = [role for role, n in targets.items() if n == 0]
         if zero:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{', '.join(zero)}: at least one worker of each role")
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, f"{', '.join(zero)}: at least one worker of each role"
+            )
         try:
             counts = await self.router.scaler(targets)
         except ValueError as e:

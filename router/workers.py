@@ -11,19 +11,20 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from splitserve.rpc.options import CLIENT_OPTIONS
-from splitserve.rpc.security import InternalSecurity
-from router.policy import DecodeView, PrefillView
+from splitserve.router.policy import DecodeView, PrefillView
 from splitserve.rpc import workers_pb2 as wpb
 from splitserve.rpc import workers_pb2_grpc as wpb_grpc
+from splitserve.rpc.options import CLIENT_OPTIONS
+from splitserve.rpc.security import InternalSecurity
 from splitserve.v1 import splitserve_pb2 as pb
 
 log = logging.getLogger("splitserve.router")
 
 
 def _left_the_pool() -> grpc.aio.AioRpcError:
-    return grpc.aio.AioRpcError(grpc.StatusCode.CANCELLED, grpc.aio.Metadata(), grpc.aio.Metadata(),
-                                "the worker left the pool")
+    return grpc.aio.AioRpcError(
+        grpc.StatusCode.CANCELLED, grpc.aio.Metadata(), grpc.aio.Metadata(), "the worker left the pool"
+    )
 
 
 def start_call(method, request, **kwargs):
@@ -89,8 +90,9 @@ class WorkerPool:
     """Workers come from a static list (started with the router) or register themselves; a
     registered worker stays in the pool exactly as long as its registration call is open."""
 
-    def __init__(self, credit: int, status_interval_s: float, timeout_s: float,
-                 security: InternalSecurity | None = None) -> None:  # fmt: skip
+    def __init__(
+        self, credit: int, status_interval_s: float, timeout_s: float, security: InternalSecurity | None = None
+    ) -> None:
         self.prefill: list[PrefillHandle] = []
         self.decode: list[DecodeHandle] = []
         self.credit, self.interval, self.timeout = credit, status_interval_s, timeout_s
@@ -136,7 +138,9 @@ class WorkerPool:
         handle = self.add(WorkerAddress(info.role, info.address, info.node), credit=info.max_inflight or None)
         handle.commands = asyncio.Queue()
         await self._poll(handle)
-        log.info("%s worker %s joined (%s, incarnation %s)", info.role, info.worker_id, info.address, info.incarnation[:8])
+        log.info(
+            "%s worker %s joined (%s, incarnation %s)", info.role, info.worker_id, info.address, info.incarnation[:8]
+        )
         return handle
 
     async def remove(self, handle: WorkerHandle) -> None:
@@ -185,7 +189,9 @@ class WorkerPool:
             status = await settle(worker.stub.Status(wpb.StatusRequest(), timeout=self.timeout))
         except grpc.aio.AioRpcError as e:
             if must_answer:
-                raise RuntimeError(f"{worker.spec.role} worker at {worker.spec.address} did not answer: {e.details()}") from None
+                raise RuntimeError(
+                    f"{worker.spec.role} worker at {worker.spec.address} did not answer: {e.details()}"
+                ) from None
             if worker.healthy:
                 log.warning("%s worker %s stopped answering: %s", worker.spec.role, worker.worker_id, e.code().name)
             self.lost(worker)

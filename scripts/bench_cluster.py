@@ -26,7 +26,6 @@ import os
 import signal
 import sys
 import tempfile
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -39,9 +38,8 @@ from splitserve.launch import use_loopback_ray  # noqa: E402
 use_loopback_ray()  # before Ray is imported; children inherit it
 
 from splitserve.client import Client  # noqa: E402
+from splitserve.engine.hardware import print_header  # noqa: E402
 from splitserve.sim_cluster import ServeProcess, SimCluster  # noqa: E402
-
-from engine.hardware import print_header  # noqa: E402
 
 PROMPTS = [list(range(1, 30)), list(range(100, 140)), list(range(300, 320)), list(range(500, 545))]
 SAMPLING = dict(max_tokens=150, temperature=0.0, ignore_eos=True)
@@ -94,8 +92,11 @@ def decode_healthy(served: ServeProcess) -> list[dict]:
 
 
 def measure_local(model: str, tmp: Path) -> dict:
-    served = ServeProcess({"model": model, "dtype": "float32", "port": 0}, tmp / "local.yaml",
-                          env={"TMPDIR": tempfile.mkdtemp(prefix="ssb")})  # fmt: skip
+    served = ServeProcess(
+        {"model": model, "dtype": "float32", "port": 0},
+        tmp / "local.yaml",
+        env={"TMPDIR": tempfile.mkdtemp(prefix="ssb")},
+    )
     ready = served.ready_s
     assert served.stop() == 0
     return {"local_ready_s": ready}
@@ -106,8 +107,15 @@ def measure_cluster(model: str, tmp: Path) -> dict:
     started = time.monotonic()
     with SimCluster([("prefill", 1), ("decode", 1)]) as sim:
         out["sim_cluster_start_s"] = time.monotonic() - started
-        config = {"model": model, "dtype": "float32", "port": 0, "ray_address": sim.address,
-                  "prefill": {"threads": 1}, "decode": {"threads": 1}, "faults": {"decode_step_delay_s": 0.02}}  # fmt: skip
+        config = {
+            "model": model,
+            "dtype": "float32",
+            "port": 0,
+            "ray_address": sim.address,
+            "prefill": {"threads": 1},
+            "decode": {"threads": 1},
+            "faults": {"decode_step_delay_s": 0.02},
+        }
         served = ServeProcess(config, tmp / "cluster.yaml")
         try:
             out["cluster_ready_s"] = served.ready_s
@@ -119,7 +127,9 @@ def measure_cluster(model: str, tmp: Path) -> dict:
             busy = busiest(lambda: [w for w in decode_healthy(served)])
             lost_at = time.monotonic()
             sim.remove(next(name for name, node in sim.nodes.items() if node == busy["node_id"]))
-            out["node_lost_noticed_s"] = until(lambda: busy["worker_id"] not in [w["worker_id"] for w in decode_healthy(served)], 30)
+            out["node_lost_noticed_s"] = until(
+                lambda: busy["worker_id"] not in [w["worker_id"] for w in decode_healthy(served)], 30
+            )
             out.update(streams.finish())
             sim.add("decode", 1)
             out["replacement_node_to_full_capacity_s"] = until(lambda: len(decode_healthy(served)) == 2, 120, 0.1)
@@ -146,9 +156,16 @@ def measure_process_loss(model: str) -> dict:
     from splitserve.launch import Deployment
 
     out: dict = {}
-    config = DeploymentConfig.from_dict({"model": model, "dtype": "float32", "port": 0,
-                                         "prefill": {"threads": 1}, "decode": {"replicas": 2, "threads": 1},
-                                         "faults": {"decode_step_delay_s": 0.02}})  # fmt: skip
+    config = DeploymentConfig.from_dict(
+        {
+            "model": model,
+            "dtype": "float32",
+            "port": 0,
+            "prefill": {"threads": 1},
+            "decode": {"replicas": 2, "threads": 1},
+            "faults": {"decode_step_delay_s": 0.02},
+        }
+    )
     with Deployment(config) as deployment:
 
         def healthy_decode() -> list[str]:
@@ -156,13 +173,18 @@ def measure_process_loss(model: str) -> dict:
 
         for how, signum in (("killed", signal.SIGKILL), ("stopped", signal.SIGSTOP)):
             streams = Streams(deployment.address)
-            victim = busiest(lambda: [{"worker_id": w.worker_id, "running": w.running}
-                                      for w in Client(deployment.address).status().workers if w.role == "decode"])["worker_id"]  # fmt: skip
+            victim = busiest(
+                lambda: [
+                    {"worker_id": w.worker_id, "running": w.running}
+                    for w in Client(deployment.address).status().workers
+                    if w.role == "decode"
+                ]
+            )["worker_id"]
             pid = deployment.worker_pid(victim)
             lost_at = time.monotonic()
             os.kill(pid, signum)
             try:
-                out[f"process_{how}_noticed_s"] = until(lambda: victim not in healthy_decode(), 30)
+                out[f"process_{how}_noticed_s"] = until(lambda victim=victim: victim not in healthy_decode(), 30)
                 result = streams.finish()
                 out[f"process_{how}_longest_pause_s"] = result["longest_pause_s"]
             finally:

@@ -30,8 +30,8 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 from bench_engine import ensure_model, log, splitserve_decode  # noqa: E402
 
-from engine import LLM  # noqa: E402
-from engine.hardware import print_header  # noqa: E402
+from splitserve.engine import LLM  # noqa: E402
+from splitserve.engine.hardware import print_header  # noqa: E402
 
 
 def main() -> int:
@@ -54,9 +54,16 @@ def main() -> int:
     model_dir = ensure_model(args.model, args.preset, args.dtype)
     batches = [int(b) for b in args.batches.split(",")]
     llm = LLM(
-        model_dir, dtype=args.dtype, device=args.device, num_threads=args.threads, enable_prefix_caching=False,
-        max_num_seqs=max(batches), max_model_len=args.max_model_len, kv_cache_bytes=1 << 30,
-        decode_path="static", cuda_graphs=False,
+        model_dir,
+        dtype=args.dtype,
+        device=args.device,
+        num_threads=args.threads,
+        enable_prefix_caching=False,
+        max_num_seqs=max(batches),
+        max_model_len=args.max_model_len,
+        kv_cache_bytes=1 << 30,
+        decode_path="static",
+        cuda_graphs=False,
     )
     static_inputs = llm.runner.static
 
@@ -67,8 +74,14 @@ def main() -> int:
     for path in ("dynamic", "static"):  # warm-up: first calls at a shape pay for kernel selection
         measure(path, 2, 4)
     result = {
-        "model": str(model_dir), "dtype": args.dtype, "device": args.device, "threads": args.threads,
-        "max_model_len": args.max_model_len, "prompt_len": args.prompt_len, "machine": machine, "ms_per_step": {},
+        "model": str(model_dir),
+        "dtype": args.dtype,
+        "device": args.device,
+        "threads": args.threads,
+        "max_model_len": args.max_model_len,
+        "prompt_len": args.prompt_len,
+        "machine": machine,
+        "ms_per_step": {},
     }
     for batch in batches:
         times: dict[str, list[float]] = {"dynamic": [], "static": []}
@@ -82,7 +95,10 @@ def main() -> int:
         print(json.dumps(result))
         return 0
     width = static_inputs.max_blocks_per_seq
-    print(f"\nmax_model_len {args.max_model_len} ({width} blocks per row), {args.dtype}, {args.threads} threads, {args.device}")
+    print(
+        f"\nmax_model_len {args.max_model_len} ({width} blocks per row), {args.dtype}, "
+        f"{args.threads} threads, {args.device}"
+    )
     print("| batch | dynamic ms/step | static ms/step | static / dynamic |")
     print("|---|---|---|---|")
     for batch, best in result["ms_per_step"].items():

@@ -64,10 +64,28 @@ def run_config(label: str, model: str, dtype: str, overrides: dict, requests, be
         warm = requests(len(rates))[:4]
         benchmark(warm, [0.0] * len(warm), replace(config, request_rate=math.inf), "", "")
         sweep = run_sweep(requests, config, rates, 0.9, out_dir / label, "", "")
-    rows = [{k: r[k] for k in ("request_rate", "completed", "failed", "slo_attainment", "median_ttft_ms", "p90_ttft_ms",
-                               "p99_ttft_ms", "median_tpot_ms", "p90_tpot_ms", "p99_tpot_ms", "mean_ttft_ms",
-                               "mean_server_transfer_ms", "mean_server_prefill_ms", "output_throughput")}
-            for r in sweep["results"]]  # fmt: skip
+    rows = [
+        {
+            k: r[k]
+            for k in (
+                "request_rate",
+                "completed",
+                "failed",
+                "slo_attainment",
+                "median_ttft_ms",
+                "p90_ttft_ms",
+                "p99_ttft_ms",
+                "median_tpot_ms",
+                "p90_tpot_ms",
+                "p99_tpot_ms",
+                "mean_ttft_ms",
+                "mean_server_transfer_ms",
+                "mean_server_prefill_ms",
+                "output_throughput",
+            )
+        }
+        for r in sweep["results"]
+    ]
     log(f"   {sweep['goodput']['text']}")
     return {"label": label, "goodput": sweep["goodput"], "rows": rows}
 
@@ -78,10 +96,17 @@ RATIO_KEYS = ("median_ttft_ms", "p90_ttft_ms", "median_tpot_ms", "p90_tpot_ms", 
 def rate_ratios(rows: list[dict], baseline: list[dict]) -> list[dict]:
     """Per request rate, each figure of ``rows`` over the same figure of ``baseline`` (nan where 0)."""
     by_rate = {row["request_rate"]: row for row in baseline}
-    return [{"request_rate": row["request_rate"],
-             **{k: row[k] / by_rate[row["request_rate"]][k] if by_rate[row["request_rate"]][k] else math.nan
-                for k in RATIO_KEYS}}
-            for row in rows if row["request_rate"] in by_rate]
+    return [
+        {
+            "request_rate": row["request_rate"],
+            **{
+                k: row[k] / by_rate[row["request_rate"]][k] if by_rate[row["request_rate"]][k] else math.nan
+                for k in RATIO_KEYS
+            },
+        }
+        for row in rows
+        if row["request_rate"] in by_rate
+    ]
 
 
 def main() -> int:
@@ -96,13 +121,17 @@ def main() -> int:
     p.add_argument("--goodput", nargs="+", default=["ttft:1000", "tpot:100"])
     p.add_argument("--threads", type=int, default=1, help="torch threads per disaggregated worker")
     p.add_argument("--budgets", default="256,512,2048", help="colocated step budgets to try")
-    p.add_argument("--compare", default="colocated", choices=["colocated", "affinity"],
-                   help="colocated: disaggregated against colocated on the same cores; affinity: disaggregated "
-                        "with each worker pinned to a core of its own against unpinned and oversubscribed")
+    p.add_argument(
+        "--compare",
+        default="colocated",
+        choices=["colocated", "affinity"],
+        help="colocated: disaggregated against colocated on the same cores; affinity: disaggregated "
+        "with each worker pinned to a core of its own against unpinned and oversubscribed",
+    )
     p.add_argument("--out-dir", default="results/disagg")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
-    from engine.hardware import print_header
+    from splitserve.engine.hardware import print_header
 
     t = args.threads
     if args.compare == "affinity":
@@ -110,9 +139,11 @@ def main() -> int:
 
         usable = sorted(os.sched_getaffinity(0))
         if len(usable) < 2 * t:
-            p.error(f"--compare affinity needs {2 * t} usable cores for {t} pinned threads per worker; this process "
-                    f"may run on {len(usable)}")
-        cores = (usable[:t], usable[t:2 * t])
+            p.error(
+                f"--compare affinity needs {2 * t} usable cores for {t} pinned threads per worker; this process "
+                f"may run on {len(usable)}"
+            )
+        cores = (usable[:t], usable[t : 2 * t])
         threads_text = f"pinned: {t} per worker on cores {cores[0]} / {cores[1]}; unpinned: {2 * t} per worker"
     else:
         threads_text = f"{t} per disaggregated worker, {2 * t} colocated"
@@ -129,8 +160,14 @@ def main() -> int:
     out_dir = Path(args.out_dir) / f"{args.preset}-{args.workload}"
     vocab = PRESETS[args.preset]["vocab_size"]
     context = PRESETS[args.preset]["max_position_embeddings"]
-    options = DatasetOptions(num_prompts=args.num_prompts, input_len=args.input_len, output_len=args.output_len,
-                             max_model_len=context, seed=0, **WORKLOADS[args.workload])  # fmt: skip
+    options = DatasetOptions(
+        num_prompts=args.num_prompts,
+        input_len=args.input_len,
+        output_len=args.output_len,
+        max_model_len=context,
+        seed=0,
+        **WORKLOADS[args.workload],
+    )
     tokens = TokenRange.for_vocab(vocab)
 
     def requests(i):  # fresh prompts per rate (and for the warm-up): no prefix cache carried over
@@ -149,10 +186,14 @@ def main() -> int:
             disaggregated = {"prefill": {"threads": t}, "decode": {"threads": t}}
             runs.append(run_config("disaggregated", model, args.dtype, disaggregated, requests, bench, rates, out_dir))
             for budget in [int(b) for b in args.budgets.split(",")]:
-                overrides = {"mode": "colocated", "colocated": {"threads": 2 * t},
-                             "engine": {"max_num_batched_tokens": budget}}  # fmt: skip
-                runs.append(run_config(f"colocated-b{budget}", model, args.dtype, overrides, requests, bench, rates,
-                                       out_dir))
+                overrides = {
+                    "mode": "colocated",
+                    "colocated": {"threads": 2 * t},
+                    "engine": {"max_num_batched_tokens": budget},
+                }
+                runs.append(
+                    run_config(f"colocated-b{budget}", model, args.dtype, overrides, requests, bench, rates, out_dir)
+                )
     disagg = runs[0]
     if args.compare == "affinity":
         best = runs[1]
@@ -162,35 +203,58 @@ def main() -> int:
     first = requests(0)
     ins = [r.prompt_len for r in first]
     outs = [r.output_len for r in first]
-    print(f"{args.preset} ({args.dtype}), workload {args.workload}: {len(first)} prompts per rate, input median "
-          f"{sorted(ins)[len(ins) // 2]} (max {max(ins)}), output median {sorted(outs)[len(outs) // 2]}; SLOs "
-          f"TTFT <= {slos.get('ttft')} ms, TPOT <= {slos.get('tpot')} ms")  # fmt: skip
-    header = f"{'config':20s} {'rate':>5s} {'attain':>7s} {'TTFT p50':>9s} {'p90':>8s} {'p99':>8s} {'TPOT p50':>9s} {'p90':>7s} {'p99':>7s} {'tok/s':>7s}"
+    print(
+        f"{args.preset} ({args.dtype}), workload {args.workload}: {len(first)} prompts per rate, input median "
+        f"{sorted(ins)[len(ins) // 2]} (max {max(ins)}), output median {sorted(outs)[len(outs) // 2]}; SLOs "
+        f"TTFT <= {slos.get('ttft')} ms, TPOT <= {slos.get('tpot')} ms"
+    )
+    header = (
+        f"{'config':20s} {'rate':>5s} {'attain':>7s} {'TTFT p50':>9s} {'p90':>8s} {'p99':>8s} "
+        f"{'TPOT p50':>9s} {'p90':>7s} {'p99':>7s} {'tok/s':>7s}"
+    )
     print(header)
     for run in runs:
         for row in run["rows"]:
-            print(f"{run['label']:20s} {row['request_rate']:5g} {row['slo_attainment']:7.0%} {row['median_ttft_ms']:9.0f} "
-                  f"{row['p90_ttft_ms']:8.0f} {row['p99_ttft_ms']:8.0f} {row['median_tpot_ms']:9.1f} {row['p90_tpot_ms']:7.1f} "
-                  f"{row['p99_tpot_ms']:7.1f} {row['output_throughput']:7.1f}")  # fmt: skip
+            print(
+                f"{run['label']:20s} {row['request_rate']:5g} {row['slo_attainment']:7.0%} "
+                f"{row['median_ttft_ms']:9.0f} "
+                f"{row['p90_ttft_ms']:8.0f} {row['p99_ttft_ms']:8.0f} {row['median_tpot_ms']:9.1f} "
+                f"{row['p90_tpot_ms']:7.1f} "
+                f"{row['p99_tpot_ms']:7.1f} {row['output_throughput']:7.1f}"
+            )
         print(f"{'':20s} {run['goodput']['text']}")
     share = [row["mean_server_transfer_ms"] / row["mean_ttft_ms"] for row in disagg["rows"] if row["mean_ttft_ms"]]
     transfers = ", ".join(f"{row['mean_server_transfer_ms']:.1f} ms" for row in disagg["rows"])
     shares = ", ".join(f"{s:.1%}" for s in share)
-    print(f"KV transfer (first token -> KV landed on the decode worker), mean per rate: {transfers}; "
-          f"against mean TTFT: {shares}")
+    print(
+        f"KV transfer (first token -> KV landed on the decode worker), mean per rate: {transfers}; "
+        f"against mean TTFT: {shares}"
+    )
     below = [r["label"] for r in (disagg, best) if r["goodput"]["status"] == "below_range"]
     ratio = None if below else disagg["goodput"]["rate"] / best["goodput"]["rate"]
     ratio_text = f"n/a ({' and '.join(below)} below the range)" if below else f"{ratio:.2f}"
-    summary = {"machine": machine, "preset": args.preset, "workload": args.workload, "slos_ms": slos, "runs": runs,
-               "compare": args.compare, "goodput_ratio": ratio}
+    summary = {
+        "machine": machine,
+        "preset": args.preset,
+        "workload": args.workload,
+        "slos_ms": slos,
+        "runs": runs,
+        "compare": args.compare,
+        "goodput_ratio": ratio,
+    }
     if args.compare == "affinity":
         print(f"goodput pinned / unpinned = {ratio_text}")
         summary["rate_ratios"] = rate_ratios(disagg["rows"], best["rows"])
-        print(f"{'rate':>5s} {'TTFT p50':>9s} {'TTFT p90':>9s} {'TPOT p50':>9s} {'TPOT p90':>9s} {'tok/s':>7s}"
-              "   (pinned / unpinned; below 1 is better for TTFT and TPOT, above 1 for tok/s)")
+        print(
+            f"{'rate':>5s} {'TTFT p50':>9s} {'TTFT p90':>9s} {'TPOT p50':>9s} {'TPOT p90':>9s} {'tok/s':>7s}"
+            "   (pinned / unpinned; below 1 is better for TTFT and TPOT, above 1 for tok/s)"
+        )
         for row in summary["rate_ratios"]:
-            print(f"{row['request_rate']:5g} " + " ".join(f"{row[k]:9.2f}" for k in RATIO_KEYS[:-1])
-                  + f" {row[RATIO_KEYS[-1]]:7.2f}")
+            print(
+                f"{row['request_rate']:5g} "
+                + " ".join(f"{row[k]:9.2f}" for k in RATIO_KEYS[:-1])
+                + f" {row[RATIO_KEYS[-1]]:7.2f}"
+            )
     else:
         print(f"best colocated: {best['label']}; goodput disaggregated / colocated = {ratio_text}")
         summary["best_colocated"] = best["label"]

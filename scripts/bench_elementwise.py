@@ -24,8 +24,8 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from engine.hardware import print_header  # noqa: E402
-from engine.rope import apply_rotary  # noqa: E402
+from splitserve.engine.hardware import print_header  # noqa: E402
+from splitserve.engine.rope import apply_rotary  # noqa: E402
 
 HIDDEN, INTERMEDIATE, HEADS, HEAD_DIM = 896, 4864, 16, 64
 
@@ -92,8 +92,10 @@ def main() -> int:
                     compile_s = time.perf_counter() - start
                     same = torch.equal(out, fn(*inputs[name]))
                     fast = best_us(compiled[name], inputs[name], args.repeats)
-                    print(f"| {name} | {dtype} | {tokens} | {eager:.1f} | {fast:.1f} | {compile_s:.1f} | {same} |",
-                          flush=True)
+                    print(
+                        f"| {name} | {dtype} | {tokens} | {eager:.1f} | {fast:.1f} | {compile_s:.1f} | {same} |",
+                        flush=True,
+                    )
     return 0
 
 

@@ -40,11 +40,11 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from engine import LLM, ModelConfig, SamplingParams  # noqa: E402
-from engine.hardware import print_header  # noqa: E402
-from engine.loader import parse_dtype  # noqa: E402
 from splitserve.bench import peer  # noqa: E402
 from splitserve.cli import dtype_arg  # noqa: E402
+from splitserve.engine import LLM, ModelConfig, SamplingParams  # noqa: E402
+from splitserve.engine.hardware import print_header  # noqa: E402
+from splitserve.engine.loader import parse_dtype  # noqa: E402
 
 
 def log(msg: str) -> None:
@@ -99,7 +99,7 @@ def linear_bound(cfg: ModelConfig, batch: int, dtype: torch.dtype, device: str) 
     for shape, w in distinct.items():
         x = inputs[shape[1]]
         F.linear(x, w)
-        total += best_time(lambda: F.linear(x, w), 5, device) * shapes.count(shape)
+        total += best_time(lambda x=x, w=w: F.linear(x, w), 5, device) * shapes.count(shape)
     return total
 
 
@@ -139,8 +139,11 @@ def splitserve_decode(llm: LLM, batch: int, prompt_len: int, new_tokens: int, de
             steps += 1
             context += ctx
     llm.check_integrity()
-    return {"tok_s": decode_tokens / decode_time, "ms_per_step": 1e3 * decode_time / steps,
-            "mean_context": context / steps / batch}  # fmt: skip
+    return {
+        "tok_s": decode_tokens / decode_time,
+        "ms_per_step": 1e3 * decode_time / steps,
+        "mean_context": context / steps / batch,
+    }
 
 
 # ---- transformers -----------------------------------------------------------------------------
@@ -158,9 +161,15 @@ class HFGenerate:
 
         def run() -> None:
             with torch.inference_mode():
-                self.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                    min_new_tokens=new_tokens, max_new_tokens=new_tokens, eos_token_id=None,
-                                    pad_token_id=0)  # fmt: skip
+                self.model.generate(
+                    input_ids=ids,
+                    attention_mask=torch.ones_like(ids),
+                    do_sample=False,
+                    min_new_tokens=new_tokens,
+                    max_new_tokens=new_tokens,
+                    eos_token_id=None,
+                    pad_token_id=0,
+                )
 
         return best_time(run, 1, self.device)
 
@@ -191,8 +200,12 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--skip-hf", action="store_true", help="measure splitserve and the bounds only")
     ap.add_argument("--json", action="store_true", help="print one JSON object with every figure")
-    ap.add_argument("--peer", default=None, metavar="PYTHON",
-                    help="the peer venv's python (default: .peer/bin/python when `make peer` has built it)")
+    ap.add_argument(
+        "--peer",
+        default=None,
+        metavar="PYTHON",
+        help="the peer venv's python (default: .peer/bin/python when `make peer` has built it)",
+    )
     ap.add_argument("--no-peer", action="store_true", help="do not measure vLLM")
     ap.add_argument("--peer-timeout", type=float, default=1800.0, help="seconds for the whole vLLM run")
     args = ap.parse_args()
@@ -210,8 +223,15 @@ def main() -> int:
     machine = print_header(args.dtype, args.threads, dev, to_stderr=args.json)
     decode_batches = [int(b) for b in args.decode_batches.split(",")]
     hf_batches = [int(b) for b in args.hf_batches.split(",")]
-    result: dict = {"model": str(model_dir), "dtype": args.dtype, "device": dev, "threads": args.threads,
-                    "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "machine": machine}  # fmt: skip
+    result: dict = {
+        "model": str(model_dir),
+        "dtype": args.dtype,
+        "device": dev,
+        "threads": args.threads,
+        "prompt_len": args.prompt_len,
+        "new_tokens": args.new_tokens,
+        "machine": machine,
+    }
 
     log("bounds ...")
     bw = copy_bandwidth(dev)
@@ -225,20 +245,44 @@ def main() -> int:
 
     if peer_python is not None:
         log(f"vLLM (the peer, {peer_python}) on cores {peer.cpu_list(cpus)}: the first start compiles for minutes ...")
-        extra = ["--prompt-len", str(args.prompt_len), "--new-tokens", str(args.new_tokens),
-                 "--decode-batches", args.decode_batches, "--repeats", str(args.repeats)]
-        vllm = peer.run_offline(peer_python, model_dir, args.dtype, cpus, args.peer_timeout, extra,
-                                log_path=ROOT / "results" / "peer_vllm_engine.log")
+        extra = [
+            "--prompt-len",
+            str(args.prompt_len),
+            "--new-tokens",
+            str(args.new_tokens),
+            "--decode-batches",
+            args.decode_batches,
+            "--repeats",
+            str(args.repeats),
+        ]
+        vllm = peer.run_offline(
+            peer_python,
+            model_dir,
+            args.dtype,
+            cpus,
+            args.peer_timeout,
+            extra,
+            log_path=ROOT / "results" / "peer_vllm_engine.log",
+        )
         if "error" in vllm:
             log(f"vLLM failed ({vllm['error']})")
         else:
-            log(f"vLLM ready in {vllm['load_s']:.0f} s; prefill {vllm['prefill_tok_s']}, decode "
-                + ", ".join(f"batch {b}: {d['tok_s']:.1f} tok/s" for b, d in vllm["decode"].items()))
+            log(
+                f"vLLM ready in {vllm['load_s']:.0f} s; prefill {vllm['prefill_tok_s']}, decode "
+                + ", ".join(f"batch {b}: {d['tok_s']:.1f} tok/s" for b, d in vllm["decode"].items())
+            )
         result["vllm"] = vllm
 
-    llm = LLM(model_dir, dtype=args.dtype, device=dev, num_threads=args.threads, enable_prefix_caching=False,
-              max_num_seqs=max(decode_batches), max_num_batched_tokens=max(2048, 8 * args.prompt_len),
-              kv_cache_bytes=1 << 30)  # fmt: skip
+    llm = LLM(
+        model_dir,
+        dtype=args.dtype,
+        device=dev,
+        num_threads=args.threads,
+        enable_prefix_caching=False,
+        max_num_seqs=max(decode_batches),
+        max_num_batched_tokens=max(2048, 8 * args.prompt_len),
+        kv_cache_bytes=1 << 30,
+    )
     hf = None
     if not args.skip_hf:
         from transformers import AutoModelForCausalLM
@@ -298,15 +342,19 @@ def main() -> int:
         result["ratios_vs_vllm"] = vllm_ratios(ours, vllm)
         result["targets_vs_vllm"] = {
             "decode batch 1 and 32 >= 1.2x vLLM": all(
-                result["ratios_vs_vllm"].get(f"decode_batch{b}_vs_vllm", 0) >= 1.2 for b in (1, 32)),
+                result["ratios_vs_vllm"].get(f"decode_batch{b}_vs_vllm", 0) >= 1.2 for b in (1, 32)
+            ),
             "prefill >= 1.0x vLLM (batch 1 and 8)": all(
-                result["ratios_vs_vllm"].get(f"prefill_batch{b}_vs_vllm", 0) >= 1.0 for b in (1, 8)),
+                result["ratios_vs_vllm"].get(f"prefill_batch{b}_vs_vllm", 0) >= 1.0 for b in (1, 8)
+            ),
         }
     if hf:
         result["transformers"] = theirs
         best_hf = max(v["decode_tok_s"] for v in theirs.values() if "decode_tok_s" in v)
         result["ratios"] = {
-            "decode_batch1_vs_hf_batch1": ours["decode"][1]["tok_s"] / theirs[1]["decode_tok_s"] if 1 in theirs else None,
+            "decode_batch1_vs_hf_batch1": ours["decode"][1]["tok_s"] / theirs[1]["decode_tok_s"]
+            if 1 in theirs
+            else None,
             "decode_batch32_vs_hf_best": ours["decode"][max(decode_batches)]["tok_s"] / best_hf,
             "prefill_batch1_vs_hf": ours["prefill_tok_s"][1] / theirs[1]["prefill_tok_s"],
             "prefill_batch8_vs_hf": ours["prefill_tok_s"][8] / theirs[8]["prefill_tok_s"],
@@ -314,9 +362,11 @@ def main() -> int:
         result["targets"] = {
             "decode_batch1_vs_hf_batch1 >= 1.2": (result["ratios"]["decode_batch1_vs_hf_batch1"] or 0) >= 1.2,
             "decode_batch32_vs_hf_best >= 2.0": result["ratios"]["decode_batch32_vs_hf_best"] >= 2.0,
-            "prefill_vs_hf >= 1.0 (batch 1 and 8)": min(result["ratios"]["prefill_batch1_vs_hf"],
-                                                         result["ratios"]["prefill_batch8_vs_hf"]) >= 1.0,
-        }  # fmt: skip
+            "prefill_vs_hf >= 1.0 (batch 1 and 8)": min(
+                result["ratios"]["prefill_batch1_vs_hf"], result["ratios"]["prefill_batch8_vs_hf"]
+            )
+            >= 1.0,
+        }
 
     if args.json:
         print(json.dumps(result, indent=None, default=float))
@@ -341,15 +391,19 @@ def print_table(r: dict) -> None:
     ours, hf = r["splitserve"], r.get("transformers", {})
     vllm = r.get("vllm") or {}
     measured = "error" not in vllm and bool(vllm)
-    print(f"model {r['model']} ({r['dtype']}, {r['device']}, {r['threads']} threads), prompts of "
-          f"{r['prompt_len']} tokens, {r['new_tokens']} new tokens; copy bandwidth {r['copy_bandwidth_gb_s']:.1f} GB/s")  # fmt: skip
+    print(
+        f"model {r['model']} ({r['dtype']}, {r['device']}, {r['threads']} threads), prompts of "
+        f"{r['prompt_len']} tokens, {r['new_tokens']} new tokens; copy bandwidth {r['copy_bandwidth_gb_s']:.1f} GB/s"
+    )
     if not vllm:
         print("vLLM: not measured (--no-peer)" if r.get("no_peer") else peer.NOT_MEASURED)
     elif not measured:
         print(f"vLLM: failed: {vllm['error']}")
     else:
-        print(f"vLLM {vllm['vllm_version']} (torch {vllm['torch_version']}), offline LLM, cores "
-              f"{vllm['omp_threads_bind']}; ready in {vllm['load_s']:.0f} s (compiles on a first start)")
+        print(
+            f"vLLM {vllm['vllm_version']} (torch {vllm['torch_version']}), offline LLM, cores "
+            f"{vllm['omp_threads_bind']}; ready in {vllm['load_s']:.0f} s (compiles on a first start)"
+        )
     print()
     cell = lambda x, f=".1f": format(x, f) if x else "-"  # noqa: E731
     ratio = lambda a, b: f"{a / b:.2f}x" if a and b else "-"  # noqa: E731
@@ -359,7 +413,9 @@ def print_table(r: dict) -> None:
     peer_decode = vllm.get("decode", {}) if measured else {}
     for b, v in ours["prefill_tok_s"].items():
         h, p = hf.get(b, {}).get("prefill_tok_s"), peer_prefill.get(str(b))
-        print(f"| prefill tok/s | {b} | {v:.0f} | {cell(h, '.0f')} | {ratio(v, h)} | {cell(p, '.0f')} | {ratio(v, p)} |")
+        print(
+            f"| prefill tok/s | {b} | {v:.0f} | {cell(h, '.0f')} | {ratio(v, h)} | {cell(p, '.0f')} | {ratio(v, p)} |"
+        )
     for b in sorted(set(ours["decode"]) | set(hf)):
         v = ours["decode"].get(b, {}).get("tok_s")
         h = hf.get(b, {}).get("decode_tok_s")
@@ -369,8 +425,10 @@ def print_table(r: dict) -> None:
     print("| splitserve decode | batch | ms/step | linear bound ms | fraction | bytes bound ms | fraction |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for b, d in ours["decode"].items():
-        print(f"| | {b} | {d['ms_per_step']:.1f} | {d['linear_bound_ms']:.1f} | {d['fraction_of_linear_bound']:.2f} "
-              f"| {d['bytes_bound_ms']:.1f} | {d['fraction_of_bytes_bound']:.2f} |")  # fmt: skip
+        print(
+            f"| | {b} | {d['ms_per_step']:.1f} | {d['linear_bound_ms']:.1f} | {d['fraction_of_linear_bound']:.2f} "
+            f"| {d['bytes_bound_ms']:.1f} | {d['fraction_of_bytes_bound']:.2f} |"
+        )
     if "ratios" in r:
         print()
         for k, v in r["ratios"].items():

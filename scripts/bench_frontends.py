@@ -28,10 +28,9 @@ from splitserve.launch import use_loopback_ray  # noqa: E402
 use_loopback_ray()
 
 from splitserve.client import Client  # noqa: E402
+from splitserve.engine.hardware import print_header  # noqa: E402
 from splitserve.make_model import make_model  # noqa: E402
 from splitserve.sim_cluster import ServeProcess  # noqa: E402
-
-from engine.hardware import print_header  # noqa: E402
 
 
 def post(url: str, body: dict, stream: bool) -> None:
@@ -52,12 +51,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
-    machine = print_header("float32" if args.model is None else "float32 (--model)", "1 per worker", "cpu",
-                           to_stderr=args.json)  # fmt: skip
+    machine = print_header(
+        "float32" if args.model is None else "float32 (--model)", "1 per worker", "cpu", to_stderr=args.json
+    )
     with tempfile.TemporaryDirectory(prefix="fe") as tmp:
         model = args.model or str(make_model("tiny", Path(tmp) / "tiny", dtype="float32", seed=0))
-        served = ServeProcess({"model": model, "dtype": "float32", "port": 0, "openai_port": 0, "metrics_port": 0,
-                               "prefill": {"threads": 1}, "decode": {"threads": 1}}, Path(tmp) / "fe.yaml")  # fmt: skip
+        served = ServeProcess(
+            {
+                "model": model,
+                "dtype": "float32",
+                "port": 0,
+                "openai_port": 0,
+                "metrics_port": 0,
+                "prefill": {"threads": 1},
+                "decode": {"threads": 1},
+            },
+            Path(tmp) / "fe.yaml",
+        )
         try:
             with Client(served.address) as client:
                 status = client.status()
@@ -71,20 +81,37 @@ def main(argv: list[str] | None = None) -> int:
                 for prompt in prompts[:4]:  # warm up
                     client.generate(token_ids=prompt, max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
                 for prompt in prompts:
-                    body = {"model": name, "prompt": prompt, "max_tokens": args.max_tokens, "temperature": 0,
-                            "ignore_eos": True}  # fmt: skip
+                    body = {
+                        "model": name,
+                        "prompt": prompt,
+                        "max_tokens": args.max_tokens,
+                        "temperature": 0,
+                        "ignore_eos": True,
+                    }
                     for kind in times:
                         start = time.perf_counter()
                         if kind == "grpc":
-                            client.generate(token_ids=prompt, max_tokens=args.max_tokens, temperature=0.0,
-                                            ignore_eos=True)  # fmt: skip
+                            client.generate(
+                                token_ids=prompt, max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True
+                            )
                         else:
                             post(url, {**body, "stream": kind == "openai_stream"}, kind == "openai_stream")
                         times[kind].append(time.perf_counter() - start)
             base = statistics.mean(times["grpc"])
-            result = {"machine": machine, "requests": args.requests, "max_tokens": args.max_tokens, "frontends": {
-                kind: {"mean_ms": statistics.mean(t) * 1e3, "p50_ms": statistics.median(t) * 1e3,
-                       "vs_grpc": statistics.mean(t) / base} for kind, t in times.items()}, "scrapes": {}}  # fmt: skip
+            result = {
+                "machine": machine,
+                "requests": args.requests,
+                "max_tokens": args.max_tokens,
+                "frontends": {
+                    kind: {
+                        "mean_ms": statistics.mean(t) * 1e3,
+                        "p50_ms": statistics.median(t) * 1e3,
+                        "vs_grpc": statistics.mean(t) / base,
+                    }
+                    for kind, t in times.items()
+                },
+                "scrapes": {},
+            }
             for label, address in [("router", router_metrics), *((f"worker {i}", a) for i, a in enumerate(workers))]:
                 durations, size = [], 0
                 for _ in range(20):

@@ -7,8 +7,8 @@ whole pass over those matrices, three ways:
 
 - ``F.linear`` on the plain ``[out, in]`` weight (MKL for float32, oneDNN or an emulation for bf16);
 - oneDNN prepacked (``mkldnn._reorder_linear_weight`` once, then ``mkldnn._linear_pointwise``), the
-  path ``engine.model.Linear.pack()`` takes; where this CPU refuses it the reason is printed;
-- the engine's choice, matrix by matrix: what ``engine.linear_tuner`` picks at load (``auto``) for each
+  path ``splitserve.engine.model.Linear.pack()`` takes; where this CPU refuses it the reason is printed;
+- the engine's choice, matrix by matrix: what ``splitserve.engine.linear_tuner`` picks at load (``auto``) for each
   shape, timed here on its own row grid (``ROW_GRID``; the LM head up to 64 rows), split allowed,
 
 and reports ms per pass, GB/s of weights read and GFLOP/s; then, per shape, the tuner's times and choice.
@@ -36,9 +36,9 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from engine.hardware import print_header  # noqa: E402
-from engine.linear_tuner import ROW_GRID, UNTIMED_BELOW, decide, measure  # noqa: E402
-from engine.model_config import ModelConfig  # noqa: E402
+from splitserve.engine.hardware import print_header  # noqa: E402
+from splitserve.engine.linear_tuner import ROW_GRID, UNTIMED_BELOW, decide, measure  # noqa: E402
+from splitserve.engine.model_config import ModelConfig  # noqa: E402
 
 
 def log(message: str) -> None:
@@ -75,8 +75,9 @@ def packed_or_reason(weight: torch.Tensor) -> tuple[torch.Tensor | None, str | N
         return None, str(e).splitlines()[0]
 
 
-def measure_dtype(shapes: Counter, dtype: torch.dtype, batches: list[int], repeats: int,
-                  lm_head_rows: tuple[int, int]) -> dict:
+def measure_dtype(
+    shapes: Counter, dtype: torch.dtype, batches: list[int], repeats: int, lm_head_rows: tuple[int, int]
+) -> dict:
     """Seconds per whole pass at each m for F.linear, prepacked and the engine's choice."""
     weights = {s: torch.randn(s, dtype=dtype) * 0.02 for s in shapes}
     packed, reason = {}, None
@@ -98,12 +99,14 @@ def measure_dtype(shapes: Counter, dtype: torch.dtype, batches: list[int], repea
         per_path = {"F.linear": 0.0, "packed": 0.0 if reason is None else None, "engine": 0.0}
         for s, w in weights.items():
             x = torch.randn(m, s[1], dtype=dtype)
-            t_plain = best_seconds(lambda: F.linear(x, w), repeats)
+            t_plain = best_seconds(lambda x=x, w=w: F.linear(x, w), repeats)
             per_path["F.linear"] += t_plain * shapes[s]
             t_packed = None
             if packed[s] is not None:
                 p = packed[s]
-                t_packed = best_seconds(lambda: torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], ""), repeats)
+                t_packed = best_seconds(
+                    lambda x=x, p=p: torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], ""), repeats
+                )
                 if per_path["packed"] is not None:
                     per_path["packed"] += t_packed * shapes[s]
             path, split_rows, _ = tuned[s]
@@ -112,14 +115,16 @@ def measure_dtype(shapes: Counter, dtype: torch.dtype, batches: list[int], repea
         for path, seconds in per_path.items():
             row = {"m": m, "path": path, "ms": None, "weight_gb_s": None, "gflop_s": None}
             if seconds is not None:
-                row.update(ms=1e3 * seconds, weight_gb_s=weight_bytes / seconds / 1e9,
-                           gflop_s=2 * m * numel / seconds / 1e9)  # fmt: skip
+                row.update(
+                    ms=1e3 * seconds, weight_gb_s=weight_bytes / seconds / 1e9, gflop_s=2 * m * numel / seconds / 1e9
+                )
             rows.append(row)
         log(f"  {dtype} m={m}: " + ", ".join(f"{r['path']} {r['ms']:.1f} ms" for r in rows[-3:] if r["ms"] is not None))
-    choices = [{"shape": [o, i], "count": shapes[(o, i)], "path": path, "split_rows": split_rows, "times_ms": times}
-               for (o, i), (path, split_rows, times) in tuned.items()]
-    return {"weights": numel, "weight_bytes": weight_bytes, "packed_refused": reason,
-            "tuner": choices, "rows": rows}  # fmt: skip
+    choices = [
+        {"shape": [o, i], "count": shapes[(o, i)], "path": path, "split_rows": split_rows, "times_ms": times}
+        for (o, i), (path, split_rows, times) in tuned.items()
+    ]
+    return {"weights": numel, "weight_bytes": weight_bytes, "packed_refused": reason, "tuner": choices, "rows": rows}
 
 
 def large_gemm_gflop_s(dtype: torch.dtype, n: int, repeats: int) -> float:
@@ -130,9 +135,12 @@ def large_gemm_gflop_s(dtype: torch.dtype, n: int, repeats: int) -> float:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="qwen2.5-0.5b", help="a make-model preset whose shapes are used")
-    ap.add_argument("--dtypes", default=None,
-                    help="comma-separated; default bfloat16 where oneDNN runs it natively, else float32 (bf16 is "
-                         "emulated there and takes minutes at m = 32)")  # fmt: skip
+    ap.add_argument(
+        "--dtypes",
+        default=None,
+        help="comma-separated; default bfloat16 where oneDNN runs it natively, else float32 (bf16 is "
+        "emulated there and takes minutes at m = 32)",
+    )
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=3)
@@ -151,8 +159,14 @@ def main() -> int:
     cfg = ModelConfig.from_dict(PRESETS[args.preset])
     shapes = decode_weight_shapes(cfg)
     batches = [int(b) for b in args.batches.split(",")]
-    result: dict = {"machine": machine, "preset": args.preset, "threads": args.threads, "repeats": args.repeats,
-                    "shapes": [[o, i, n] for (o, i), n in shapes.items()], "dtypes": {}}  # fmt: skip
+    result: dict = {
+        "machine": machine,
+        "preset": args.preset,
+        "threads": args.threads,
+        "repeats": args.repeats,
+        "shapes": [[o, i, n] for (o, i), n in shapes.items()],
+        "dtypes": {},
+    }
     with torch.inference_mode():
         for name in dtypes:
             dtype = getattr(torch, name)
@@ -165,14 +179,19 @@ def main() -> int:
     if args.json:
         print(json.dumps(result))
         return 0
-    print(f"\n{args.preset} decode weights ({sum(shapes.values())} matrices per step), {args.threads} threads, "
-          f"best of {args.repeats}\n")  # fmt: skip
+    print(
+        f"\n{args.preset} decode weights ({sum(shapes.values())} matrices per step), {args.threads} threads, "
+        f"best of {args.repeats}\n"
+    )
     print("| dtype | m | path | ms per pass | GB/s of weights | GFLOP/s |")
     print("| --- | --- | --- | --- | --- | --- |")
     for name, entry in result["dtypes"].items():
         for r in entry["rows"]:
-            cells = ("refused", "-", "-") if r["ms"] is None else (f"{r['ms']:.1f}", f"{r['weight_gb_s']:.1f}",
-                                                                  f"{r['gflop_s']:.0f}")  # fmt: skip
+            cells = (
+                ("refused", "-", "-")
+                if r["ms"] is None
+                else (f"{r['ms']:.1f}", f"{r['weight_gb_s']:.1f}", f"{r['gflop_s']:.0f}")
+            )
             print(f"| {name} | {r['m']} | {r['path']} | " + " | ".join(cells) + " |")
     print("\nThe tuner's choice per shape (engine/linear_tuner.py: best-of ms at each row count m, split allowed):\n")
     grid = ", ".join(map(str, ROW_GRID))
@@ -181,16 +200,19 @@ def main() -> int:
     for name, entry in result["dtypes"].items():
         for c in entry["tuner"]:
             times = c["times_ms"] or {}
-            cells = [" / ".join(f"{ms:.3g}" for ms in times[p].values()) if p in times else "-"
-                     for p in ("plain", "packed")]
+            cells = [
+                " / ".join(f"{ms:.3g}" for ms in times[p].values()) if p in times else "-" for p in ("plain", "packed")
+            ]
             choice = f"split at {c['split_rows']} rows" if c["path"] == "split" else c["path"]
             print(f"| {name} | {c['shape'][0]} x {c['shape'][1]} | {c['count']} | {cells[0]} | {cells[1]} | {choice} |")
     print()
     for name, entry in result["dtypes"].items():
         gemm = entry["large_gemm_gflop_s"]
         gemm_text = f"{gemm:.0f} GFLOP/s" if gemm is not None else "skipped (emulated on this CPU)"
-        print(f"{name}: {entry['weight_bytes'] / 1e9:.2f} GB of weights; torch.mm {args.gemm_size}^3 {gemm_text}"
-              + (f"; prepacked refused: {entry['packed_refused']}" if entry["packed_refused"] else ""))  # fmt: skip
+        print(
+            f"{name}: {entry['weight_bytes'] / 1e9:.2f} GB of weights; torch.mm {args.gemm_size}^3 {gemm_text}"
+            + (f"; prepacked refused: {entry['packed_refused']}" if entry["packed_refused"] else "")
+        )
     return 0
 
 

@@ -47,7 +47,7 @@ use_loopback_ray()  # before Ray is imported
 
 import torch  # noqa: E402
 
-from engine.hardware import print_header  # noqa: E402
+from splitserve.engine.hardware import print_header  # noqa: E402
 
 
 def log(message: str) -> None:
@@ -73,16 +73,20 @@ def served_concurrent(address: str, batch: list[list[int]], new: int) -> dict:
 
     with Client(address) as client, ThreadPoolExecutor(len(batch)) as pool:
         start = time.perf_counter()
-        results = list(pool.map(lambda p: client.generate(token_ids=p, max_tokens=new, temperature=0.0,
-                                                          ignore_eos=True), batch))  # fmt: skip
+        results = list(
+            pool.map(lambda p: client.generate(token_ids=p, max_tokens=new, temperature=0.0, ignore_eos=True), batch)
+        )
         elapsed = time.perf_counter() - start
     tokens = sum(len(r.token_ids) for r in results)
-    return {"output_tok_s": tokens / elapsed, "seconds": elapsed,
-            "mean_ttft_ms": sum(r.ttft_ms for r in results) / len(results)}  # fmt: skip
+    return {
+        "output_tok_s": tokens / elapsed,
+        "seconds": elapsed,
+        "mean_ttft_ms": sum(r.ttft_ms for r in results) / len(results),
+    }
 
 
 def offline_single(llm, prompt: list[int], new: int) -> dict:
-    from engine import SamplingParams
+    from splitserve.engine import SamplingParams
 
     sp = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
     llm.add_request(prompt, sp)
@@ -96,7 +100,7 @@ def offline_single(llm, prompt: list[int], new: int) -> dict:
 
 
 def offline_concurrent(llm, batch: list[list[int]], new: int) -> dict:
-    from engine import SamplingParams
+    from splitserve.engine import SamplingParams
 
     start = time.perf_counter()
     outs = llm.generate(batch, SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True))
@@ -110,13 +114,24 @@ def hf_times(model, batch: int, prompt_len: int, new: int) -> dict:
     def run(n: int) -> float:
         start = time.perf_counter()
         with torch.inference_mode():
-            model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False, min_new_tokens=n,
-                           max_new_tokens=n, eos_token_id=None, pad_token_id=0)  # fmt: skip
+            model.generate(
+                input_ids=ids,
+                attention_mask=torch.ones_like(ids),
+                do_sample=False,
+                min_new_tokens=n,
+                max_new_tokens=n,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
         return time.perf_counter() - start
 
     t1, tn = run(1), run(new)
-    return {"decode_tok_s": batch * (new - 1) / (tn - t1), "tpot_ms": (tn - t1) / (new - 1) * 1e3,
-            "output_tok_s": batch * new / tn, "seconds": tn}  # fmt: skip
+    return {
+        "decode_tok_s": batch * (new - 1) / (tn - t1),
+        "tpot_ms": (tn - t1) / (new - 1) * 1e3,
+        "output_tok_s": batch * new / tn,
+        "seconds": tn,
+    }
 
 
 # ---- the peer's workload: one OpenAI client for every server -----------------------------------
@@ -124,26 +139,49 @@ def hf_times(model, batch: int, prompt_len: int, new: int) -> dict:
 # The splitserve deployments the peer's workload measures, by name: a variant (colocated, cores pinned
 # per role, ...) is one more entry. Each is a function of the script's args -> deployment config fields.
 DEPLOYMENTS = {
-    "1p1d": ("splitserve 1P+1D", lambda a: {
-        "prefill": {"threads": a.threads, "max_inflight": max(a.in_flight)},
-        "decode": {"threads": a.threads, "max_inflight": max(a.in_flight)}}),
+    "1p1d": (
+        "splitserve 1P+1D",
+        lambda a: {
+            "prefill": {"threads": a.threads, "max_inflight": max(a.in_flight)},
+            "decode": {"threads": a.threads, "max_inflight": max(a.in_flight)},
+        },
+    ),
     # Prefill on the first half of the benchmark's cores and decode on the rest, one thread per core,
     # against 1p1d's two workers each with every core's worth of threads (oversubscribing them).
-    "1p1d-pinned": ("splitserve 1P+1D pinned", lambda a: {
-        "prefill": {"cpus": peer.pinned_cpus(a.threads)[: max(1, a.threads // 2)], "max_inflight": max(a.in_flight)},
-        "decode": {"cpus": peer.pinned_cpus(a.threads)[max(1, a.threads // 2):] or peer.pinned_cpus(a.threads),
-                   "max_inflight": max(a.in_flight)}}),
-    "colocated": ("splitserve colocated", lambda a: {
-        "mode": "colocated", "colocated": {"threads": a.threads, "max_inflight": max(a.in_flight)}}),
+    "1p1d-pinned": (
+        "splitserve 1P+1D pinned",
+        lambda a: {
+            "prefill": {
+                "cpus": peer.pinned_cpus(a.threads)[: max(1, a.threads // 2)],
+                "max_inflight": max(a.in_flight),
+            },
+            "decode": {
+                "cpus": peer.pinned_cpus(a.threads)[max(1, a.threads // 2) :] or peer.pinned_cpus(a.threads),
+                "max_inflight": max(a.in_flight),
+            },
+        },
+    ),
+    "colocated": (
+        "splitserve colocated",
+        lambda a: {"mode": "colocated", "colocated": {"threads": a.threads, "max_inflight": max(a.in_flight)}},
+    ),
 }
 
 
 def deployment_config(args, name: str):
     from splitserve.deploy_config import DeploymentConfig
 
-    return DeploymentConfig.from_dict({
-        "model": str(args.model), "dtype": args.dtype, "port": 0, "openai_port": 0, "model_name": SERVED_NAME,
-        "engine": {"kv_cache_bytes": 512 << 20}, **DEPLOYMENTS[name][1](args)})
+    return DeploymentConfig.from_dict(
+        {
+            "model": str(args.model),
+            "dtype": args.dtype,
+            "port": 0,
+            "openai_port": 0,
+            "model_name": SERVED_NAME,
+            "engine": {"kv_cache_bytes": 512 << 20},
+            **DEPLOYMENTS[name][1](args),
+        }
+    )
 
 
 SERVED_NAME = "bench-model"  # the name both splitserve and vLLM serve the checkpoint under
@@ -155,21 +193,45 @@ def openai_workload(base_url: str, requests: list, in_flight: list[int], timeout
 
     out = {}
     for n in in_flight:
-        config = BenchConfig(backend="openai", base_url=base_url, model=SERVED_NAME, max_concurrency=n,
-                             temperature=0.0, ignore_eos=True, request_timeout_s=timeout_s, progress=False)
+        config = BenchConfig(
+            backend="openai",
+            base_url=base_url,
+            model=SERVED_NAME,
+            max_concurrency=n,
+            temperature=0.0,
+            ignore_eos=True,
+            request_timeout_s=timeout_s,
+            progress=False,
+        )
         result = benchmark(requests, [0.0] * len(requests), config, SERVED_NAME, "random")
-        out[n] = {k: result[k] for k in ("completed", "failed", "failures", "duration", "total_output_tokens",
-                                         "output_throughput", "mean_ttft_ms", "median_ttft_ms", "mean_tpot_ms",
-                                         "median_tpot_ms", "mean_itl_ms", "mean_e2el_ms")}
-        log(f"    {n} in flight: {result['output_throughput']:.1f} output tok/s, mean TTFT "
-            f"{result['mean_ttft_ms']:.0f} ms, mean TPOT {result['mean_tpot_ms']:.0f} ms, failed {result['failed']}")
+        out[n] = {
+            k: result[k]
+            for k in (
+                "completed",
+                "failed",
+                "failures",
+                "duration",
+                "total_output_tokens",
+                "output_throughput",
+                "mean_ttft_ms",
+                "median_ttft_ms",
+                "mean_tpot_ms",
+                "median_tpot_ms",
+                "mean_itl_ms",
+                "mean_e2el_ms",
+            )
+        }
+        log(
+            f"    {n} in flight: {result['output_throughput']:.1f} output tok/s, mean TTFT "
+            f"{result['mean_ttft_ms']:.0f} ms, mean TPOT {result['mean_tpot_ms']:.0f} ms, failed {result['failed']}"
+        )
     return out
 
 
 def workload_requests(args, vocab: int) -> list:
-    from splitserve.bench.datasets import BenchRequest, TokenRange
-
     import numpy as np
+
+    from splitserve.bench.datasets import BenchRequest, TokenRange
 
     rng, tokens = np.random.default_rng(7), TokenRange.for_vocab(vocab)
     return [BenchRequest(tokens.draw(rng, args.prompt_len), args.new_tokens) for _ in range(args.peer_requests)]
@@ -177,10 +239,15 @@ def workload_requests(args, vocab: int) -> list:
 
 def served_ratios(ours: dict[int, dict], vllm: dict[int, dict]) -> dict[int, dict]:
     """> 1 is better than vLLM for every ratio: throughput ours/theirs, latencies theirs/ours."""
-    return {n: {"output_throughput": o["output_throughput"] / vllm[n]["output_throughput"],
-                "mean_ttft_vllm_over_ours": vllm[n]["mean_ttft_ms"] / o["mean_ttft_ms"],
-                "mean_tpot_ours_over_vllm": o["mean_tpot_ms"] / vllm[n]["mean_tpot_ms"]}
-            for n, o in ours.items() if n in vllm and o["completed"] and vllm[n]["completed"]}
+    return {
+        n: {
+            "output_throughput": o["output_throughput"] / vllm[n]["output_throughput"],
+            "mean_ttft_vllm_over_ours": vllm[n]["mean_ttft_ms"] / o["mean_ttft_ms"],
+            "mean_tpot_ours_over_vllm": o["mean_tpot_ms"] / vllm[n]["mean_tpot_ms"],
+        }
+        for n, o in ours.items()
+        if n in vllm and o["completed"] and vllm[n]["completed"]
+    }
 
 
 def best(runs: list[dict], key: str, higher: bool = True) -> dict:
@@ -198,14 +265,25 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2, help="torch threads of each worker and of the baselines")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--json", action="store_true")
-    ap.add_argument("--deployments", default="1p1d", help=f"comma-separated, of {', '.join(DEPLOYMENTS)}: the "
-                    "splitserve deployments the peer's workload measures (the first also runs the measurements above)")
+    ap.add_argument(
+        "--deployments",
+        default="1p1d",
+        help=f"comma-separated, of {', '.join(DEPLOYMENTS)}: the "
+        "splitserve deployments the peer's workload measures (the first also runs the measurements above)",
+    )
     ap.add_argument("--in-flight", default="8,32", help="the peer's workload: requests in flight, comma-separated")
     ap.add_argument("--peer-requests", type=int, default=32, help="the peer's workload: requests per concurrency")
-    ap.add_argument("--skip-baselines", action="store_true",
-                    help="only the peer's workload (no single stream, transformers or offline engine)")
-    ap.add_argument("--peer", default=None, metavar="PYTHON",
-                    help="the peer venv's python (default: .peer/bin/python when `make peer` has built it)")
+    ap.add_argument(
+        "--skip-baselines",
+        action="store_true",
+        help="only the peer's workload (no single stream, transformers or offline engine)",
+    )
+    ap.add_argument(
+        "--peer",
+        default=None,
+        metavar="PYTHON",
+        help="the peer venv's python (default: .peer/bin/python when `make peer` has built it)",
+    )
     ap.add_argument("--no-peer", action="store_true", help="do not measure vLLM")
     ap.add_argument("--peer-timeout", type=float, default=1200.0, help="seconds for vLLM to become healthy")
     ap.add_argument("--request-timeout", type=float, default=900.0, help="seconds for each request of the workload")
@@ -221,7 +299,7 @@ def main() -> int:
 
         log(f"writing the {args.preset} preset to {args.model} ...")
         make_model(args.preset, args.model, dtype="bfloat16" if args.dtype == "auto" else args.dtype, overwrite=True)
-    from engine.loader import parse_dtype
+    from splitserve.engine.loader import parse_dtype
 
     checkpoint = json.loads((args.model / "config.json").read_text())
     args.dtype = str(parse_dtype(args.dtype, checkpoint.get("torch_dtype") or checkpoint.get("dtype")))
@@ -235,9 +313,18 @@ def main() -> int:
     single = prompts(1, args.prompt_len, vocab, seed=1)[0]
     batch = prompts(args.streams, args.prompt_len, vocab, seed=2)
     workload = workload_requests(args, vocab)
-    result: dict = {"model": str(args.model), "dtype": args.dtype, "threads": args.threads, "cpus": cpus,
-                    "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "streams": args.streams,
-                    "machine": machine, "in_flight": args.in_flight, "peer_requests": args.peer_requests}
+    result: dict = {
+        "model": str(args.model),
+        "dtype": args.dtype,
+        "threads": args.threads,
+        "cpus": cpus,
+        "prompt_len": args.prompt_len,
+        "new_tokens": args.new_tokens,
+        "streams": args.streams,
+        "machine": machine,
+        "in_flight": args.in_flight,
+        "peer_requests": args.peer_requests,
+    }
     served: dict[str, dict] = {}
     for i, name in enumerate(names):
         label = DEPLOYMENTS[name][0]
@@ -247,10 +334,13 @@ def main() -> int:
         try:
             if i == 0 and not args.skip_baselines:
                 runs = baseline_rounds(args, address, single, batch)
-            log(f"  the peer's workload ({args.peer_requests} requests of {args.prompt_len} + {args.new_tokens} "
-                f"tokens) on {label} over its OpenAI port ...")
-            served[label] = openai_workload(f"http://{deployment.openai_address}", workload, args.in_flight,
-                                            args.request_timeout)
+            log(
+                f"  the peer's workload ({args.peer_requests} requests of {args.prompt_len} + {args.new_tokens} "
+                f"tokens) on {label} over its OpenAI port ..."
+            )
+            served[label] = openai_workload(
+                f"http://{deployment.openai_address}", workload, args.in_flight, args.request_timeout
+            )
         finally:
             deployment.stop()
     if not args.skip_baselines:
@@ -259,13 +349,16 @@ def main() -> int:
     if peer_python is not None:
         result["vllm"] = vllm_workload(args, peer_python, cpus, workload)
         if "error" not in result["vllm"]:
-            result["ratios_vs_vllm"] = {label: served_ratios(s, result["vllm"]["workload"])
-                                        for label, s in served.items()}
+            result["ratios_vs_vllm"] = {
+                label: served_ratios(s, result["vllm"]["workload"]) for label, s in served.items()
+            }
     if args.json:
         print(json.dumps(result, default=float))
         return 0
-    print(f"model {args.model} ({args.dtype}), {args.threads} threads per worker and baseline, cores "
-          f"{peer.cpu_list(cpus)}, prompts of {args.prompt_len} tokens, {args.new_tokens} new tokens\n")
+    print(
+        f"model {args.model} ({args.dtype}), {args.threads} threads per worker and baseline, cores "
+        f"{peer.cpu_list(cpus)}, prompts of {args.prompt_len} tokens, {args.new_tokens} new tokens\n"
+    )
     if not args.skip_baselines:
         print_baselines(args, result)
     print_workload(args, result)
@@ -292,7 +385,7 @@ def baseline_rounds(args, address: str, single: list[int], batch: list[list[int]
 
 def baselines(args, runs: dict[str, list], single: list[int], batch: list[list[int]]) -> dict:
     """The offline engine on the same two workloads, and every figure of the first deployment's rounds."""
-    from engine import LLM
+    from splitserve.engine import LLM
 
     log("offline engine ...")
     llm = LLM(args.model, dtype=args.dtype, num_threads=args.threads, enable_prefix_caching=False)
@@ -305,8 +398,12 @@ def baselines(args, runs: dict[str, list], single: list[int], batch: list[list[i
     sn = best(runs["served_concurrent"], "output_tok_s")
     h1, hn = best(runs["hf_1"], "decode_tok_s"), best(runs["hf_n"], "output_tok_s")
     return {
-        "served_single": s1, "served_concurrent": sn, "transformers_batch1": h1,
-        f"transformers_batch{args.streams}": hn, "offline_single": off_single, "offline_concurrent": off_conc,
+        "served_single": s1,
+        "served_concurrent": sn,
+        "transformers_batch1": h1,
+        f"transformers_batch{args.streams}": hn,
+        "offline_single": off_single,
+        "offline_concurrent": off_conc,
         "ratios": {
             "single_decode_vs_transformers_batch1": s1["decode_tok_s"] / h1["decode_tok_s"],
             "concurrent_output_vs_transformers_batch": sn["output_tok_s"] / hn["output_tok_s"],
@@ -314,14 +411,21 @@ def baselines(args, runs: dict[str, list], single: list[int], batch: list[list[i
             "served_vs_offline_ttft": off_single["ttft_ms"] / s1["ttft_ms"],
             "served_vs_offline_concurrent": sn["output_tok_s"] / off_conc["output_tok_s"],
         },
-    }  # fmt: skip
+    }
 
 
 def vllm_workload(args, python, cpus: list[int], workload: list) -> dict:
     """`vllm serve` on the same checkpoint, dtype and cores, the same client and requests; always stopped."""
     log(f"starting vllm serve (the peer, {python}) on cores {peer.cpu_list(cpus)}: a first start compiles ...")
-    server = peer.VLLMServer(python, args.model, args.dtype, cpus, SERVED_NAME, max_num_seqs=max(args.in_flight),
-                             log_path=ROOT / "results" / "peer_vllm_serve.log")
+    server = peer.VLLMServer(
+        python,
+        args.model,
+        args.dtype,
+        cpus,
+        SERVED_NAME,
+        max_num_seqs=max(args.in_flight),
+        log_path=ROOT / "results" / "peer_vllm_serve.log",
+    )
     with server:
         try:
             base_url = server.start(args.peer_timeout)
@@ -350,18 +454,28 @@ def print_baselines(args, result: dict) -> None:
     print("| | splitserve (1P+1D) | offline engine | transformers | served / transformers |")
     print("| --- | --- | --- | --- | --- |")
     print(f"| one stream: TTFT ms | {s1['ttft_ms']:.0f} | {off_single['ttft_ms']:.0f} | - | - |")
-    print(f"| one stream: decode ms/token | {s1['tpot_ms']:.1f} | {off_single['tpot_ms']:.1f} | {h1['tpot_ms']:.1f} (batch 1) "
-          f"| {r['single_decode_vs_transformers_batch1']:.2f}x |")  # fmt: skip
-    print(f"| {args.streams} streams: output tok/s | {sn['output_tok_s']:.1f} | {off_conc['output_tok_s']:.1f} | "
-          f"{hn['output_tok_s']:.1f} (batch {args.streams}) | {r['concurrent_output_vs_transformers_batch']:.2f}x |")  # fmt: skip
-    print(f"\nserving vs offline engine: decode speed {r['served_vs_offline_single_decode']:.2f}x, TTFT "
-          f"{r['served_vs_offline_ttft']:.2f}x, {args.streams}-stream throughput {r['served_vs_offline_concurrent']:.2f}x\n")  # fmt: skip
+    print(
+        f"| one stream: decode ms/token | {s1['tpot_ms']:.1f} | {off_single['tpot_ms']:.1f} "
+        f"| {h1['tpot_ms']:.1f} (batch 1) "
+        f"| {r['single_decode_vs_transformers_batch1']:.2f}x |"
+    )
+    print(
+        f"| {args.streams} streams: output tok/s | {sn['output_tok_s']:.1f} | {off_conc['output_tok_s']:.1f} | "
+        f"{hn['output_tok_s']:.1f} (batch {args.streams}) | {r['concurrent_output_vs_transformers_batch']:.2f}x |"
+    )
+    print(
+        f"\nserving vs offline engine: decode speed {r['served_vs_offline_single_decode']:.2f}x, TTFT "
+        f"{r['served_vs_offline_ttft']:.2f}x, {args.streams}-stream throughput "
+        f"{r['served_vs_offline_concurrent']:.2f}x\n"
+    )
 
 
 def print_workload(args, result: dict) -> None:
     vllm = result.get("vllm")
-    print(f"{args.peer_requests} requests of {args.prompt_len} prompt / {args.new_tokens} output tokens, greedy, EOS "
-          "ignored, one client (splitserve bench --backend openai) for every server:\n")
+    print(
+        f"{args.peer_requests} requests of {args.prompt_len} prompt / {args.new_tokens} output tokens, greedy, EOS "
+        "ignored, one client (splitserve bench --backend openai) for every server:\n"
+    )
     print("| server | in flight | output tok/s | mean TTFT ms | mean TPOT ms | tok/s vs vLLM | TPOT vs vLLM |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     rows = list(result["served"].items())
@@ -370,11 +484,14 @@ def print_workload(args, result: dict) -> None:
     for label, by_n in rows:
         for n, m in by_n.items():
             ratio = result.get("ratios_vs_vllm", {}).get(label, {}).get(n)
-            cells = (f"{ratio['output_throughput']:.2f}x | {ratio['mean_tpot_ours_over_vllm']:.2f}x" if ratio
-                     else "- | -")
+            cells = (
+                f"{ratio['output_throughput']:.2f}x | {ratio['mean_tpot_ours_over_vllm']:.2f}x" if ratio else "- | -"
+            )
             failed = f" ({m['failed']} failed)" if m["failed"] else ""
-            print(f"| {label}{failed} | {n} | {m['output_throughput']:.1f} | {m['mean_ttft_ms']:.0f} | "
-                  f"{m['mean_tpot_ms']:.0f} | {cells} |")
+            print(
+                f"| {label}{failed} | {n} | {m['output_throughput']:.1f} | {m['mean_ttft_ms']:.0f} | "
+                f"{m['mean_tpot_ms']:.0f} | {cells} |"
+            )
     if not vllm:
         print("\nvLLM: not measured (--no-peer)" if args.no_peer else f"\n{peer.NOT_MEASURED}")
     elif "error" in vllm:

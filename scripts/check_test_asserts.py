@@ -41,8 +41,12 @@ def _direct_facts(fn: ast.AST) -> tuple[bool, set[str]]:
         elif isinstance(node, ast.Call):
             name = _called_name(node)
             func = node.func
-            if (isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name) and func.value.id == "pytest"
-                    and func.attr in PYTEST_ASSERTING):  # fmt: skip
+            if (
+                isinstance(func, ast.Attribute)
+                and isinstance(func.value, ast.Name)
+                and func.value.id == "pytest"
+                and func.attr in PYTEST_ASSERTING
+            ):
                 asserts = True
             elif name.startswith(ASSERTING_PREFIXES):
                 asserts = True
@@ -87,8 +91,9 @@ def find_offenders(files: list[Path]) -> list[str]:
                 continue
             direct, calls = _direct_facts(fn)
             if not direct and not calls & asserting:
-                offenders.append(f"{path}:{fn.lineno}: {fn.name} asserts nothing (no assert, pytest.raises or "
-                                 "asserting helper)")  # fmt: skip
+                offenders.append(
+                    f"{path}:{fn.lineno}: {fn.name} asserts nothing (no assert, pytest.raises or asserting helper)"
+                )
     return offenders
 
 

@@ -27,22 +27,32 @@ from splitserve.launch import use_loopback_ray  # noqa: E402
 
 use_loopback_ray()  # before Ray is imported
 
-from splitserve.make_model import make_model  # noqa: E402
 from splitserve.drill import DRILLS, reference_outputs, run_drill, run_router_drill  # noqa: E402
+from splitserve.make_model import make_model  # noqa: E402
 
 
 def drill_row(model: str, name: str, reference: list[list[int]], folder: Path) -> dict:
     if name == "router":
         r = run_router_drill(model, folder)
-        return {"drill": "router_mid_stream", "codes": sorted({s["code"].name for s in r["streams"]}),
-                "streams_ended_within_s": r["streams_ended_within_s"],
-                "workers_gone_within_s": r["workers_gone_within_s"], "restart_ready_s": r["restart_ready_s"],
-                "exact_after_restart": [s["tokens"] for s in r["after"]] == reference}  # fmt: skip
+        return {
+            "drill": "router_mid_stream",
+            "codes": sorted({s["code"].name for s in r["streams"]}),
+            "streams_ended_within_s": r["streams_ended_within_s"],
+            "workers_gone_within_s": r["workers_gone_within_s"],
+            "restart_ready_s": r["restart_ready_s"],
+            "exact_after_restart": [s["tokens"] for s in r["after"]] == reference,
+        }
     r = run_drill(model, name)
-    return {"drill": name, "exact": [s["tokens"] for s in r["streams"]] == reference,
-            "longest_pause_s": r["longest_pause_s"], "moved": r["moved"], "killed_after_s": r["killed_after_s"],
-            "worker_back_within_s": r["worker_back_within_s"], "blocks_zero_after_s": r["blocks_zero_after_s"],
-            "streams_s": r["streams_s"]}  # fmt: skip
+    return {
+        "drill": name,
+        "exact": [s["tokens"] for s in r["streams"]] == reference,
+        "longest_pause_s": r["longest_pause_s"],
+        "moved": r["moved"],
+        "killed_after_s": r["killed_after_s"],
+        "worker_back_within_s": r["worker_back_within_s"],
+        "blocks_zero_after_s": r["blocks_zero_after_s"],
+        "streams_s": r["streams_s"],
+    }
 
 
 def main(argv: list[str] | None = None) -> int:

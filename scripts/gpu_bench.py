@@ -40,10 +40,16 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
 
 from bench_engine import (  # noqa: E402
-    HFGenerate, best_time, copy_bandwidth, splitserve_decode, splitserve_prefill_time, weight_shapes,
+    HFGenerate,
+    best_time,
+    copy_bandwidth,
+    splitserve_decode,
+    splitserve_prefill_time,
+    weight_shapes,
 )
-from engine import LLM, ModelConfig  # noqa: E402
-from engine.hardware import print_header  # noqa: E402
+
+from splitserve.engine import LLM, ModelConfig  # noqa: E402
+from splitserve.engine.hardware import print_header  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -61,10 +67,30 @@ class Plan:
 
 
 PLANS = {
-    "cuda": Plan(("qwen2.5-0.5b", "llama3.1-8b"), (1, 8, 32, 128), (512, 2048), prompt_len=128, new_tokens=32,
-                 gemm_size=8192, copy_bytes=1 << 30, kv_cache_bytes=16 << 30, step_s=60, write_s=180),
-    "cpu": Plan(("tiny",), (1, 4), (16, 64), prompt_len=8, new_tokens=4, gemm_size=256, copy_bytes=32 << 20,
-                kv_cache_bytes=32 << 20, step_s=60, write_s=60),
+    "cuda": Plan(
+        ("qwen2.5-0.5b", "llama3.1-8b"),
+        (1, 8, 32, 128),
+        (512, 2048),
+        prompt_len=128,
+        new_tokens=32,
+        gemm_size=8192,
+        copy_bytes=1 << 30,
+        kv_cache_bytes=16 << 30,
+        step_s=60,
+        write_s=180,
+    ),
+    "cpu": Plan(
+        ("tiny",),
+        (1, 4),
+        (16, 64),
+        prompt_len=8,
+        new_tokens=4,
+        gemm_size=256,
+        copy_bytes=32 << 20,
+        kv_cache_bytes=32 << 20,
+        step_s=60,
+        write_s=60,
+    ),
 }
 
 
@@ -139,7 +165,7 @@ def prefill_flops(cfg: ModelConfig, tokens: int) -> float:
 
 
 def triton_status(device: str) -> str:
-    from engine import triton_paged_decode
+    from splitserve.engine import triton_paged_decode
 
     if triton_paged_decode.triton is None:
         return "not installed (the Triton paged decode kernel is unavailable)"
@@ -151,8 +177,10 @@ def decode_info(llm: LLM) -> tuple[str, str]:
     """The decode attention backend and decode path, where the engine says which it used."""
     sources = (llm.runner, llm.core, llm)
     found = {}
-    for key, names in {"backend": ("decode_attention_backend", "decode_backend", "attention_backend"),
-                       "path": ("decode_path", "decode_mode")}.items():
+    for key, names in {
+        "backend": ("decode_attention_backend", "decode_backend", "attention_backend"),
+        "path": ("decode_path", "decode_mode"),
+    }.items():
         found[key] = next((str(getattr(s, n)) for s in sources for n in names if getattr(s, n, None) is not None), None)
     return found["backend"] or "not exposed by the engine", found["path"] or "dynamic"
 
@@ -170,15 +198,21 @@ def bench_model(preset: str, plan: Plan, args, budget: Budget, work: Path, bw: f
     from splitserve.make_model import make_model
 
     log(f"== {preset}")
-    model_dir = attempt(budget, plan.write_s, "write checkpoint",
-                        lambda: make_model(preset, work / preset, dtype=args.dtype, overwrite=True))
+    model_dir = attempt(
+        budget,
+        plan.write_s,
+        "write checkpoint",
+        lambda: make_model(preset, work / preset, dtype=args.dtype, overwrite=True),
+    )
     if not isinstance(model_dir, Path):
         return {"error": f"checkpoint: {model_dir}"}
     cfg = ModelConfig.from_model_dir(model_dir)
     elem = torch.empty((), dtype=getattr(torch, args.dtype)).element_size()
-    out = {"weight_bytes": sum(o * i for o, i in weight_shapes(cfg)) * elem,
-           "kv_bytes_per_token": 2 * cfg.num_layers * cfg.kv_size * elem,
-           "prefill_flops": {n: prefill_flops(cfg, n) for n in plan.prefill_tokens}}
+    out = {
+        "weight_bytes": sum(o * i for o, i in weight_shapes(cfg)) * elem,
+        "kv_bytes_per_token": 2 * cfg.num_layers * cfg.kv_size * elem,
+        "prefill_flops": {n: prefill_flops(cfg, n) for n in plan.prefill_tokens},
+    }
     out.update(bench_splitserve(model_dir, plan, args, budget))
     for b in plan.decode_batches:
         if isinstance(d := out["splitserve"].get(f"decode_{b}"), dict):
@@ -193,31 +227,60 @@ def bench_model(preset: str, plan: Plan, args, budget: Budget, work: Path, bw: f
 
 def bench_splitserve(model_dir: Path, plan: Plan, args, budget: Budget) -> dict:
     dev = args.device
-    llm = attempt(budget, plan.write_s, "load splitserve", lambda: LLM(
-        model_dir, dtype=args.dtype, device=dev, num_threads=args.threads, enable_prefix_caching=False,
-        max_num_seqs=max(plan.decode_batches), max_num_batched_tokens=max(plan.prefill_tokens),
-        kv_cache_bytes=plan.kv_cache_bytes))
+    llm = attempt(
+        budget,
+        plan.write_s,
+        "load splitserve",
+        lambda: LLM(
+            model_dir,
+            dtype=args.dtype,
+            device=dev,
+            num_threads=args.threads,
+            enable_prefix_caching=False,
+            max_num_seqs=max(plan.decode_batches),
+            max_num_batched_tokens=max(plan.prefill_tokens),
+            kv_cache_bytes=plan.kv_cache_bytes,
+        ),
+    )
     if not isinstance(llm, LLM):
         return {"error": f"splitserve load: {llm}", "splitserve": {}}
     backend, path = decode_info(llm)
     ours: dict = {}
     # After a timeout or error mid-step the engine holds half-run requests: its later rows are skipped.
-    broken = attempt(budget, plan.step_s, "warm-up", lambda: (
-        splitserve_decode(llm, 2, plan.prompt_len, 2, dev), splitserve_prefill_time(llm, 1, 16, dev)))
+    broken = attempt(
+        budget,
+        plan.step_s,
+        "warm-up",
+        lambda: (splitserve_decode(llm, 2, plan.prompt_len, 2, dev), splitserve_prefill_time(llm, 1, 16, dev)),
+    )
     broken = broken if isinstance(broken, str) else None
     for b in plan.decode_batches:
-        d = f"skipped ({broken})" if broken else attempt(
-            budget, plan.step_s, f"splitserve decode batch {b}",
-            lambda: splitserve_decode(llm, b, plan.prompt_len, plan.new_tokens, dev))
+        d = (
+            f"skipped ({broken})"
+            if broken
+            else attempt(
+                budget,
+                plan.step_s,
+                f"splitserve decode batch {b}",
+                lambda b=b: splitserve_decode(llm, b, plan.prompt_len, plan.new_tokens, dev),
+            )
+        )
         broken = broken or (d if isinstance(d, str) else None)
         ours[f"decode_{b}"] = d
     for n in plan.prefill_tokens:
-        t = f"skipped ({broken})" if broken else attempt(
-            budget, plan.step_s, f"splitserve prefill {n}",
-            lambda: min(splitserve_prefill_time(llm, 1, n, dev) for _ in range(2)))
+        t = (
+            f"skipped ({broken})"
+            if broken
+            else attempt(
+                budget,
+                plan.step_s,
+                f"splitserve prefill {n}",
+                lambda n=n: min(splitserve_prefill_time(llm, 1, n, dev) for _ in range(2)),
+            )
+        )
         broken = broken or (t if isinstance(t, str) else None)
         ours[f"prefill_{n}"] = n / t if isinstance(t, float) else t
-    del llm
+    llm = None  # frees the engine before the next backend loads
     return {"splitserve": ours, "decode_backend": backend, "decode_path": path}
 
 
@@ -236,14 +299,23 @@ def bench_transformers(model_dir: Path, plan: Plan, args, budget: Budget) -> dic
     decode = HFGenerate(model, plan.prompt_len, dev)
     attempt(budget, plan.step_s, "transformers warm-up", lambda: decode.time(2, 2))
     for b in plan.decode_batches:
-        t = attempt(budget, plan.step_s, f"transformers decode batch {b}",
-                    lambda: (decode.time(b, plan.new_tokens) - decode.time(b, 1)) / (plan.new_tokens - 1))
+        t = attempt(
+            budget,
+            plan.step_s,
+            f"transformers decode batch {b}",
+            lambda b=b: (decode.time(b, plan.new_tokens) - decode.time(b, 1)) / (plan.new_tokens - 1),
+        )
         theirs[f"decode_{b}"] = {"ms_per_step": 1e3 * t} if isinstance(t, float) else t
     for n in plan.prefill_tokens:
         prefill = HFGenerate(model, n, dev)
-        t = attempt(budget, plan.step_s, f"transformers prefill {n}", lambda: min(prefill.time(1, 1) for _ in range(2)))
+        t = attempt(
+            budget,
+            plan.step_s,
+            f"transformers prefill {n}",
+            lambda prefill=prefill: min(prefill.time(1, 1) for _ in range(2)),
+        )
         theirs[f"prefill_{n}"] = n / t if isinstance(t, float) else t
-    del model, decode
+    model = decode = None  # frees the weights before the next run
     return theirs
 
 
@@ -265,16 +337,36 @@ def rows(result: dict, plan: Plan) -> list[list[str]]:
             bound = d["bytes_bound_ms"] if isinstance(d, dict) else None
             ratio = hms / ms if isinstance(ms, float) and isinstance(hms, float) else None
             frac = bound / ms if isinstance(ms, float) and isinstance(bound, float) else None
-            table.append([preset, "decode ms/step", f"batch {b}", num(ms, ".2f"), num(hms, ".2f"),
-                          num(ratio, ".2f") + ("x" if ratio else ""), num(bound, ".3f") + " (bytes)", num(frac, ".2f")])
+            table.append(
+                [
+                    preset,
+                    "decode ms/step",
+                    f"batch {b}",
+                    num(ms, ".2f"),
+                    num(hms, ".2f"),
+                    num(ratio, ".2f") + ("x" if ratio else ""),
+                    num(bound, ".3f") + " (bytes)",
+                    num(frac, ".2f"),
+                ]
+            )
         for n in plan.prefill_tokens:
             v, h = ours.get(f"prefill_{n}"), theirs.get(f"prefill_{n}")
             flops = r.get("prefill_flops", {}).get(n)
             bound = peak * n / flops if isinstance(peak, float) and flops else None
             ratio = v / h if isinstance(v, float) and isinstance(h, float) else None
             frac = v / bound if isinstance(v, float) and bound else None
-            table.append([preset, "prefill tok/s", f"{n} tokens", num(v, ".0f"), num(h, ".0f"),
-                          num(ratio, ".2f") + ("x" if ratio else ""), num(bound, ".0f") + " (GEMM)", num(frac, ".2f")])
+            table.append(
+                [
+                    preset,
+                    "prefill tok/s",
+                    f"{n} tokens",
+                    num(v, ".0f"),
+                    num(h, ".0f"),
+                    num(ratio, ".2f") + ("x" if ratio else ""),
+                    num(bound, ".0f") + " (GEMM)",
+                    num(frac, ".2f"),
+                ]
+            )
     return table
 
 
@@ -308,14 +400,19 @@ def targets(result: dict) -> list[str]:
 
 def print_report(result: dict, plan: Plan) -> None:
     bw, peak = result["copy_bandwidth_gb_s"], result["gemm_peak_flops"]
-    print(f"\n== summary: {result['device']}, {result['dtype']}; copy bandwidth "
-          f"{bw:.0f} GB/s, {result['dtype']} GEMM peak {peak / 1e12:.1f} TFLOP/s (both measured in this run)"
-          if isinstance(bw, float) and isinstance(peak, float) else f"\n== summary: {result['device']} ({bw}, {peak})")
+    print(
+        f"\n== summary: {result['device']}, {result['dtype']}; copy bandwidth "
+        f"{bw:.0f} GB/s, {result['dtype']} GEMM peak {peak / 1e12:.1f} TFLOP/s (both measured in this run)"
+        if isinstance(bw, float) and isinstance(peak, float)
+        else f"\n== summary: {result['device']} ({bw}, {peak})"
+    )
     print(f"triton: {result['triton']}")
     for preset, r in result["models"].items():
         errors = [e for e in (r.get("error"), r.get("transformers", {}).get("error")) if e]
-        print(f"{preset}: decode attention backend: {r.get('decode_backend', '-')}; decode path: "
-              f"{r.get('decode_path', '-')}" + "".join(f"; {e}" for e in errors))
+        print(
+            f"{preset}: decode attention backend: {r.get('decode_backend', '-')}; decode path: "
+            f"{r.get('decode_path', '-')}" + "".join(f"; {e}" for e in errors)
+        )
     header = ["model", "measure", "size", "splitserve", "transformers", "vs transformers", "bound", "fraction of bound"]
     print()
     print("| " + " | ".join(header) + " |")

@@ -35,7 +35,7 @@ export PYTHONDONTWRITEBYTECODE=1 TOKENIZERS_PARALLELISM=false
 echo "== environment"
 "$PY" - "$DEVICE" <<'PYEOF'
 import sys, torch
-from engine.hardware import print_header
+from splitserve.engine.hardware import print_header
 device = sys.argv[1]
 if device.startswith("cuda"):
     assert torch.cuda.is_available(), "--device cuda but torch sees no GPU"

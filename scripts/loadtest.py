@@ -29,9 +29,8 @@ from splitserve.launch import use_loopback_ray  # noqa: E402
 
 use_loopback_ray()  # before Ray is imported; every child inherits it
 
+from splitserve.engine.hardware import print_header  # noqa: E402
 from splitserve.sim_cluster import ServeProcess, SimCluster  # noqa: E402
-
-from engine.hardware import print_header  # noqa: E402
 
 
 def log(message: str) -> None:
@@ -40,8 +39,12 @@ def log(message: str) -> None:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--preset", default="tiny", choices=["tiny", "small", "qwen2.5-0.5b"],
-                   help="random-weight checkpoint written for the run (default tiny)")
+    p.add_argument(
+        "--preset",
+        default="tiny",
+        choices=["tiny", "small", "qwen2.5-0.5b"],
+        help="random-weight checkpoint written for the run (default tiny)",
+    )
     p.add_argument("--model", default=None, help="a local HF folder instead of --preset")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--prefill", type=int, default=1, help="prefill workers, each on its own node")
@@ -73,16 +76,33 @@ def main(argv: list[str] | None = None) -> int:
         nodes = [("prefill", 1)] * args.prefill + [("decode", 1)] * args.decode
         log(f"starting a simulated cluster: head + {args.prefill} prefill + {args.decode} decode nodes")
         with SimCluster(nodes) as sim:
-            config = {"model": model, "dtype": args.dtype, "port": 0, "ray_address": sim.address,
-                      "prefill": {"replicas": args.prefill, "threads": args.threads},
-                      "decode": {"replicas": args.decode, "threads": args.threads}}  # fmt: skip
+            config = {
+                "model": model,
+                "dtype": args.dtype,
+                "port": 0,
+                "ray_address": sim.address,
+                "prefill": {"replicas": args.prefill, "threads": args.threads},
+                "decode": {"replicas": args.decode, "threads": args.threads},
+            }
             served = ServeProcess(config, Path(tmp) / "deploy.yaml")
             try:
                 log(f"serving on {served.address} ({served.ready_s:.1f}s after serve started)")
                 workers = served.workers()
-                bench = ["bench", "sweep", "--rates", args.rates, "--dataset", args.dataset,
-                         "--num-prompts", str(args.num_prompts), "--out-dir", str(out), "--no-progress",
-                         "--request-timeout", "120"]  # fmt: skip
+                bench = [
+                    "bench",
+                    "sweep",
+                    "--rates",
+                    args.rates,
+                    "--dataset",
+                    args.dataset,
+                    "--num-prompts",
+                    str(args.num_prompts),
+                    "--out-dir",
+                    str(out),
+                    "--no-progress",
+                    "--request-timeout",
+                    "120",
+                ]
                 for name in ("input_len", "output_len"):
                     if getattr(args, name) is not None:
                         bench += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
@@ -94,11 +114,23 @@ def main(argv: list[str] | None = None) -> int:
                 exit_code = served.stop()
         sweep = json.loads((out / "sweep.json").read_text())
         failed = {str(r["request_rate"]): r["failed"] for r in sweep["results"] if r["failed"]}
-        checks = {"no_request_failed": not failed, "no_block_leaked": not leaked, "serve_stopped_cleanly": exit_code == 0}
-        verdict = {"machine": machine, "passed": all(checks.values()), "checks": checks, "failed_by_rate": failed, "leaked_blocks": leaked,
-                   "workers": [{k: w[k] for k in ("role", "worker_id", "node_id", "address")} for w in workers],
-                   "serve_ready_s": served.ready_s, "wall_s": time.monotonic() - started,
-                   "goodput": sweep["goodput"], "results": sweep["results"]}  # fmt: skip
+        checks = {
+            "no_request_failed": not failed,
+            "no_block_leaked": not leaked,
+            "serve_stopped_cleanly": exit_code == 0,
+        }
+        verdict = {
+            "machine": machine,
+            "passed": all(checks.values()),
+            "checks": checks,
+            "failed_by_rate": failed,
+            "leaked_blocks": leaked,
+            "workers": [{k: w[k] for k in ("role", "worker_id", "node_id", "address")} for w in workers],
+            "serve_ready_s": served.ready_s,
+            "wall_s": time.monotonic() - started,
+            "goodput": sweep["goodput"],
+            "results": sweep["results"],
+        }
     (out / "loadtest.json").write_text(json.dumps(verdict, indent=2))
     for name, ok in checks.items():
         log(f"{'ok  ' if ok else 'FAIL'} {name}")

@@ -85,9 +85,16 @@ def main() -> int:
     batched_tokens = max(2048, max_batch * (3 * args.prompt_len // 2 + 1), max(prefill_batches) * args.prompt_len)
     log(f"vLLM {vllm.__version__}, torch {torch.__version__}: loading {args.model} ({args.dtype}) ...")
     start = time.perf_counter()
-    llm = LLM(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len, seed=args.seed,
-              enforce_eager=args.enforce_eager, enable_prefix_caching=False, max_num_seqs=max_batch,
-              max_num_batched_tokens=batched_tokens)
+    llm = LLM(
+        model=args.model,
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        seed=args.seed,
+        enforce_eager=args.enforce_eager,
+        enable_prefix_caching=False,
+        max_num_seqs=max_batch,
+        max_num_batched_tokens=batched_tokens,
+    )
     load_s = time.perf_counter() - start
     log(f"vLLM ready in {load_s:.1f}s (the first start compiles; later ones read ~/.cache/vllm)")
     vocab = llm.llm_engine.model_config.get_vocab_size()
@@ -117,13 +124,19 @@ def main() -> int:
         log(f"  vLLM batch {b}: {decode[b]['tok_s']:.1f} tok/s ({decode[b]['ms_per_step']:.1f} ms/step)")
 
     result = {
-        "engine": "vllm", "vllm_version": vllm.__version__, "torch_version": str(torch.__version__),
-        "python": platform.python_version(), "model": args.model, "dtype": args.dtype,
-        "enforce_eager": args.enforce_eager, "load_s": load_s,
+        "engine": "vllm",
+        "vllm_version": vllm.__version__,
+        "torch_version": str(torch.__version__),
+        "python": platform.python_version(),
+        "model": args.model,
+        "dtype": args.dtype,
+        "enforce_eager": args.enforce_eager,
+        "load_s": load_s,
         "omp_threads_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND"),
         "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
         "kvcache_space_gib": os.environ.get("VLLM_CPU_KVCACHE_SPACE"),
-        "prefill_tok_s": prefill, "decode": decode,
+        "prefill_tok_s": prefill,
+        "decode": decode,
     }
     sys.stdout.flush()
     print(json.dumps(result), flush=True)

@@ -41,11 +41,11 @@ from torch.autograd.profiler import record_function
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-import engine.attention  # noqa: E402
-import engine.model  # noqa: E402
-from engine import LLM, SamplingParams  # noqa: E402
-from engine.hardware import print_header  # noqa: E402
-from engine.model import MLP, Attention, DecoderLayer, Linear, RMSNorm  # noqa: E402
+import splitserve.engine.attention  # noqa: E402
+import splitserve.engine.model  # noqa: E402
+from splitserve.engine import LLM, SamplingParams  # noqa: E402
+from splitserve.engine.hardware import print_header  # noqa: E402
+from splitserve.engine.model import MLP, Attention, DecoderLayer, Linear, RMSNorm  # noqa: E402
 
 CATEGORIES = ("matmuls", "attention", "elementwise", "cache writes/gathers", "host prep", "sampling", "other")
 RANGE_PREFIX = "ss:"  # our ranges are named "ss:<category>"; everything else the profiler sees is an operator
@@ -92,8 +92,14 @@ def add_ranges(llm: LLM) -> Callable[[], None]:
         undo.append(module.register_forward_hook(post).remove)
 
     model = llm.model
-    kinds = ((Linear, "matmuls"), (Attention, "attention"), (RMSNorm, "elementwise"), (MLP, "elementwise"),
-             (DecoderLayer, "elementwise"), (torch.nn.Embedding, "elementwise"))  # fmt: skip
+    kinds = (
+        (Linear, "matmuls"),
+        (Attention, "attention"),
+        (RMSNorm, "elementwise"),
+        (MLP, "elementwise"),
+        (DecoderLayer, "elementwise"),
+        (torch.nn.Embedding, "elementwise"),
+    )
     for module in model.modules():
         for kind, category in kinds:
             if isinstance(module, kind):
@@ -103,8 +109,8 @@ def add_ranges(llm: LLM) -> Callable[[], None]:
     patch(model, "forward", "elementwise")
     patch(model, "compute_logits", "matmuls")
     for name in ("write_kv", "gather_context"):
-        patch(engine.attention, name, "cache writes/gathers")
-    patch(engine.model, "apply_rotary", "elementwise")
+        patch(splitserve.engine.attention, name, "cache writes/gathers")
+    patch(splitserve.engine.model, "apply_rotary", "elementwise")
     patch(llm.runner, "_prepare", "host prep")
     patch(llm.runner, "execute", "sampling")  # what execute runs outside the model and prep: row selection
     patch(llm.runner, "sampler", "sampling")
@@ -140,7 +146,7 @@ def attribute(events) -> tuple[dict[str, float], int, float]:
         parent, category = e.cpu_parent, None
         while parent is not None and is_range(parent.name):
             if category is None and parent.name.startswith(RANGE_PREFIX) and parent.name != STEP_RANGE:
-                category = parent.name[len(RANGE_PREFIX):]
+                category = parent.name[len(RANGE_PREFIX) :]
             parent = parent.cpu_parent
         if parent is None:  # a top-level operator: not called from inside another operator
             count += 1
@@ -177,10 +183,14 @@ def profile_batch(llm: LLM, batch: int, context: int, steps: int, warmup: int) -
     parts = {c: ms / steps for c, ms in totals.items()}
     ops_ms = sum(parts.values())
     return {
-        "batch": batch, "context_tokens": {"min": lengths[0], "mean": sum(lengths) / batch, "max": lengths[-1]},
-        "step_ms": wall_ms, "step_ms_profiled": step_ms / steps, "parts_ms": parts,
-        "python_overhead_ms": wall_ms - ops_ms, "ops_per_step": count / steps,
-    }  # fmt: skip
+        "batch": batch,
+        "context_tokens": {"min": lengths[0], "mean": sum(lengths) / batch, "max": lengths[-1]},
+        "step_ms": wall_ms,
+        "step_ms_profiled": step_ms / steps,
+        "parts_ms": parts,
+        "python_overhead_ms": wall_ms - ops_ms,
+        "ops_per_step": count / steps,
+    }
 
 
 def prefill_tok_s(llm: LLM, length: int, repeats: int) -> float:
@@ -197,9 +207,11 @@ def prefill_tok_s(llm: LLM, length: int, repeats: int) -> float:
 
 def print_table(r: dict) -> None:
     ctx = r["context_tokens"]
-    print(f"\nbatch {r['batch']}: contexts {ctx['min']}-{ctx['max']} tokens (mean {ctx['mean']:.0f}); step "
-          f"{r['step_ms']:.1f} ms without the profiler (best of the steps), {r['step_ms_profiled']:.1f} ms under it; "
-          f"{r['ops_per_step']:.0f} top-level torch operators per step\n")  # fmt: skip
+    print(
+        f"\nbatch {r['batch']}: contexts {ctx['min']}-{ctx['max']} tokens (mean {ctx['mean']:.0f}); step "
+        f"{r['step_ms']:.1f} ms without the profiler (best of the steps), {r['step_ms_profiled']:.1f} ms under it; "
+        f"{r['ops_per_step']:.0f} top-level torch operators per step\n"
+    )
     print("| part of a decode step | ms | share of the step |")
     print("| --- | --- | --- |")
     rows = [*r["parts_ms"].items(), ("Python overhead (wall minus operator time)", r["python_overhead_ms"])]
@@ -233,19 +245,37 @@ def main() -> int:
     options = dict(opt.lstrip("-").replace("-", "_").split("=", 1) for opt in engine_options)  # e.g. --compile=1
     options = {k: (v == "1") if v in ("0", "1") else v for k, v in options.items()}
     start = time.perf_counter()
-    llm = LLM(model_dir, dtype=args.dtype, num_threads=args.threads, enable_prefix_caching=False,
-              max_num_seqs=max(args.batch), max_num_batched_tokens=8192, kv_cache_bytes=1 << 30, **options)  # fmt: skip
+    llm = LLM(
+        model_dir,
+        dtype=args.dtype,
+        num_threads=args.threads,
+        enable_prefix_caching=False,
+        max_num_seqs=max(args.batch),
+        max_num_batched_tokens=8192,
+        kv_cache_bytes=1 << 30,
+        **options,
+    )
     load_s = time.perf_counter() - start
     prefill = prefill_tok_s(llm, args.prefill_len, args.steps) if args.prefill_len else None
     batches = [profile_batch(llm, b, args.context, args.steps, args.warmup) for b in args.batch]
-    result = {"machine": machine, "model": str(model_dir), "dtype": args.dtype, "threads": args.threads,
-              "engine_options": options, "load_s": load_s, "prefill_len": args.prefill_len,
-              "prefill_tok_s": prefill, "batches": batches}  # fmt: skip
+    result = {
+        "machine": machine,
+        "model": str(model_dir),
+        "dtype": args.dtype,
+        "threads": args.threads,
+        "engine_options": options,
+        "load_s": load_s,
+        "prefill_len": args.prefill_len,
+        "prefill_tok_s": prefill,
+        "batches": batches,
+    }
     if args.json:
         print(json.dumps(result))
         return 0
-    print(f"\n{args.dtype}, {args.threads} threads, options {options or 'default'}; load {load_s:.1f} s; "
-          + (f"prefill of {args.prefill_len} tokens: {prefill:.0f} tok/s" if prefill else "prefill not measured"))
+    print(
+        f"\n{args.dtype}, {args.threads} threads, options {options or 'default'}; load {load_s:.1f} s; "
+        + (f"prefill of {args.prefill_len} tokens: {prefill:.0f} tok/s" if prefill else "prefill not measured")
+    )
     for r in batches:
         print_table(r)
     return 0

@@ -39,9 +39,9 @@ import asyncio
 import json
 import os
 import random
+import re
 import sys
 import tempfile
-import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -80,10 +80,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cancel-fraction", type=float, default=0.2)
     p.add_argument("--max-input-len", type=int, default=200)
     p.add_argument("--max-output-len", type=int, default=64)
-    p.add_argument("--kill-after-steps", type=int, default=3000,
-                   help="decode-0 dies as its decode step number N+1 starts (once)")  # fmt: skip
-    p.add_argument("--max-migrations", type=int, default=RouterSettings.max_migrations,
-                   help="the router's max_migrations: a request moved more often ends UNAVAILABLE")  # fmt: skip
+    p.add_argument(
+        "--kill-after-steps", type=int, default=3000, help="decode-0 dies as its decode step number N+1 starts (once)"
+    )
+    p.add_argument(
+        "--max-migrations",
+        type=int,
+        default=RouterSettings.max_migrations,
+        help="the router's max_migrations: a request moved more often ends UNAVAILABLE",
+    )
     p.add_argument("--greedy-cases", type=int, default=16, help="distinct greedy (prompt, max_tokens) cases")
     p.add_argument("--max-rss-growth", type=float, default=0.10)
     p.add_argument("--request-timeout-s", type=float, default=60.0)
@@ -91,7 +96,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out-dir", default="results/soak")
     args = p.parse_args(argv)
     if not 1 <= args.concurrency <= RouterSettings.max_queue:
-        p.error(f"--concurrency: must be 1..{RouterSettings.max_queue} (the router's max_queue), got {args.concurrency}")
+        p.error(
+            f"--concurrency: must be 1..{RouterSettings.max_queue} (the router's max_queue), got {args.concurrency}"
+        )
     if args.greedy_cases < 1:
         p.error(f"--greedy-cases: must be >= 1, got {args.greedy_cases}")
     return args
@@ -156,12 +163,21 @@ class MemoryWatch:
         for pid, samples in self.samples.items():
             start = samples[0][0]
             after = [rss for t, rss in samples if t >= start + warmup_s]
-            row = {"pid": pid, "name": self.names[pid], "samples": len(samples), "first_mb": samples[0][1] / 2**20,
-                   "peak_mb": max(rss for _, rss in samples) / 2**20}  # fmt: skip
+            row = {
+                "pid": pid,
+                "name": self.names[pid],
+                "samples": len(samples),
+                "first_mb": samples[0][1] / 2**20,
+                "peak_mb": max(rss for _, rss in samples) / 2**20,
+            }
             # Checked only for processes that lived through a warm-up and then at least as long again.
             if len(after) >= 2 and samples[-1][0] - start >= 2 * warmup_s:
-                row.update(baseline_mb=after[0] / 2**20, final_mb=after[-1] / 2**20,
-                           growth=after[-1] / after[0] - 1, checked=True)  # fmt: skip
+                row.update(
+                    baseline_mb=after[0] / 2**20,
+                    final_mb=after[-1] / 2**20,
+                    growth=after[-1] / after[0] - 1,
+                    checked=True,
+                )
                 row["ok"] = row["growth"] < max_growth
             else:
                 row.update(checked=False, ok=True)
@@ -201,10 +217,15 @@ class RequestRecord:
         return self.status == "OK" and self.finish == FINISH_LENGTH and len(self.tokens) == self.max_tokens
 
     def describe(self) -> str:
-        cancel = f", cancel at {self.cancel_after_s:.2f}s {'fired' if self.cancel_fired else 'not fired'}" \
-            if self.cancel_after_s is not None else ""  # fmt: skip
-        return (f"{self.status} {self.details!r}: {len(self.tokens)} of {self.max_tokens} tokens, finish reason "
-                f"{self.finish}, {self.ended - self.started:.2f}s{cancel}")  # fmt: skip
+        cancel = (
+            f", cancel at {self.cancel_after_s:.2f}s {'fired' if self.cancel_fired else 'not fired'}"
+            if self.cancel_after_s is not None
+            else ""
+        )
+        return (
+            f"{self.status} {self.details!r}: {len(self.tokens)} of {self.max_tokens} tokens, finish reason "
+            f"{self.finish}, {self.ended - self.started:.2f}s{cancel}"
+        )
 
 
 @dataclass
@@ -228,12 +249,19 @@ class KillWindow:
             self.alive_at = sent
         elif self.gone_at is None:
             self.gone_at = answered
-        if self.gone_at is not None and self.back_at is None and w is not None and w.healthy \
-                and w.incarnation != self.first_incarnation:  # fmt: skip
+        if (
+            self.gone_at is not None
+            and self.back_at is None
+            and w is not None
+            and w.healthy
+            and w.incarnation != self.first_incarnation
+        ):
             self.back_at = answered
 
     def spans(self, record: RequestRecord) -> bool:
-        return self.gone_at is not None and record.started < self.gone_at and record.ended > self.alive_at - NOTICE_SLACK_S
+        return (
+            self.gone_at is not None and record.started < self.gone_at and record.ended > self.alive_at - NOTICE_SLACK_S
+        )
 
 
 def classify(record: RequestRecord, kill: KillWindow) -> str | None:
@@ -245,7 +273,9 @@ def classify(record: RequestRecord, kill: KillWindow) -> str | None:
       router's "gave up after" message naming the victim), for a request in flight around the kill.
     Anything else (RESOURCE_EXHAUSTED, a deadline, a short output, CANCELLED nobody asked for) is None."""
     if record.status == "OK":
-        own_stop = record.finish == FINISH_STOP and not record.ignore_eos and 0 < len(record.tokens) <= record.max_tokens
+        own_stop = (
+            record.finish == FINISH_STOP and not record.ignore_eos and 0 < len(record.tokens) <= record.max_tokens
+        )
         return "finished" if record.full or own_stop else None
     if record.status == "CANCELLED":
         return "cancelled_by_client" if record.cancel_fired else None
@@ -271,13 +301,19 @@ def compare_greedy(records: list[RequestRecord], reference: list[list[int]]) -> 
         migrated += r.reprefills > 0
         if r.tokens != reference[r.case]:
             mismatches.append(f"case {r.case}: differs from the offline engine ({r.reprefills} re-prefills)")
-    return {"comparisons": with_first + with_engine, "with_first": with_first, "with_engine": with_engine,
-            "cases": len(firsts), "moved_compared": migrated, "mismatches": mismatches}  # fmt: skip
+    return {
+        "comparisons": with_first + with_engine,
+        "with_first": with_first,
+        "with_engine": with_engine,
+        "cases": len(firsts),
+        "moved_compared": migrated,
+        "mismatches": mismatches,
+    }
 
 
 def offline_reference(model: str, cases: list[tuple[list[int], int]]) -> list[list[int]]:
     """The offline engine's greedy outputs for the cases, with the soak's max_tokens and ignore_eos."""
-    from engine import LLM, SamplingParams
+    from splitserve.engine import LLM, SamplingParams
 
     blocks = sum(-(-(len(prompt) + max_tokens + 1) // 16) for prompt, max_tokens in cases) + 16  # 16-token blocks
     llm = LLM(model, dtype="float32", num_blocks=blocks, num_threads=1)
@@ -296,8 +332,13 @@ def make_prompts(rng: random.Random, args) -> list[list[int]]:
 
 def make_cases(rng: random.Random, prompts: list[list[int]], args) -> list[tuple[list[int], int]]:
     """The greedy requests: ``--greedy-cases`` (prompt, max_tokens) pairs, each sent again and again."""
-    return [(prompts[rng.randrange(len(prompts))][: rng.randint(8, args.max_input_len)],
-             rng.randint(1, args.max_output_len)) for _ in range(args.greedy_cases)]  # fmt: skip
+    return [
+        (
+            prompts[rng.randrange(len(prompts))][: rng.randint(8, args.max_input_len)],
+            rng.randint(1, args.max_output_len),
+        )
+        for _ in range(args.greedy_cases)
+    ]
 
 
 async def one_request(stub, rng: random.Random, args, prompts, cases) -> RequestRecord:
@@ -312,8 +353,10 @@ async def one_request(stub, rng: random.Random, args, prompts, cases) -> Request
         sampling = dict(temperature=0.8, top_p=0.95, seed=rng.randrange(1 << 30))
     cancel_after = rng.uniform(0.0, 1.5) if rng.random() < args.cancel_fraction else None
     record = RequestRecord(max_tokens, True, case, cancel_after, time.monotonic())
-    call = stub.Generate(make_request(token_ids=prompt, max_tokens=max_tokens, ignore_eos=True, **sampling),
-                         timeout=args.request_timeout_s)  # fmt: skip
+    call = stub.Generate(
+        make_request(token_ids=prompt, max_tokens=max_tokens, ignore_eos=True, **sampling),
+        timeout=args.request_timeout_s,
+    )
 
     def cancel() -> None:
         record.cancel_fired = True
@@ -377,9 +420,15 @@ def main(argv: list[str] | None = None) -> int:
     rng = random.Random(args.seed)
     prompts = make_prompts(rng, args)
     cases = make_cases(rng, prompts, args)
-    config = {"model": model, "dtype": "float32", "port": 0, "prefill": {"threads": 1},
-              "decode": {"replicas": 2, "threads": 1}, "router": {"max_migrations": args.max_migrations},
-              "faults": {"kill": [{"target": VICTIM, "at": "decode", "after": args.kill_after_steps}]}}  # fmt: skip
+    config = {
+        "model": model,
+        "dtype": "float32",
+        "port": 0,
+        "prefill": {"threads": 1},
+        "decode": {"replicas": 2, "threads": 1},
+        "router": {"max_migrations": args.max_migrations},
+        "faults": {"kill": [{"target": VICTIM, "at": "decode", "after": args.kill_after_steps}]},
+    }
     log("starting serve")
     served = ServeProcess(config, Path(tmp.name) / "soak.yaml")
     verdict: dict = {"args": vars(args)}
@@ -425,40 +474,67 @@ def main(argv: list[str] | None = None) -> int:
         "kv_blocks_in_use back to 0": blocks_zero_s is not None,
         f"RSS grew < {args.max_rss_growth:.0%} after warm-up": all(r["ok"] for r in memory),
         "some requests were served": outcomes["finished"] > 0,
-    }  # fmt: skip
-    verdict.update(passed=all(checks.values()), checks=checks, seconds=elapsed, requests=len(records),
-                   requests_per_s=len(records) / elapsed, outcomes=outcomes, unclassified=unclassified,
-                   injected=[r.describe() for r, c in classes if c == "failed_by_injected_cause"][:20],
-                   moved=sum(r.reprefills > 0 for r in records), greedy=greedy,
-                   kill={"victim": VICTIM, "seen_alive_s": since(kill.alive_at), "seen_gone_s": since(kill.gone_at),
-                         "back_after_kill_s": None if kill.back_at is None or kill.gone_at is None
-                         else kill.back_at - kill.gone_at},
-                   blocks_zero_after_s=blocks_zero_s, memory=memory, workers_final=[
-                       {"worker_id": w.worker_id, "kv_blocks_in_use": w.kv_blocks_in_use,
-                        "kv_blocks_cached": w.kv_blocks_cached, "incarnation": w.incarnation} for w in workers])  # fmt: skip
+    }
+    verdict.update(
+        passed=all(checks.values()),
+        checks=checks,
+        seconds=elapsed,
+        requests=len(records),
+        requests_per_s=len(records) / elapsed,
+        outcomes=outcomes,
+        unclassified=unclassified,
+        injected=[r.describe() for r, c in classes if c == "failed_by_injected_cause"][:20],
+        moved=sum(r.reprefills > 0 for r in records),
+        greedy=greedy,
+        kill={
+            "victim": VICTIM,
+            "seen_alive_s": since(kill.alive_at),
+            "seen_gone_s": since(kill.gone_at),
+            "back_after_kill_s": None if kill.back_at is None or kill.gone_at is None else kill.back_at - kill.gone_at,
+        },
+        blocks_zero_after_s=blocks_zero_s,
+        memory=memory,
+        workers_final=[
+            {
+                "worker_id": w.worker_id,
+                "kv_blocks_in_use": w.kv_blocks_in_use,
+                "kv_blocks_cached": w.kv_blocks_cached,
+                "incarnation": w.incarnation,
+            }
+            for w in workers
+        ],
+    )
     (out / "soak.json").write_text(json.dumps(verdict, indent=1, default=str))
     log(f"{len(records)} requests in {elapsed:.1f}s: {outcomes}; {verdict['moved']} moved or re-prefilled")
     for line in unclassified:
         log(f"  unclassified: {line}")
     for line in verdict["injected"]:
         log(f"  failed for the kill: {line}")
-    log(f"  greedy: {greedy['comparisons']} comparisons ({greedy['with_first']} with the case's first result, "
+    log(
+        f"  greedy: {greedy['comparisons']} comparisons ({greedy['with_first']} with the case's first result, "
         f"{greedy['with_engine']} with the offline engine) over {greedy['cases']} cases, "
-        f"{greedy['moved_compared']} of the results moved; {len(greedy['mismatches'])} mismatches")
+        f"{greedy['moved_compared']} of the results moved; {len(greedy['mismatches'])} mismatches"
+    )
     for line in greedy["mismatches"][:20]:
         log(f"  mismatch: {line}")
     k = verdict["kill"]
     if k["seen_gone_s"] is not None:
         back = "not back" if k["back_after_kill_s"] is None else f"back {k['back_after_kill_s']:.1f}s later"
-        log(f"  {VICTIM} last seen alive {k['seen_alive_s']:.1f}s and first seen gone {k['seen_gone_s']:.1f}s "
-            f"into the load; {back}")
+        log(
+            f"  {VICTIM} last seen alive {k['seen_alive_s']:.1f}s and first seen gone {k['seen_gone_s']:.1f}s "
+            f"into the load; {back}"
+        )
     for row in memory:
         growth = f"{row['growth']:+.1%}" if row["checked"] else "not checked (short-lived)"
         log(f"  {row['name']} pid {row['pid']}: first {row['first_mb']:.0f} MB, peak {row['peak_mb']:.0f} MB, {growth}")
     for name, ok in checks.items():
         log(f"  {'PASS' if ok else 'FAIL'} {name}")
-    print(json.dumps({k: verdict.get(k) for k in ("passed", "requests", "requests_per_s", "outcomes")}
-                     | {"greedy_comparisons": greedy["comparisons"], "greedy_mismatches": len(greedy["mismatches"])}))
+    print(
+        json.dumps(
+            {k: verdict.get(k) for k in ("passed", "requests", "requests_per_s", "outcomes")}
+            | {"greedy_comparisons": greedy["comparisons"], "greedy_mismatches": len(greedy["mismatches"])}
+        )
+    )
     return 0 if verdict["passed"] else 1
 
 

@@ -27,8 +27,7 @@ import json
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
-from tokenizers import trainers
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
 DEFAULT_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 MAX_LEARNED_TOKENS = 4096  # alphabet included; the corpus itself tops out near 8k at min_frequency 2
@@ -53,11 +52,49 @@ CHATML_TEMPLATE = (
 # Pure-Python modules present on every CPython build and platform; their docstrings are the corpus. Read
 # from source in a fixed order, so the text (hence the merges) is fixed for a given Python version.
 CORPUS_MODULES = (
-    "argparse", "ast", "base64", "calendar", "collections", "configparser", "contextlib", "copy", "csv",
-    "dataclasses", "difflib", "email.message", "enum", "fractions", "functools", "getopt", "gzip", "heapq",
-    "http.client", "inspect", "ipaddress", "json", "logging", "mailbox", "optparse", "pathlib", "queue",
-    "random", "re", "sched", "smtplib", "statistics", "string", "tarfile", "tempfile", "textwrap",
-    "threading", "timeit", "tokenize", "typing", "urllib.parse", "uuid", "zipfile",
+    "argparse",
+    "ast",
+    "base64",
+    "calendar",
+    "collections",
+    "configparser",
+    "contextlib",
+    "copy",
+    "csv",
+    "dataclasses",
+    "difflib",
+    "email.message",
+    "enum",
+    "fractions",
+    "functools",
+    "getopt",
+    "gzip",
+    "heapq",
+    "http.client",
+    "inspect",
+    "ipaddress",
+    "json",
+    "logging",
+    "mailbox",
+    "optparse",
+    "pathlib",
+    "queue",
+    "random",
+    "re",
+    "sched",
+    "smtplib",
+    "statistics",
+    "string",
+    "tarfile",
+    "tempfile",
+    "textwrap",
+    "threading",
+    "timeit",
+    "tokenize",
+    "typing",
+    "urllib.parse",
+    "uuid",
+    "zipfile",
 )
 
 BUILTIN_TEXT = """\
@@ -170,10 +207,12 @@ def _train_corpus_bpe(max_tokens: int) -> Tokenizer:
 
 def _set_pipeline(tokenizer: Tokenizer) -> None:
     tokenizer.normalizer = normalizers.NFC()
-    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(QWEN2_SPLIT_PATTERN), behavior="isolated", invert=False),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(QWEN2_SPLIT_PATTERN), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     tokenizer.decoder = decoders.ByteLevel()
     tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
 

@@ -26,7 +26,7 @@ DTYPE_HELP = "auto (the checkpoint's), bfloat16/bf16, float16/half/fp16, float32
 
 def dtype_arg(text: str) -> str:
     """The argparse type of every --dtype: any of vLLM's names -> the canonical one ("bf16" -> "bfloat16")."""
-    from engine.loader import canonical_dtype
+    from splitserve.engine.loader import canonical_dtype
 
     try:
         return canonical_dtype(text)
@@ -46,12 +46,20 @@ def _add_make_model(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("make-model", help="write a random-weight Hugging Face checkpoint of a preset")
     p.add_argument("--preset", required=True, choices=["tiny", "small", "qwen2.5-0.5b", "llama3.1-8b"])
     p.add_argument("--out", required=True, help="output folder (must be empty or absent)")
-    p.add_argument("--dtype", default="bfloat16", type=checkpoint_dtype_arg,
-                   help="bfloat16/bf16, float16/half/fp16 or float32/float/fp32")
+    p.add_argument(
+        "--dtype",
+        default="bfloat16",
+        type=checkpoint_dtype_arg,
+        help="bfloat16/bf16, float16/half/fp16 or float32/float/fp32",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-shard-size", type=int, default=None, metavar="BYTES", help="shard the safetensors")
-    p.add_argument("--config-format", default="legacy", choices=["legacy", "current"],
-                   help="legacy: rope_theta/rope_scaling; current: rope_parameters")  # fmt: skip
+    p.add_argument(
+        "--config-format",
+        default="legacy",
+        choices=["legacy", "current"],
+        help="legacy: rope_theta/rope_scaling; current: rope_parameters",
+    )
     p.add_argument("--overwrite", action="store_true")
     p.add_argument("--config-only", action="store_true", help="write config and tokenizer, no weights")
     p.set_defaults(func=_make_model)
@@ -62,9 +70,15 @@ def _make_model(args: argparse.Namespace) -> int:
 
     start = time.perf_counter()
     out = make_model(
-        args.preset, args.out, dtype=args.dtype, seed=args.seed, max_shard_bytes=args.max_shard_size,
-        config_format=args.config_format, overwrite=args.overwrite, config_only=args.config_only,
-    )  # fmt: skip
+        args.preset,
+        args.out,
+        dtype=args.dtype,
+        seed=args.seed,
+        max_shard_bytes=args.max_shard_size,
+        config_format=args.config_format,
+        overwrite=args.overwrite,
+        config_only=args.config_only,
+    )
     print(f"wrote {args.preset} ({args.dtype}) to {out} in {time.perf_counter() - start:.1f}s")
     return 0
 
@@ -84,12 +98,19 @@ def client_security(args: argparse.Namespace) -> dict:
     from splitserve.rpc.security import API_KEY_ENV
 
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
-    return {"api_key": api_key, "tls": args.tls, "tls_ca": args.tls_ca, "tls_cert": args.tls_cert,
-            "tls_key": args.tls_key}  # fmt: skip
+    return {
+        "api_key": api_key,
+        "tls": args.tls,
+        "tls_ca": args.tls_ca,
+        "tls_cert": args.tls_cert,
+        "tls_key": args.tls_key,
+    }
 
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("generate", help="stream a completion from a running server (or, with --model, the offline engine)")
+    p = sub.add_parser(
+        "generate", help="stream a completion from a running server (or, with --model, the offline engine)"
+    )
     p.add_argument("--addr", default="127.0.0.1:50051", help="the router's host:port")
     p.add_argument("--model", help="run the offline engine on this local model folder instead of a server")
     p.add_argument("--prompt", action="append", help="prompt text (repeatable with --model)")
@@ -112,9 +133,16 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
 
 
 def _sampling_args(args: argparse.Namespace) -> dict:
-    return {"max_tokens": args.max_tokens, "temperature": args.temperature, "top_p": args.top_p,
-            "top_k": args.top_k, "min_p": args.min_p, "seed": args.seed, "ignore_eos": args.ignore_eos,
-            "stop": args.stop}  # fmt: skip
+    return {
+        "max_tokens": args.max_tokens,
+        "temperature": args.temperature,
+        "top_p": args.top_p,
+        "top_k": args.top_k,
+        "min_p": args.min_p,
+        "seed": args.seed,
+        "ignore_eos": args.ignore_eos,
+        "stop": args.stop,
+    }
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -130,20 +158,24 @@ def _generate(args: argparse.Namespace) -> int:
     with Client(args.addr, timeout_s=args.timeout, **client_security(args)) as client:
         try:
             if args.json:
-                result = client.generate(args.prompt[0] if args.prompt else None, token_ids=token_ids,
-                                         **_sampling_args(args))  # fmt: skip
+                result = client.generate(
+                    args.prompt[0] if args.prompt else None, token_ids=token_ids, **_sampling_args(args)
+                )
                 print(json.dumps(result.to_json()))
                 return 0
             start = time.monotonic()
-            for message in client.stream(args.prompt[0] if args.prompt else None, token_ids=token_ids,
-                                         **_sampling_args(args)):  # fmt: skip
+            for message in client.stream(
+                args.prompt[0] if args.prompt else None, token_ids=token_ids, **_sampling_args(args)
+            ):
                 sys.stdout.write(message.text)
                 sys.stdout.flush()
                 if message.finish_reason:
                     u = message.usage
-                    print(f"\n[{FINISH_REASONS[message.finish_reason]}; {u.prompt_tokens} prompt, {u.completion_tokens} "
-                          f"completion, {u.cached_tokens} cached tokens; {time.monotonic() - start:.2f}s]",
-                          file=sys.stderr)  # fmt: skip
+                    print(
+                        f"\n[{FINISH_REASONS[message.finish_reason]}; {u.prompt_tokens} prompt, {u.completion_tokens} "
+                        f"completion, {u.cached_tokens} cached tokens; {time.monotonic() - start:.2f}s]",
+                        file=sys.stderr,
+                    )
         except grpc.RpcError as e:
             print(f"splitserve generate: {e.code().name}: {e.details()}", file=sys.stderr)
             return 1
@@ -151,7 +183,7 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _generate_offline(args: argparse.Namespace, token_ids: list[int] | None) -> int:
-    from engine import LLM, SamplingParams
+    from splitserve.engine import LLM, SamplingParams
 
     llm = LLM(args.model, dtype=args.dtype, device=args.device, num_threads=args.threads)
     defaults = {"max_tokens": 32, "temperature": 0.0}
@@ -163,13 +195,19 @@ def _generate_offline(args: argparse.Namespace, token_ids: list[int] | None) -> 
     elapsed = time.perf_counter() - start
     for prompt, out in zip(prompts, outputs):
         if args.json:
-            print(json.dumps({"prompt": prompt, "text": out.text, "token_ids": out.token_ids,
-                              "finish_reason": out.finish_reason}))  # fmt: skip
+            print(
+                json.dumps(
+                    {"prompt": prompt, "text": out.text, "token_ids": out.token_ids, "finish_reason": out.finish_reason}
+                )
+            )
         else:
             print(f"--- {prompt!r}\n{out.text!r}  [{len(out.token_ids)} tokens, {out.finish_reason}]")
     total = sum(len(o.token_ids) for o in outputs)
-    print(f"{len(outputs)} prompts, {total} tokens in {elapsed:.2f}s ({total / elapsed:.1f} tok/s); "
-          f"kv blocks {llm.kv_status()}", file=sys.stderr)  # fmt: skip
+    print(
+        f"{len(outputs)} prompts, {total} tokens in {elapsed:.2f}s ({total / elapsed:.1f} tok/s); "
+        f"kv blocks {llm.kv_status()}",
+        file=sys.stderr,
+    )
     llm.check_integrity()
     return 0
 
@@ -180,38 +218,65 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", help="local model folder; default: the tiny demo checkpoint")
     p.add_argument("--num-prefill", type=int, default=None)
     p.add_argument("--num-decode", type=int, default=None)
-    p.add_argument("--mode", choices=["disaggregated", "colocated"], default=None,
-                   help="colocated: workers that run both phases in one batch (the baseline)")
+    p.add_argument(
+        "--mode",
+        choices=["disaggregated", "colocated"],
+        default=None,
+        help="colocated: workers that run both phases in one batch (the baseline)",
+    )
     p.add_argument("--num-colocated", type=int, default=None)
     for role in ("prefill", "decode", "colocated"):
-        p.add_argument(f"--{role}-cpus", default=None, metavar="CPUS",
-                       help=f"pin each {role} worker to these cpus: '0-1' (all share it) or '0-1|2-3' (one set per "
-                            f"replica); the config's {role}.cpus")
+        p.add_argument(
+            f"--{role}-cpus",
+            default=None,
+            metavar="CPUS",
+            help=f"pin each {role} worker to these cpus: '0-1' (all share it) or '0-1|2-3' (one set per "
+            f"replica); the config's {role}.cpus",
+        )
     p.add_argument("--host", default=None, help="address to bind and advertise (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=None, help="router port (default 50051)")
-    p.add_argument("--openai-port", type=int, default=None,
-                   help="also serve the OpenAI-compatible HTTP API on this port (0: any free port; default: off)")
+    p.add_argument(
+        "--openai-port",
+        type=int,
+        default=None,
+        help="also serve the OpenAI-compatible HTTP API on this port (0: any free port; default: off)",
+    )
     p.add_argument("--ray-address", default=None, help="join this Ray cluster (e.g. auto) instead of starting one")
     p.add_argument("--dtype", default=None, type=dtype_arg, help=f"{DTYPE_HELP}; default: the config's (auto)")
     p.add_argument("--device", default=None)
-    p.add_argument("--metrics-port", type=int, default=None,
-                   help="serve Prometheus /metrics on this port (0: any free port), and on every worker (docs/metrics.md)")  # fmt: skip
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="serve Prometheus /metrics on this port (0: any free port), and on every worker (docs/metrics.md)",
+    )
     p.add_argument("--metrics-host", default=None, help="address the router's /metrics binds (default: --host)")
-    p.add_argument("--log-format", choices=["text", "json"], default=None,
-                   help="json: one JSON object a line, with request_id (router and workers)")  # fmt: skip
+    p.add_argument(
+        "--log-format",
+        choices=["text", "json"],
+        default=None,
+        help="json: one JSON object a line, with request_id (router and workers)",
+    )
     g = p.add_argument_group("security (the config's security section; docs/security.md)")
     g.add_argument("--tls-cert", metavar="PEM", help="TLS on the public port: its certificate chain")
     g.add_argument("--tls-key", metavar="PEM", help="TLS on the public port: its key")
     g.add_argument("--tls-client-ca", metavar="PEM", help="require client certificates signed by this CA")
-    g.add_argument("--api-key", action="append", default=None,
-                   help="accept this bearer token on the API (repeatable; $SPLITSERVE_API_KEY adds one; "
-                        "other local users can read command lines: prefer --api-key-file)")  # fmt: skip
+    g.add_argument(
+        "--api-key",
+        action="append",
+        default=None,
+        help="accept this bearer token on the API (repeatable; $SPLITSERVE_API_KEY adds one; "
+        "other local users can read command lines: prefer --api-key-file)",
+    )
     g.add_argument("--api-key-file", metavar="FILE", help="accept the tokens in this file, one a line")
     g.add_argument("--internal-tls-cert", metavar="PEM", help="mTLS on internal links: this process's certificate")
     g.add_argument("--internal-tls-key", metavar="PEM", help="mTLS on internal links: its key")
     g.add_argument("--internal-tls-ca", metavar="PEM", help="mTLS on internal links: the CA that signs them all")
-    g.add_argument("--cluster-token-file", metavar="FILE",
-                   help="require this shared secret on internal calls ($SPLITSERVE_CLUSTER_TOKEN: the value)")  # fmt: skip
+    g.add_argument(
+        "--cluster-token-file",
+        metavar="FILE",
+        help="require this shared secret on internal calls ($SPLITSERVE_CLUSTER_TOKEN: the value)",
+    )
     p.set_defaults(func=_serve)
 
 
@@ -222,9 +287,15 @@ def _security_overrides(args: argparse.Namespace, config):
     from splitserve.rpc.security import API_KEY_ENV, CLUSTER_TOKEN_ENV
 
     s = config.security
-    flags = {"tls_cert": args.tls_cert, "tls_key": args.tls_key, "tls_client_ca": args.tls_client_ca,
-             "api_key_file": args.api_key_file, "internal_tls_cert": args.internal_tls_cert,
-             "internal_tls_key": args.internal_tls_key, "internal_tls_ca": args.internal_tls_ca}  # fmt: skip
+    flags = {
+        "tls_cert": args.tls_cert,
+        "tls_key": args.tls_key,
+        "tls_client_ca": args.tls_client_ca,
+        "api_key_file": args.api_key_file,
+        "internal_tls_cert": args.internal_tls_cert,
+        "internal_tls_key": args.internal_tls_key,
+        "internal_tls_ca": args.internal_tls_ca,
+    }
     values = {k: v for k, v in flags.items() if v is not None}
     keys = (*s.api_keys, *(args.api_key or ()), *([os.environ[API_KEY_ENV]] if os.environ.get(API_KEY_ENV) else []))
     values["api_keys"] = tuple(dict.fromkeys(keys))
@@ -241,14 +312,25 @@ def _serve(args: argparse.Namespace) -> int:
     from splitserve.observability.logs import configure_logging
 
     config = DeploymentConfig.from_file(args.config) if args.config else DeploymentConfig()
-    config = config.with_overrides(model=args.model, num_prefill=args.num_prefill, num_decode=args.num_decode,
-                                   mode=args.mode, num_colocated=args.num_colocated,
-                                   prefill_cpus=args.prefill_cpus, decode_cpus=args.decode_cpus,
-                                   colocated_cpus=args.colocated_cpus,
-                                   host=args.host, port=args.port, openai_port=args.openai_port,
-                                   ray_address=args.ray_address, dtype=args.dtype, device=args.device,
-                                   metrics_port=args.metrics_port, metrics_host=args.metrics_host,
-                                   log_format=args.log_format)  # fmt: skip
+    config = config.with_overrides(
+        model=args.model,
+        num_prefill=args.num_prefill,
+        num_decode=args.num_decode,
+        mode=args.mode,
+        num_colocated=args.num_colocated,
+        prefill_cpus=args.prefill_cpus,
+        decode_cpus=args.decode_cpus,
+        colocated_cpus=args.colocated_cpus,
+        host=args.host,
+        port=args.port,
+        openai_port=args.openai_port,
+        ray_address=args.ray_address,
+        dtype=args.dtype,
+        device=args.device,
+        metrics_port=args.metrics_port,
+        metrics_host=args.metrics_host,
+        log_format=args.log_format,
+    )
     config = _security_overrides(args, config)
     configure_logging(config.log_format)
     if not config.ray_address:
@@ -386,9 +468,12 @@ def _add_scale(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--colocated", type=int, default=None, help="target number of colocated workers (mode colocated)")
     p.add_argument("--timeout", type=float, default=600.0)
     add_client_security_arguments(p)
-    p.add_argument("--cluster-token-file", metavar="FILE",
-                   help="the deployment's cluster token, which scaling needs when it has one "
-                        "(default: $SPLITSERVE_CLUSTER_TOKEN; without either, --api-key is sent)")  # fmt: skip
+    p.add_argument(
+        "--cluster-token-file",
+        metavar="FILE",
+        help="the deployment's cluster token, which scaling needs when it has one "
+        "(default: $SPLITSERVE_CLUSTER_TOKEN; without either, --api-key is sent)",
+    )
     p.set_defaults(func=_scale)
 
 
@@ -398,7 +483,9 @@ def _scale(args: argparse.Namespace) -> int:
     from splitserve.rpc import workers_pb2 as wpb
     from splitserve.rpc import workers_pb2_grpc as wpb_grpc
 
-    targets = {role: getattr(args, role) for role in ("prefill", "decode", "colocated") if getattr(args, role) is not None}
+    targets = {
+        role: getattr(args, role) for role in ("prefill", "decode", "colocated") if getattr(args, role) is not None
+    }
     if not targets:
         raise ValueError("give --prefill, --decode or --colocated")
     from splitserve.rpc.security import CLUSTER_TOKEN_ENV, ClientSecurity, read_token_file
@@ -423,8 +510,12 @@ def _scale(args: argparse.Namespace) -> int:
 def _add_make_certs(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("make-certs", help="write a throwaway CA and server and client certificates (for trying TLS)")
     p.add_argument("--out", required=True, help="output folder (must hold no .pem or .key yet)")
-    p.add_argument("--host", action="append", default=[],
-                   help="another name or address the server certificate is valid for (repeatable)")  # fmt: skip
+    p.add_argument(
+        "--host",
+        action="append",
+        default=[],
+        help="another name or address the server certificate is valid for (repeatable)",
+    )
     p.add_argument("--days", type=int, default=30, help="validity")
     p.set_defaults(func=_make_certs)
 
@@ -440,8 +531,11 @@ def _make_certs(args: argparse.Namespace) -> int:
 def _add_bench(sub: argparse._SubParsersAction) -> None:
     from splitserve.bench.options import add_bench_arguments
 
-    p = sub.add_parser("bench", help="load a running server and measure it as vLLM's benchmark_serving does "
-                                     "(`bench sweep`: over request rates, with goodput and plots)")  # fmt: skip
+    p = sub.add_parser(
+        "bench",
+        help="load a running server and measure it as vLLM's benchmark_serving does "
+        "(`bench sweep`: over request rates, with goodput and plots)",
+    )
     add_bench_arguments(p)
     p.set_defaults(func=_bench)
 

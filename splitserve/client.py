@@ -19,7 +19,6 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
-
 from splitserve.rpc.security import API_KEY_ENV, ClientSecurity
 from splitserve.v1 import splitserve_pb2 as pb
 from splitserve.v1 import splitserve_pb2_grpc as pb_grpc
@@ -45,8 +44,9 @@ class Completion:
         return {k: v for k, v in self.__dict__.items() if k != "itl_ms"} | {"itl_ms": self.itl_ms}
 
 
-def make_request(prompt: str | None = None, token_ids: Sequence[int] | None = None, request_id: str | None = None,
-                 **sampling) -> pb.GenerateRequest:  # fmt: skip
+def make_request(
+    prompt: str | None = None, token_ids: Sequence[int] | None = None, request_id: str | None = None, **sampling
+) -> pb.GenerateRequest:
     """``sampling`` takes SamplingParams' field names; None values stay unset (the server's default)."""
     values = {k: v for k, v in sampling.items() if v is not None}
     for key in ("stop", "stop_token_ids"):
@@ -63,28 +63,52 @@ def make_request(prompt: str | None = None, token_ids: Sequence[int] | None = No
 
 
 class Client:
-    def __init__(self, address: str = "127.0.0.1:50051", timeout_s: float | None = 600.0, *, api_key: str | None = None,
-                 tls: bool = False, tls_ca: str | None = None, tls_cert: str | None = None,
-                 tls_key: str | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        address: str = "127.0.0.1:50051",
+        timeout_s: float | None = 600.0,
+        *,
+        api_key: str | None = None,
+        tls: bool = False,
+        tls_ca: str | None = None,
+        tls_cert: str | None = None,
+        tls_key: str | None = None,
+    ) -> None:
         """``tls``: TLS trusting the system's roots; ``tls_ca``: TLS trusting this CA (PEM file);
         ``tls_cert``/``tls_key``: a client certificate, for a server that requires one."""
         self.address, self.timeout_s = address, timeout_s
-        self.channel = ClientSecurity(api_key or os.environ.get(API_KEY_ENV) or None, tls, tls_ca, tls_cert,
-                                      tls_key).channel(address)  # fmt: skip
+        self.channel = ClientSecurity(
+            api_key or os.environ.get(API_KEY_ENV) or None, tls, tls_ca, tls_cert, tls_key
+        ).channel(address)
         self.stub = pb_grpc.SplitServeStub(self.channel)
 
-    def stream(self, prompt: str | None = None, *, token_ids: Sequence[int] | None = None,
-               request_id: str | None = None, timeout_s: float | None = None, **sampling) -> Iterator[pb.GenerateResponse]:  # fmt: skip
+    def stream(
+        self,
+        prompt: str | None = None,
+        *,
+        token_ids: Sequence[int] | None = None,
+        request_id: str | None = None,
+        timeout_s: float | None = None,
+        **sampling,
+    ) -> Iterator[pb.GenerateResponse]:
         """The raw streamed responses; cancelling the iterator (``close()``) cancels the request."""
-        call = self.stub.Generate(make_request(prompt, token_ids, request_id, **sampling),
-                                  timeout=timeout_s or self.timeout_s)  # fmt: skip
+        call = self.stub.Generate(
+            make_request(prompt, token_ids, request_id, **sampling), timeout=timeout_s or self.timeout_s
+        )
         try:
             yield from call
         finally:
             call.cancel()
 
-    def generate(self, prompt: str | None = None, *, token_ids: Sequence[int] | None = None,
-                 request_id: str | None = None, timeout_s: float | None = None, **sampling) -> Completion:  # fmt: skip
+    def generate(
+        self,
+        prompt: str | None = None,
+        *,
+        token_ids: Sequence[int] | None = None,
+        request_id: str | None = None,
+        timeout_s: float | None = None,
+        **sampling,
+    ) -> Completion:
         result = Completion()
         start = last = time.monotonic()
         for message in self.stream(prompt, token_ids=token_ids, request_id=request_id, timeout_s=timeout_s, **sampling):
@@ -103,7 +127,10 @@ class Client:
                 result.stop_reason = message.stop_reason
                 u = message.usage
                 result.prompt_tokens, result.completion_tokens, result.cached_tokens = (
-                    u.prompt_tokens, u.completion_tokens, u.cached_tokens)  # fmt: skip
+                    u.prompt_tokens,
+                    u.completion_tokens,
+                    u.cached_tokens,
+                )
                 t = message.timing
                 result.timing = {f.name: getattr(t, f.name) for f in t.DESCRIPTOR.fields}
         return result

@@ -14,14 +14,14 @@ from typing import Any
 
 import yaml
 
-from engine.linear_tuner import LINEAR_KERNELS
-from engine.core import DECODE_PATHS
-from kv_transfer.config import FaultPoint, TransferConfig
-from router.config import RouterConfig
+from splitserve.engine.core import DECODE_PATHS
+from splitserve.engine.linear_tuner import LINEAR_KERNELS
+from splitserve.kv_transfer.config import FaultPoint, TransferConfig
 from splitserve.observability.logs import LOG_FORMATS
+from splitserve.router.config import RouterConfig
 from splitserve.rpc.security import InternalSecurity, PublicSecurity
-from worker_common.affinity import CpuSet, format_cpu_list, parse_cpu_sets, thread_count
-from worker_common.config import WorkerFaults, check_threads_fit
+from splitserve.worker_common.affinity import CpuSet, format_cpu_list, parse_cpu_sets, thread_count
+from splitserve.worker_common.config import WorkerFaults, check_threads_fit
 
 
 class ConfigError(ValueError):
@@ -69,8 +69,10 @@ class RoleConfig:
             except ValueError as e:
                 raise ValueError(f"cpus: {e}") from None
             if 1 < len(self.cpus) < self.replicas:
-                raise ValueError(f"cpus: {len(self.cpus)} sets for {self.replicas} replicas; give one set (shared by "
-                                 f"all) or one per replica")
+                raise ValueError(
+                    f"cpus: {len(self.cpus)} sets for {self.replicas} replicas; give one set (shared by "
+                    f"all) or one per replica"
+                )
             for cpus in self.cpus:
                 check_threads_fit(self.threads, cpus)
         if self.resources is not None and not all(
@@ -120,7 +122,7 @@ class EngineSettings:
     prefill_chunk_size: int | None = None
     linear_kernel: str = "auto"  # auto (timed per weight shape at load, cached) | plain | packed | split
     linear_split_allowed: bool | None = None  # None: split allowed when a worker's linear weights <= RAM / 4
-    decode_path: str = "auto"  # engine.core.DECODE_PATHS
+    decode_path: str = "auto"  # splitserve.engine.core.DECODE_PATHS
     cuda_graphs: bool = True
 
     def __post_init__(self) -> None:
@@ -140,8 +142,12 @@ class RouterSettings:
     max_prefill_retries: int = 3
 
 
-_KILL_PHASES = {"prefill": ("prefill", "transfer"), "decode": ("transfer", "decode"),
-                "colocated": ("prefill", "decode"), "router": ("decode",)}  # fmt: skip
+_KILL_PHASES = {
+    "prefill": ("prefill", "transfer"),
+    "decode": ("transfer", "decode"),
+    "colocated": ("prefill", "decode"),
+    "router": ("decode",),
+}
 
 
 @dataclass(frozen=True)
@@ -205,8 +211,14 @@ class SecuritySettings:
         return PublicSecurity(self.tls_cert, self.tls_key, self.tls_client_ca, self.api_keys, self.api_key_file)
 
     def internal(self) -> InternalSecurity:
-        return InternalSecurity(self.internal_tls_cert, self.internal_tls_key, self.internal_tls_ca,
-                                self.internal_tls_server_name, self.cluster_token, self.cluster_token_file)  # fmt: skip
+        return InternalSecurity(
+            self.internal_tls_cert,
+            self.internal_tls_key,
+            self.internal_tls_ca,
+            self.internal_tls_server_name,
+            self.cluster_token,
+            self.cluster_token_file,
+        )
 
 
 @dataclass(frozen=True)
@@ -241,7 +253,7 @@ class DeploymentConfig:
     security: SecuritySettings = field(default_factory=SecuritySettings)
 
     def __post_init__(self) -> None:
-        from engine.loader import canonical_dtype
+        from splitserve.engine.loader import canonical_dtype
 
         object.__setattr__(self, "dtype", canonical_dtype(self.dtype))  # vLLM's names; the canonical one kept
         if self.mode not in MODES:
@@ -278,8 +290,11 @@ class DeploymentConfig:
         values = {k: v for k, v in overrides.items() if v is not None}
         roles = {}
         for role in ("prefill", "decode", "colocated"):
-            changes = {name: values.pop(key) for name, key in (("replicas", f"num_{role}"), ("cpus", f"{role}_cpus"))
-                       if key in values}
+            changes = {
+                name: values.pop(key)
+                for name, key in (("replicas", f"num_{role}"), ("cpus", f"{role}_cpus"))
+                if key in values
+            }
             if changes:
                 try:
                     roles[role] = replace(getattr(self, role), **changes)
@@ -289,16 +304,27 @@ class DeploymentConfig:
 
     def router_config(self, model_dir: str) -> RouterConfig:
         r = self.router
-        return RouterConfig(model_dir=model_dir, host=self.host, port=self.port, model_name=self.model_name,
-                            block_size=self.engine.block_size, routing_policy=r.routing_policy,
-                            overlap_weight=r.overlap_weight, prefill_credit=getattr(self, self.roles[0]).max_inflight,
-                            max_queue=r.max_queue, lease_timeout_s=r.lease_timeout_s,
-                            max_migrations=r.max_migrations, max_prefill_retries=r.max_prefill_retries,
-                            die_after_tokens=self.router_die_after_tokens, internal_port=self.internal_port,
-                            metrics_port=self.metrics_port, metrics_host=self.metrics_host,
-                            openai_port=self.openai_port,
-                            public_security=self.security.public(),
-                            internal_security=self.security.internal())  # fmt: skip
+        return RouterConfig(
+            model_dir=model_dir,
+            host=self.host,
+            port=self.port,
+            model_name=self.model_name,
+            block_size=self.engine.block_size,
+            routing_policy=r.routing_policy,
+            overlap_weight=r.overlap_weight,
+            prefill_credit=getattr(self, self.roles[0]).max_inflight,
+            max_queue=r.max_queue,
+            lease_timeout_s=r.lease_timeout_s,
+            max_migrations=r.max_migrations,
+            max_prefill_retries=r.max_prefill_retries,
+            die_after_tokens=self.router_die_after_tokens,
+            internal_port=self.internal_port,
+            metrics_port=self.metrics_port,
+            metrics_host=self.metrics_host,
+            openai_port=self.openai_port,
+            public_security=self.security.public(),
+            internal_security=self.security.internal(),
+        )
 
     def worker_faults(self, worker_id: str) -> tuple[WorkerFaults, tuple[FaultPoint, ...]]:
         """This worker's step faults, and the KV-transfer fault points it runs with."""
@@ -307,8 +333,9 @@ class DeploymentConfig:
         step = next((k for k in kills if k.at != "transfer"), None)
         role = "sender" if worker_id.startswith("prefill") else "receiver"
         transfer = f.transfer + tuple(FaultPoint(role, "die", k.after) for k in kills if k.at == "transfer")
-        return WorkerFaults(f.prefill_delay_s, f.decode_step_delay_s, step.at if step else "",
-                            step.after if step else 0), transfer  # fmt: skip
+        return WorkerFaults(
+            f.prefill_delay_s, f.decode_step_delay_s, step.at if step else "", step.after if step else 0
+        ), transfer
 
     @property
     def router_die_after_tokens(self) -> int:
@@ -316,9 +343,16 @@ class DeploymentConfig:
 
 
 MODES = {"disaggregated": ("prefill", "decode"), "colocated": ("colocated",)}
-_NESTED = {"prefill": RoleConfig, "decode": RoleConfig, "colocated": RoleConfig, "engine": EngineSettings,
-           "router": RouterSettings, "transfer": TransferConfig, "faults": Faults,
-           "security": SecuritySettings}  # fmt: skip
+_NESTED = {
+    "prefill": RoleConfig,
+    "decode": RoleConfig,
+    "colocated": RoleConfig,
+    "engine": EngineSettings,
+    "router": RouterSettings,
+    "transfer": TransferConfig,
+    "faults": Faults,
+    "security": SecuritySettings,
+}
 
 
 def _build(cls, raw: dict[str, Any], prefix: str):

@@ -22,22 +22,37 @@ SAMPLING = dict(max_tokens=40, temperature=0.0, ignore_eos=True)
 
 # name: (deployment overrides, the kill point)
 DRILLS = {
-    "prefill_mid_prefill": ({"prefill": {"replicas": 2, "threads": 1}},
-                            {"target": "prefill-0", "at": "prefill", "after": 0}),
-    "prefill_mid_transfer": ({"prefill": {"replicas": 2, "threads": 1}},
-                             {"target": "prefill-0", "at": "transfer", "after": 1}),
-    "decode_mid_transfer": ({"decode": {"replicas": 2, "threads": 1}},
-                            {"target": "decode-0", "at": "transfer", "after": 1}),
-    "decode_mid_stream": ({"decode": {"replicas": 2, "threads": 1}},
-                          {"target": "decode-0", "at": "decode", "after": 8}),
-}  # fmt: skip
+    "prefill_mid_prefill": (
+        {"prefill": {"replicas": 2, "threads": 1}},
+        {"target": "prefill-0", "at": "prefill", "after": 0},
+    ),
+    "prefill_mid_transfer": (
+        {"prefill": {"replicas": 2, "threads": 1}},
+        {"target": "prefill-0", "at": "transfer", "after": 1},
+    ),
+    "decode_mid_transfer": (
+        {"decode": {"replicas": 2, "threads": 1}},
+        {"target": "decode-0", "at": "transfer", "after": 1},
+    ),
+    "decode_mid_stream": (
+        {"decode": {"replicas": 2, "threads": 1}},
+        {"target": "decode-0", "at": "decode", "after": 8},
+    ),
+}
 
 
 def deployment_config(model_dir: str, drill: str) -> dict:
     overrides, kill = DRILLS[drill]
-    return {"model": str(model_dir), "dtype": "float32", "port": 0, "prefill": {"threads": 1},
-            "decode": {"threads": 1}, **overrides, "transfer": {"whole_request_bytes": 0, "layer_group_size": 1},
-            "faults": {"decode_step_delay_s": 0.02, "kill": [kill]}}  # fmt: skip
+    return {
+        "model": str(model_dir),
+        "dtype": "float32",
+        "port": 0,
+        "prefill": {"threads": 1},
+        "decode": {"threads": 1},
+        **overrides,
+        "transfer": {"whole_request_bytes": 0, "layer_group_size": 1},
+        "faults": {"decode_step_delay_s": 0.02, "kill": [kill]},
+    }
 
 
 def timed_stream(address: str, prompt: list[int], timeout_s: float = 60.0) -> dict:
@@ -128,18 +143,25 @@ def run_drill(model_dir: str, drill: str) -> dict:
         blocks_zero_s = _wait(lambda: all(w.kv_blocks_in_use == 0 for w in _workers(deployment.address).values()), 15)
         with ThreadPoolExecutor(len(PROMPTS)) as pool:
             again = list(pool.map(lambda p: timed_stream(deployment.address, p), PROMPTS))
-        return {"drill": drill, "streams": streams, "again": again, "streams_s": streams_s,
-                "longest_pause_s": max(s["longest_pause_s"] for s in streams),
-                "moved": sum(s["reprefills"] > 0 for s in streams), "killed_after_s": death.died_at - started,
-                "worker_back_within_s": back_at - death.died_at, "blocks_zero_after_s": blocks_zero_s,
-                "incarnation_changed": _workers(deployment.address)[victim].incarnation != first}  # fmt: skip
+        return {
+            "drill": drill,
+            "streams": streams,
+            "again": again,
+            "streams_s": streams_s,
+            "longest_pause_s": max(s["longest_pause_s"] for s in streams),
+            "moved": sum(s["reprefills"] > 0 for s in streams),
+            "killed_after_s": death.died_at - started,
+            "worker_back_within_s": back_at - death.died_at,
+            "blocks_zero_after_s": blocks_zero_s,
+            "incarnation_changed": _workers(deployment.address)[victim].incarnation != first,
+        }
     finally:
         deployment.stop()
 
 
 def reference_outputs(model_dir: str) -> list[list[int]]:
     """The offline engine's greedy outputs for PROMPTS: what every drilled stream must equal."""
-    from engine import LLM, SamplingParams
+    from splitserve.engine import LLM, SamplingParams
 
     llm = LLM(model_dir, dtype="float32", num_blocks=256)
     return [o.token_ids for o in llm.generate(PROMPTS, SamplingParams(**SAMPLING))]
@@ -187,8 +209,14 @@ def run_router_drill(model_dir: str, folder) -> dict:
     from splitserve.sim_cluster import ServeProcess, SimCluster
 
     folder = Path(folder)
-    config = {"model": str(model_dir), "dtype": "float32", "port": 0, "prefill": {"threads": 1},
-              "decode": {"threads": 1}, "faults": {"decode_step_delay_s": 0.02}}  # fmt: skip
+    config = {
+        "model": str(model_dir),
+        "dtype": "float32",
+        "port": 0,
+        "prefill": {"threads": 1},
+        "decode": {"threads": 1},
+        "faults": {"decode_step_delay_s": 0.02},
+    }
     kill = {"target": "router", "at": "decode", "after": ROUTER_KILL_AFTER_TOKENS}
     with SimCluster([("prefill", 1), ("decode", 1)]) as cluster:
         config["ray_address"] = cluster.address
@@ -213,7 +241,16 @@ def run_router_drill(model_dir: str, folder) -> dict:
             same_port = again.address == doomed.address
         finally:
             again_exit = again.stop()
-    return {"streams": streams, "exit_code": exit_code, "listening_before": listening_before, "workers": workers,
-            "streams_ended_within_s": max(s["ended"] for s in streams) - died_at, "workers_gone_within_s": workers_gone_s,
-            "restart_ready_s": again.ready_s, "same_port": same_port, "after": after,
-            "blocks_zero_after_s": blocks_zero_s, "again_exit": again_exit}  # fmt: skip
+    return {
+        "streams": streams,
+        "exit_code": exit_code,
+        "listening_before": listening_before,
+        "workers": workers,
+        "streams_ended_within_s": max(s["ended"] for s in streams) - died_at,
+        "workers_gone_within_s": workers_gone_s,
+        "restart_ready_s": again.ready_s,
+        "same_port": same_port,
+        "after": after,
+        "blocks_zero_after_s": blocks_zero_s,
+        "again_exit": again_exit,
+    }

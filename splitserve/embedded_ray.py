@@ -48,8 +48,14 @@ class EmbeddedRay:
 
         ray_constants.ENABLE_RAY_CLUSTER = False
         self.temp_dir = tempfile.mkdtemp(prefix="ss")
-        ray.init(address="local", _temp_dir=self.temp_dir, include_dashboard=False, log_to_driver=False,
-                 _node_ip_address="127.0.0.1", num_cpus=os.cpu_count())  # fmt: skip
+        ray.init(
+            address="local",
+            _temp_dir=self.temp_dir,
+            include_dashboard=False,
+            log_to_driver=False,
+            _node_ip_address="127.0.0.1",
+            num_cpus=os.cpu_count(),
+        )
         self.record()
         log.info("embedded Ray in %s (removed when serve stops)", self.temp_dir)
 
@@ -73,8 +79,9 @@ class EmbeddedRay:
 
         left = processes.kill(self.record(), timeout_s)
         if left:
-            log.warning("Ray processes still running %.0fs after SIGKILL: %s", timeout_s,
-                        ", ".join(str(p.pid) for p in left))  # fmt: skip
+            log.warning(
+                "Ray processes still running %.0fs after SIGKILL: %s", timeout_s, ", ".join(str(p.pid) for p in left)
+            )
         ray.shutdown()  # finds its processes gone; only the driver's side is left to close
         self.processes = set()
         self.remove_temp_dir()
@@ -96,5 +103,6 @@ class EmbeddedRay:
         node = ray._private.worker._global_node
         if node is None:
             return []
-        return [info.process for kind, infos in node.all_processes.items() if not kinds or kind in kinds
-                for info in infos]  # fmt: skip
+        return [
+            info.process for kind, infos in node.all_processes.items() if not kinds or kind in kinds for info in infos
+        ]

@@ -19,11 +19,11 @@ import threading
 from dataclasses import replace
 from pathlib import Path
 
-from engine.core import EngineConfig
-from router.server import Router
 from splitserve.deploy_config import DeploymentConfig
 from splitserve.embedded_ray import TASK_EVENTS_FLUSH_ENV, EmbeddedRay, use_loopback_ray
-from worker_common.config import WorkerConfig
+from splitserve.engine.core import EngineConfig
+from splitserve.router.server import Router
+from splitserve.worker_common.config import WorkerConfig
 
 __all__ = ["Deployment", "WorkerActor", "default_model_dir", "use_loopback_ray"]
 log = logging.getLogger("splitserve.launch")
@@ -81,24 +81,30 @@ class WorkerActor:
 
         configure_logging(config.log_format, static={"worker_id": config.worker_id, "role": config.role})
         if config.role == "prefill":
-            from prefill_worker.worker import PrefillWorker as cls
+            from splitserve.prefill_worker.worker import PrefillWorker as cls
         elif config.role == "colocated":
-            from prefill_worker.colocated import ColocatedWorker as cls
+            from splitserve.prefill_worker.colocated import ColocatedWorker as cls
         else:
-            from decode_worker.worker import DecodeWorker as cls
+            from splitserve.decode_worker.worker import DecodeWorker as cls
         context = ray.get_runtime_context()
         self.node = context.get_node_id()
         if context.was_current_actor_reconstructed:  # fault points that end the process fire once
-            config = replace(config, faults=replace(config.faults, die_at=""),
-                             transfer=replace(config.transfer, faults=tuple(
-                                 f for f in config.transfer.faults if f.action != "die")))  # fmt: skip
+            config = replace(
+                config,
+                faults=replace(config.faults, die_at=""),
+                transfer=replace(config.transfer, faults=tuple(f for f in config.transfer.faults if f.action != "die")),
+            )
         host = config.host or ray.util.get_node_ip_address()
         self.worker = cls(replace(config, node=self.node, host=host))
         self.address = self.worker.start()
 
     def ready(self) -> dict:
-        return {"address": self.address, "node": self.node, "worker_id": self.worker.config.worker_id,
-                "pid": os.getpid()}  # fmt: skip
+        return {
+            "address": self.address,
+            "node": self.node,
+            "worker_id": self.worker.config.worker_id,
+            "pid": os.getpid(),
+        }
 
     def stop(self) -> None:
         self.worker.stop()
@@ -123,8 +129,16 @@ class Deployment:
     @property
     def workers(self) -> list[dict]:
         """The workers in the router's pool: role, id, address, node_id, healthy."""
-        return [{"role": w.spec.role, "worker_id": w.worker_id, "address": w.spec.address, "node_id": w.spec.node,
-                 "healthy": w.healthy} for w in (self.router.pool.workers if self.router else [])]  # fmt: skip
+        return [
+            {
+                "role": w.spec.role,
+                "worker_id": w.worker_id,
+                "address": w.spec.address,
+                "node_id": w.spec.node,
+                "healthy": w.healthy,
+            }
+            for w in (self.router.pool.workers if self.router else [])
+        ]
 
     # ---- start ----------------------------------------------------------------------------------
 
@@ -177,8 +191,9 @@ class Deployment:
     async def _registered(self, counts: dict[str, int]) -> None:
         """Wait until these many workers of each role are in the router's pool (colocated workers sit
         with the prefill workers there)."""
-        await self.router.pool.wait_for(counts.get("prefill", 0) + counts.get("colocated", 0), counts.get("decode", 0),
-                                        self.config.ready_timeout_s)  # fmt: skip
+        await self.router.pool.wait_for(
+            counts.get("prefill", 0) + counts.get("colocated", 0), counts.get("decode", 0), self.config.ready_timeout_s
+        )
 
     def _advertised(self, address: str) -> str:
         """The router address workers dial: its bind address, or for a wildcard bind (0.0.0.0, ::)
@@ -190,10 +205,14 @@ class Deployment:
         if host in _WILDCARDS:
             return _unwildcard(address)
         if _is_loopback(host):
-            remote = sorted({n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]} - {"127.0.0.1", "localhost", "::1"})
+            remote = sorted(
+                {n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]} - {"127.0.0.1", "localhost", "::1"}
+            )
             if remote:
-                raise RuntimeError(f"host: the router binds {host}, which workers on nodes {', '.join(remote)} "
-                                   f"cannot reach; set host: 0.0.0.0 (or this node's address) in the config")  # fmt: skip
+                raise RuntimeError(
+                    f"host: the router binds {host}, which workers on nodes {', '.join(remote)} "
+                    f"cannot reach; set host: 0.0.0.0 (or this node's address) in the config"
+                )
         return address
 
     def _run(self, coroutine, timeout_s: float = 60.0):
@@ -221,13 +240,18 @@ class Deployment:
         self._counters[role] += 1
         taken = {slot for w, slot in self.slots.items() if w.rpartition("-")[0] == role}
         slot = next(i for i in range(len(taken) + 1) if i not in taken)  # the lowest free one
-        env = {"OMP_WAIT_POLICY": "PASSIVE", "TOKENIZERS_PARALLELISM": "false",
-               "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": os.environ.get("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "1")}  # fmt: skip
+        env = {
+            "OMP_WAIT_POLICY": "PASSIVE",
+            "TOKENIZERS_PARALLELISM": "false",
+            "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": os.environ.get("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "1"),
+        }
         threads = role_config.worker_threads(slot)
         if threads:
             env["OMP_NUM_THREADS"] = str(threads)  # Ray's default for actors is 1
-        actor = ray.remote(WorkerActor).options(**self.actor_options(role, slot), runtime_env={"env_vars": env}).remote(
-            self._worker_config(role, worker_id, slot)
+        actor = (
+            ray.remote(WorkerActor)
+            .options(**self.actor_options(role, slot), runtime_env={"env_vars": env})
+            .remote(self._worker_config(role, worker_id, slot))
         )
         self.actors[worker_id] = actor
         self.slots[worker_id] = slot
@@ -244,8 +268,13 @@ class Deployment:
         if resources is None:
             name = f"splitserve_{role}"
             resources = {name: 1} if ray.cluster_resources().get(name, 0) > 0 else {}
-        options = dict(num_cpus=role_config.worker_num_cpus(slot), num_gpus=role_config.num_gpus, resources=dict(resources),
-                       max_restarts=role_config.max_restarts, max_task_retries=0)  # fmt: skip
+        options = dict(
+            num_cpus=role_config.worker_num_cpus(slot),
+            num_gpus=role_config.num_gpus,
+            resources=dict(resources),
+            max_restarts=role_config.max_restarts,
+            max_task_retries=0,
+        )
         if role_config.label_selector:
             options["label_selector"] = dict(role_config.label_selector)
         return options
@@ -254,23 +283,40 @@ class Deployment:
         c, e = self.config, self.config.engine
         role_config = getattr(c, role)
         engine = EngineConfig(
-            model_dir=self.model_dir, dtype=c.dtype, device=c.device, block_size=e.block_size,
-            num_blocks=role_config.num_blocks or e.num_blocks, kv_cache_bytes=e.kv_cache_bytes,
-            max_num_seqs=e.max_num_seqs, max_num_batched_tokens=e.max_num_batched_tokens,
-            prefill_chunk_size=e.prefill_chunk_size, num_threads=role_config.worker_threads(slot),
-            linear_kernel=e.linear_kernel, linear_split_allowed=e.linear_split_allowed,
-            decode_path=e.decode_path, cuda_graphs=e.cuda_graphs,
+            model_dir=self.model_dir,
+            dtype=c.dtype,
+            device=c.device,
+            block_size=e.block_size,
+            num_blocks=role_config.num_blocks or e.num_blocks,
+            kv_cache_bytes=e.kv_cache_bytes,
+            max_num_seqs=e.max_num_seqs,
+            max_num_batched_tokens=e.max_num_batched_tokens,
+            prefill_chunk_size=e.prefill_chunk_size,
+            num_threads=role_config.worker_threads(slot),
+            linear_kernel=e.linear_kernel,
+            linear_split_allowed=e.linear_split_allowed,
+            decode_path=e.decode_path,
+            cuda_graphs=e.cuda_graphs,
             enable_prefix_caching=role != "decode",  # decode requests arrive with their KV: nothing to reuse
-        )  # fmt: skip
+        )
         host = c.worker_host if c.worker_host is not None else ("" if c.ray_address else "127.0.0.1")
         faults, transfer_faults = c.worker_faults(worker_id)
-        return WorkerConfig(role=role, worker_id=worker_id, engine=engine, host=host, port=0,
-                            router_address=self.internal_address, model_name=c.model_name,
-                            transfer=replace(c.transfer, faults=transfer_faults),
-                            max_inflight=role_config.max_inflight, faults=faults,
-                            security=c.security.internal(), log_format=c.log_format,
-                            metrics_port=None if c.metrics_port is None else 0,
-                            cpus=role_config.cpu_set(slot))  # fmt: skip
+        return WorkerConfig(
+            role=role,
+            worker_id=worker_id,
+            engine=engine,
+            host=host,
+            port=0,
+            router_address=self.internal_address,
+            model_name=c.model_name,
+            transfer=replace(c.transfer, faults=transfer_faults),
+            max_inflight=role_config.max_inflight,
+            faults=faults,
+            security=c.security.internal(),
+            log_format=c.log_format,
+            metrics_port=None if c.metrics_port is None else 0,
+            cpus=role_config.cpu_set(slot),
+        )
 
     # ---- scale ----------------------------------------------------------------------------------
 
@@ -307,7 +353,7 @@ class Deployment:
 
     async def _drained(self, handle, timeout_s: float = 120.0) -> None:
         """Wait until a draining worker holds no request (its status says so)."""
-        from router.workers import settle
+        from splitserve.router.workers import settle
         from splitserve.rpc import workers_pb2 as wpb
 
         deadline = asyncio.get_running_loop().time() + timeout_s

@@ -17,8 +17,8 @@ from typing import Literal
 import torch
 from tokenizers import Tokenizer
 
-from engine.loader import canonical_dtype, parse_dtype
 from splitserve.bpe_tokenizer import DEFAULT_SPECIAL_TOKENS, tokenizer_config, train_tokenizer
+from splitserve.engine.loader import canonical_dtype, parse_dtype
 from splitserve.random_weights import random_weights, write_safetensors
 
 __all__ = ["PRESETS", "make_model", "train_tokenizer", "write_random_checkpoint"]
@@ -29,13 +29,25 @@ MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Mistra
 ROPE_KEYS = ("rope_theta", "rope_scaling", "rope_parameters")
 # Files a checkpoint may consist of; overwrite=True removes exactly these (plus stale shards).
 CHECKPOINT_FILES = (
-    "config.json", "generation_config.json", "model.safetensors", "model.safetensors.index.json",
-    "tokenizer.json", "tokenizer_config.json",
+    "config.json",
+    "generation_config.json",
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
 )
 
 
-def _qwen2_preset(vocab_size: int, hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int,
-                  max_positions: int, first_special_id: int) -> dict:
+def _qwen2_preset(
+    vocab_size: int,
+    hidden: int,
+    intermediate: int,
+    layers: int,
+    heads: int,
+    kv_heads: int,
+    max_positions: int,
+    first_special_id: int,
+) -> dict:
     """The key set of a published Qwen2.5 config.json; bos = eos = "<|endoftext|>" as in the base models."""
     return {
         "architectures": ["Qwen2ForCausalLM"],
@@ -88,8 +100,13 @@ def _llama31_8b_preset() -> dict:
         "num_key_value_heads": 8,
         "pretraining_tp": 1,
         "rms_norm_eps": 1e-05,
-        "rope_scaling": {"factor": 8.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
-                         "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+        "rope_scaling": {
+            "factor": 8.0,
+            "high_freq_factor": 4.0,
+            "low_freq_factor": 1.0,
+            "original_max_position_embeddings": 8192,
+            "rope_type": "llama3",
+        },
         "rope_theta": 500000.0,
         "tie_word_embeddings": False,
         "torch_dtype": "bfloat16",
@@ -132,8 +149,15 @@ def make_model(
         max_shard_bytes = DEFAULT_SHARD_BYTES.get(preset)
     tokenizer = train_tokenizer(hf_config["vocab_size"], first_special_id=hf_config["bos_token_id"])
     return write_random_checkpoint(
-        out_dir, hf_config, dtype=dtype, seed=seed, max_shard_bytes=max_shard_bytes,
-        config_format=config_format, tokenizer=tokenizer, overwrite=overwrite, config_only=config_only,
+        out_dir,
+        hf_config,
+        dtype=dtype,
+        seed=seed,
+        max_shard_bytes=max_shard_bytes,
+        config_format=config_format,
+        tokenizer=tokenizer,
+        overwrite=overwrite,
+        config_only=config_only,
     )
 
 
@@ -167,13 +191,16 @@ def write_random_checkpoint(
 
     config["bos_token_id"] = config["eos_token_id"] = special_ids["<|endoftext|>"]
     _write_json(out / "config.json", _formatted_config(config, rope, config_format, _dtype_name(torch_dtype)))
-    _write_json(out / "generation_config.json", {
-        "bos_token_id": special_ids["<|endoftext|>"],
-        "do_sample": False,
-        "eos_token_id": [special_ids["<|im_end|>"], special_ids["<|endoftext|>"]],
-        "pad_token_id": special_ids["<|endoftext|>"],
-        "transformers_version": config.get("transformers_version", "4.43.1"),
-    })
+    _write_json(
+        out / "generation_config.json",
+        {
+            "bos_token_id": special_ids["<|endoftext|>"],
+            "do_sample": False,
+            "eos_token_id": [special_ids["<|im_end|>"], special_ids["<|endoftext|>"]],
+            "pad_token_id": special_ids["<|endoftext|>"],
+            "transformers_version": config.get("transformers_version", "4.43.1"),
+        },
+    )
     tokenizer.save(str(out / "tokenizer.json"))
     _write_json(out / "tokenizer_config.json", tokenizer_config(tokenizer, config["max_position_embeddings"]))
     if not config_only:
@@ -190,17 +217,27 @@ def _validated_config(hf_config: dict) -> dict:
     model_type = MODEL_TYPES[architectures[0]]
     if config.setdefault("model_type", model_type) != model_type:
         raise ValueError(f"model_type {config['model_type']!r} does not match architectures {architectures!r}")
-    for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                "max_position_embeddings"):
+    for key in (
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "max_position_embeddings",
+    ):
         if not isinstance(config.get(key), int) or config[key] <= 0:
             raise ValueError(f"config field {key!r} must be a positive int, got {config.get(key)!r}")
     config.setdefault("num_key_value_heads", config["num_attention_heads"])
     if config["num_attention_heads"] % config["num_key_value_heads"]:
-        raise ValueError(f"num_attention_heads={config['num_attention_heads']} is not a multiple of "
-                         f"num_key_value_heads={config['num_key_value_heads']}")
+        raise ValueError(
+            f"num_attention_heads={config['num_attention_heads']} is not a multiple of "
+            f"num_key_value_heads={config['num_key_value_heads']}"
+        )
     if not config.get("head_dim") and config["hidden_size"] % config["num_attention_heads"]:
-        raise ValueError(f"hidden_size={config['hidden_size']} is not a multiple of num_attention_heads="
-                         f"{config['num_attention_heads']}; set head_dim")
+        raise ValueError(
+            f"hidden_size={config['hidden_size']} is not a multiple of num_attention_heads="
+            f"{config['num_attention_heads']}; set head_dim"
+        )
     for key in ROPE_KEYS:
         config.pop(key, None)
     return config

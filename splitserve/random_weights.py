@@ -50,9 +50,12 @@ def tensor_shapes(hf_config: dict) -> dict[str, tuple[int, ...]]:
     for i in range(layers):
         p = f"model.layers.{i}"
         projections = {
-            "self_attn.q_proj": (q_dim, hidden, qkv_bias), "self_attn.k_proj": (kv_dim, hidden, qkv_bias),
-            "self_attn.v_proj": (kv_dim, hidden, qkv_bias), "self_attn.o_proj": (hidden, q_dim, o_bias),
-            "mlp.gate_proj": (inter, hidden, mlp_bias), "mlp.up_proj": (inter, hidden, mlp_bias),
+            "self_attn.q_proj": (q_dim, hidden, qkv_bias),
+            "self_attn.k_proj": (kv_dim, hidden, qkv_bias),
+            "self_attn.v_proj": (kv_dim, hidden, qkv_bias),
+            "self_attn.o_proj": (hidden, q_dim, o_bias),
+            "mlp.gate_proj": (inter, hidden, mlp_bias),
+            "mlp.up_proj": (inter, hidden, mlp_bias),
             "mlp.down_proj": (hidden, inter, mlp_bias),
         }
         for proj, (out_features, in_features, bias) in projections.items():

@@ -41,13 +41,19 @@ def _serve(specs: list[tuple[str, int]], head_cpus: int) -> int:
     from ray.cluster_utils import Cluster
 
     def node_args(cpus: int, resources: dict) -> dict:
-        return dict(num_cpus=cpus, resources=resources, node_ip_address="127.0.0.1", include_dashboard=False,
-                    object_store_memory=80 << 20)  # fmt: skip
+        return dict(
+            num_cpus=cpus,
+            resources=resources,
+            node_ip_address="127.0.0.1",
+            include_dashboard=False,
+            object_store_memory=80 << 20,
+        )
 
     cluster = None
     try:
-        cluster = Cluster(initialize_head=True, connect=False,
-                          head_node_args={**node_args(head_cpus, {}), "temp_dir": ray_dir})  # fmt: skip
+        cluster = Cluster(
+            initialize_head=True, connect=False, head_node_args={**node_args(head_cpus, {}), "temp_dir": ray_dir}
+        )
         nodes = {"head": cluster.head_node}
         counters: dict[str, int] = {}
 
@@ -103,8 +109,13 @@ class SimCluster:
         for role, units in nodes:
             args += ["--node", f"{role}:{units}"]
         self.timeout_s = timeout_s
-        self.proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                                     env={**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"})  # fmt: skip
+        self.proc = subprocess.Popen(
+            args,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"},
+        )
         try:
             info = self._read()
         except Exception:
@@ -177,9 +188,13 @@ class ServeProcess:
 
         Path(path).write_text(yaml.safe_dump(config))
         started = time.monotonic()
-        self.proc = subprocess.Popen([sys.executable, "-m", "splitserve.cli", "serve", "--config", str(path)],
-                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                                     env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})  # fmt: skip
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "splitserve.cli", "serve", "--config", str(path)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+        )
         self.address = ""
         self.openai_url = ""  # "http(s)://host:port/v1" when the config sets openai_port
         try:
@@ -218,8 +233,12 @@ class ServeProcess:
 
     def cli(self, *args: str, timeout_s: float = 300.0) -> str:
         """Run ``splitserve ARGS --addr <this server>``; returns its stdout."""
-        done = subprocess.run([sys.executable, "-m", "splitserve.cli", *args, "--addr", self.address],
-                              capture_output=True, text=True, timeout=timeout_s)  # fmt: skip
+        done = subprocess.run(
+            [sys.executable, "-m", "splitserve.cli", *args, "--addr", self.address],
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+        )
         if done.returncode != 0:
             raise RuntimeError(f"splitserve {' '.join(args)}: {done.stderr.strip()}")
         return done.stdout
@@ -242,8 +261,13 @@ class ServeProcess:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m splitserve.sim_cluster", description=__doc__.split("\n\n")[0])
-    p.add_argument("--node", action="append", default=[], metavar="ROLE:UNITS",
-                   help="a worker node with UNITS of splitserve_ROLE (repeat; ROLE prefill or decode)")  # fmt: skip
+    p.add_argument(
+        "--node",
+        action="append",
+        default=[],
+        metavar="ROLE:UNITS",
+        help="a worker node with UNITS of splitserve_ROLE (repeat; ROLE prefill or decode)",
+    )
     p.add_argument("--head-cpus", type=int, default=1)
     args = p.parse_args(argv)
     specs = []

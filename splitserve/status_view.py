@@ -19,8 +19,20 @@ from google.protobuf.json_format import MessageToDict
 
 from splitserve.v1 import splitserve_pb2 as pb
 
-COLUMNS = ("WORKER", "ROLE", "NODE", "HEALTH", "RUN", "WAIT", "KV USED", "CACHED", "CPUS", "THREADS", "ADDRESS",
-           "METRICS")
+COLUMNS = (
+    "WORKER",
+    "ROLE",
+    "NODE",
+    "HEALTH",
+    "RUN",
+    "WAIT",
+    "KV USED",
+    "CACHED",
+    "CPUS",
+    "THREADS",
+    "ADDRESS",
+    "METRICS",
+)
 _NUMERIC = {"RUN", "WAIT", "CACHED", "THREADS"}
 
 
@@ -35,18 +47,33 @@ def _kv_used(w: pb.WorkerStatus) -> str:
 
 def format_status(status: pb.GetStatusResponse, address: str) -> str:
     healthy = sum(w.healthy for w in status.workers)
-    summary = (f"router {address}  model {status.model}  queued {status.queued_requests}  running "
-               f"{status.running_requests}  workers {healthy}/{len(status.workers)} healthy  "
-               f"metrics {status.metrics_address or 'off'}")  # fmt: skip
+    summary = (
+        f"router {address}  model {status.model}  queued {status.queued_requests}  running "
+        f"{status.running_requests}  workers {healthy}/{len(status.workers)} healthy  "
+        f"metrics {status.metrics_address or 'off'}"
+    )
     workers = sorted(status.workers, key=lambda w: (w.role, _id_key(w.worker_id)))
-    rows = [(w.worker_id, w.role, w.node_id[:12], "ok" if w.healthy else "DOWN", str(w.running), str(w.waiting),
-             _kv_used(w), str(w.kv_blocks_cached), w.cpus or "-", str(w.threads), w.address, w.metrics_address or "-")
-            for w in workers]  # fmt: skip
+    rows = [
+        (
+            w.worker_id,
+            w.role,
+            w.node_id[:12],
+            "ok" if w.healthy else "DOWN",
+            str(w.running),
+            str(w.waiting),
+            _kv_used(w),
+            str(w.kv_blocks_cached),
+            w.cpus or "-",
+            str(w.threads),
+            w.address,
+            w.metrics_address or "-",
+        )
+        for w in workers
+    ]
     widths = [max(len(c), *(len(r[i]) for r in rows)) if rows else len(c) for i, c in enumerate(COLUMNS)]
     lines = [summary]
     for row in (COLUMNS, *rows):
-        cells = [cell.rjust(w) if col in _NUMERIC else cell.ljust(w)
-                 for col, cell, w in zip(COLUMNS, row, widths)]  # fmt: skip
+        cells = [cell.rjust(w) if col in _NUMERIC else cell.ljust(w) for col, cell, w in zip(COLUMNS, row, widths)]
         lines.append("  ".join(cells).rstrip())
     if not rows:
         lines.append("(no workers)")

@@ -22,33 +22,73 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Engines built by tests (and the workers they start) keep their linear-kernel timings here, not in ~/.cache.
-os.environ.setdefault("SPLITSERVE_KERNEL_CACHE",
-                      str(Path(tempfile.gettempdir()) / f"splitserve-test-linear-kernels-{os.getuid()}.json"))
+os.environ.setdefault(
+    "SPLITSERVE_KERNEL_CACHE", str(Path(tempfile.gettempdir()) / f"splitserve-test-linear-kernels-{os.getuid()}.json")
+)
 
 TEST_VOCAB = 2048
-_COMMON = {"vocab_size": TEST_VOCAB, "hidden_size": 128, "intermediate_size": 384, "max_position_embeddings": 4096,
-           "rms_norm_eps": 1e-6, "hidden_act": "silu"}  # fmt: skip
+_COMMON = {
+    "vocab_size": TEST_VOCAB,
+    "hidden_size": 128,
+    "intermediate_size": 384,
+    "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-6,
+    "hidden_act": "silu",
+}
 
 # One small config per supported architecture, each exercising what is special about it.
 ARCH_CONFIGS: dict[str, dict] = {
     # Qwen2: qkv bias, tied embeddings, a sliding-window layer above max_window_layers.
-    "qwen2": {**_COMMON, "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "num_hidden_layers": 2,
-              "num_attention_heads": 4, "num_key_value_heads": 2, "tie_word_embeddings": True,
-              "rope_theta": 1000000.0, "use_sliding_window": True, "sliding_window": 24, "max_window_layers": 1},
+    "qwen2": {
+        **_COMMON,
+        "architectures": ["Qwen2ForCausalLM"],
+        "model_type": "qwen2",
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "tie_word_embeddings": True,
+        "rope_theta": 1000000.0,
+        "use_sliding_window": True,
+        "sliding_window": 24,
+        "max_window_layers": 1,
+    },
     # Llama 3: llama3 rope scaling, multi-query attention, untied head.
-    "llama": {**_COMMON, "architectures": ["LlamaForCausalLM"], "model_type": "llama", "num_hidden_layers": 3,
-              "num_attention_heads": 4, "num_key_value_heads": 1, "tie_word_embeddings": False,
-              "rope_theta": 500000.0, "attention_bias": False, "mlp_bias": False,
-              "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                               "high_freq_factor": 4.0, "original_max_position_embeddings": 64}},
+    "llama": {
+        **_COMMON,
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "num_hidden_layers": 3,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 1,
+        "tie_word_embeddings": False,
+        "rope_theta": 500000.0,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "rope_scaling": {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+    },
     # Mistral: sliding window on every layer, explicit head_dim different from hidden / heads.
-    "mistral": {**_COMMON, "architectures": ["MistralForCausalLM"], "model_type": "mistral",
-                "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 48,
-                "tie_word_embeddings": False, "rope_theta": 1000000.0, "sliding_window": 24},
-}  # fmt: skip
+    "mistral": {
+        **_COMMON,
+        "architectures": ["MistralForCausalLM"],
+        "model_type": "mistral",
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 48,
+        "tie_word_embeddings": False,
+        "rope_theta": 1000000.0,
+        "sliding_window": 24,
+    },
+}
 
 
-# The same architectures at sizes where every projection and the LM head reach engine.model.can_pack's
+# The same architectures at sizes where every projection and the LM head reach splitserve.engine.model.can_pack's
 # 2^18-weight floor (o_proj is 512 x 512 = 2^18 exactly; Mistral's is 512 x 640), so the fp32 parity runs
 # the prepacked oneDNN path that the benchmarks time, not only plain F.linear.
 _PACKABLE = {"hidden_size": 512, "intermediate_size": 1536, "num_hidden_layers": 4, "num_attention_heads": 8}
@@ -131,8 +171,14 @@ def ray_session():
     assert os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] == "0"  # set above, before Ray loads
     before = listening_sockets()
     temp_dir = tempfile.mkdtemp(prefix="ss")
-    ray.init(address="local", _temp_dir=temp_dir, include_dashboard=False, log_to_driver=False,
-             _node_ip_address="127.0.0.1", num_cpus=2)  # fmt: skip
+    ray.init(
+        address="local",
+        _temp_dir=temp_dir,
+        include_dashboard=False,
+        log_to_driver=False,
+        _node_ip_address="127.0.0.1",
+        num_cpus=2,
+    )
     yield {"listening_before": before}
     ray.shutdown()
     shutil.rmtree(temp_dir, ignore_errors=True)
@@ -142,7 +188,7 @@ def ray_session():
 def serving_model(tmp_path_factory):
     """The tiny preset in fp32, with one extra EOS id: the 4th greedy token of EOS_PROMPT, so that a
     request can end on EOS deterministically."""
-    from engine import LLM, SamplingParams
+    from splitserve.engine import LLM, SamplingParams
     from splitserve.make_model import make_model
 
     path = make_model("tiny", tmp_path_factory.mktemp("serving") / "tiny", dtype="float32", seed=0)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from worker_common.affinity import format_cpu_list, parse_cpu_list, parse_cpu_sets, thread_count
+from splitserve.worker_common.affinity import format_cpu_list, parse_cpu_list, parse_cpu_sets, thread_count
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -28,11 +28,22 @@ def test_one_set_for_all_replicas_or_one_per_replica():
     assert thread_count(None, (0, 1)) == 2 and thread_count(1, (0, 1)) == 1 and thread_count(None, None) is None
 
 
-@pytest.mark.parametrize(("value", "message"), [
-    ("", "not a cpu list"), ("1-", "not a cpu list"), ("a", "not a cpu list"), ("3-1", "runs backwards"),
-    ([], "non-empty"), ([0, 0], "cpu 0 is listed twice"), ("0-2,1", "cpu 1 is listed twice"), ([-1], "ints >= 0"),
-    ([True], "ints >= 0"), ([0.5], "ints >= 0"), ("0-1|1-2", "replicas 0 and 1 share cpu 1"),
-])
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ("", "not a cpu list"),
+        ("1-", "not a cpu list"),
+        ("a", "not a cpu list"),
+        ("3-1", "runs backwards"),
+        ([], "non-empty"),
+        ([0, 0], "cpu 0 is listed twice"),
+        ("0-2,1", "cpu 1 is listed twice"),
+        ([-1], "ints >= 0"),
+        ([True], "ints >= 0"),
+        ([0.5], "ints >= 0"),
+        ("0-1|1-2", "replicas 0 and 1 share cpu 1"),
+    ],
+)
 def test_bad_cpu_sets_are_refused(value, message):
     with pytest.raises(ValueError, match=message):
         parse_cpu_sets(value)
@@ -40,7 +51,7 @@ def test_bad_cpu_sets_are_refused(value, message):
 
 PIN = """
 import os, threading
-from worker_common.affinity import pin
+from splitserve.worker_common.affinity import pin
 early = threading.Thread(target=threading.Event().wait, args=(5,), daemon=True)
 early.start()  # a thread that runs before the pin moves too
 pin((CPU,))
@@ -61,14 +72,20 @@ def test_pin_moves_every_thread_and_refuses_cpus_the_process_may_not_use():
     usable = sorted(os.sched_getaffinity(0))
     cpu, missing = usable[-1], max(usable) + 1
     code = PIN.replace("MISSING", str(missing)).replace("CPU", str(cpu))
-    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith(f"cpus: {missing} not usable on this node") and f"may run on {cpu})" in done.stdout
 
 
 def test_worker_cli_refuses_bad_cpus_before_loading_anything(capsys):
-    from worker_common.cli import main
+    from splitserve.worker_common.cli import main
 
     with pytest.raises(SystemExit):
         main("decode", ["--model", "/nowhere", "--cpus", "1-0"])

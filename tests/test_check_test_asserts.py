@@ -26,7 +26,10 @@ def write(folder: Path, name: str, source: str) -> Path:
 
 
 def test_a_test_without_an_assert_is_flagged_by_file_and_line(tmp_path):
-    write(tmp_path, "helpers.py", """
+    write(
+        tmp_path,
+        "helpers.py",
+        """
         def verify_things(x):
             assert x
 
@@ -35,8 +38,12 @@ def test_a_test_without_an_assert_is_flagged_by_file_and_line(tmp_path):
 
         def quiet(x):
             return x
-    """)
-    write(tmp_path, "test_sample.py", """
+    """,
+    )
+    write(
+        tmp_path,
+        "test_sample.py",
+        """
         import pytest
 
         def test_direct():
@@ -62,7 +69,8 @@ def test_a_test_without_an_assert_is_flagged_by_file_and_line(tmp_path):
         @pytest.fixture
         def test_like_fixture():
             return 1
-    """)
+    """,
+    )
     checker = load_checker()
     offenders = checker.find_offenders(checker.test_files([tmp_path]))
     assert len(offenders) == 2, offenders

@@ -8,8 +8,9 @@ import sys
 
 
 def run_cli(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "splitserve.cli", *args], capture_output=True, text=True,
-                          timeout=120, check=check)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "splitserve.cli", *args], capture_output=True, text=True, timeout=120, check=check
+    )
 
 
 def test_make_model_then_generate(tmp_path):
@@ -17,8 +18,9 @@ def test_make_model_then_generate(tmp_path):
     made = run_cli("make-model", "--preset", "tiny", "--dtype", "float32", "--out", str(out))
     assert "wrote tiny" in made.stdout
     assert (out / "config.json").is_file() and (out / "tokenizer.json").is_file()
-    gen = run_cli("generate", "--model", str(out), "--prompt", "Hello", "--prompt", "def f(x):",
-                  "--max-tokens", "6", "--json")  # fmt: skip
+    gen = run_cli(
+        "generate", "--model", str(out), "--prompt", "Hello", "--prompt", "def f(x):", "--max-tokens", "6", "--json"
+    )
     lines = [json.loads(line) for line in gen.stdout.splitlines()]
     assert [line["prompt"] for line in lines] == ["Hello", "def f(x):"]
     for line in lines:

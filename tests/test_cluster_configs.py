@@ -136,8 +136,15 @@ def test_aws_config_does_not_let_defaults_leak_in():
     # prepare_config merges the provider's defaults.yaml under the file: every list the defaults set
     # (e.g. a nightly Ray wheel in setup_commands) must be the file's own.
     raw = load(AWS)
-    for key in ("setup_commands", "head_setup_commands", "worker_setup_commands", "head_start_ray_commands",
-                "worker_start_ray_commands", "file_mounts", "initialization_commands"):
+    for key in (
+        "setup_commands",
+        "head_setup_commands",
+        "worker_setup_commands",
+        "head_start_ray_commands",
+        "worker_start_ray_commands",
+        "file_mounts",
+        "initialization_commands",
+    ):
         assert key in raw, key
     assert raw["file_mounts"] == {"~/splitserve": "."}
     assert any("pip install -e ~/splitserve" in c for c in raw["setup_commands"])

@@ -17,8 +17,13 @@ def test_defaults_and_overrides():
 
 
 def test_cpus_set_threads_and_ray_cpus_unless_given():
-    config = DeploymentConfig.from_dict({"prefill": {"cpus": [0]}, "decode": {"cpus": "1-2", "threads": 1},
-                                         "colocated": {"cpus": "0-1|2-3", "replicas": 1, "num_cpus": 0.5}})
+    config = DeploymentConfig.from_dict(
+        {
+            "prefill": {"cpus": [0]},
+            "decode": {"cpus": "1-2", "threads": 1},
+            "colocated": {"cpus": "0-1|2-3", "replicas": 1, "num_cpus": 0.5},
+        }
+    )
     p, d, c = config.prefill, config.decode, config.colocated
     assert (p.cpu_set(0), p.worker_threads(0), p.worker_num_cpus(0)) == ((0,), 1, 1.0)
     assert (d.cpu_set(3), d.worker_threads(3), d.worker_num_cpus(3)) == ((1, 2), 1, 2.0)  # one set: all share it
@@ -31,9 +36,17 @@ def test_cpus_set_threads_and_ray_cpus_unless_given():
 
 
 def test_kill_points_go_to_their_worker_only():
-    config = DeploymentConfig.from_dict({"faults": {"kill": [
-        {"target": "decode-1", "at": "transfer", "after": 2}, {"target": "prefill-0", "at": "prefill", "after": 3},
-        {"target": "router", "at": "decode", "after": 50}]}})  # fmt: skip
+    config = DeploymentConfig.from_dict(
+        {
+            "faults": {
+                "kill": [
+                    {"target": "decode-1", "at": "transfer", "after": 2},
+                    {"target": "prefill-0", "at": "prefill", "after": 3},
+                    {"target": "router", "at": "decode", "after": 50},
+                ]
+            }
+        }
+    )
     step, transfer = config.worker_faults("prefill-0")
     assert (step.die_at, step.die_after, transfer) == ("prefill", 3, ())
     step, transfer = config.worker_faults("decode-1")
@@ -46,8 +59,10 @@ def test_kill_points_go_to_their_worker_only():
 
 def test_from_file(tmp_path):
     path = tmp_path / "deploy.yaml"
-    path.write_text("model: /m\nprefill: {replicas: 2, threads: 1}\ntransfer: {op_timeout_s: 2.5}\n"
-                    "faults: {transfer: [{role: sender, action: pause, after_messages: 1, seconds: 1}]}\n")  # fmt: skip
+    path.write_text(
+        "model: /m\nprefill: {replicas: 2, threads: 1}\ntransfer: {op_timeout_s: 2.5}\n"
+        "faults: {transfer: [{role: sender, action: pause, after_messages: 1, seconds: 1}]}\n"
+    )
     config = DeploymentConfig.from_file(path)
     assert config.model == "/m" and config.prefill.replicas == 2 and config.transfer.op_timeout_s == 2.5
     assert config.faults.transfer[0].action == "pause"
@@ -145,8 +160,11 @@ def test_metrics_and_log_settings_reach_the_router_and_every_worker():
     off = Deployment(DeploymentConfig(model="m"))
     assert off.config.router_config("m").metrics_port is None
     assert off._worker_config("decode", "decode-0").metrics_port is None
-    on = Deployment(DeploymentConfig.from_dict({"model": "m", "metrics_port": 9400, "metrics_host": "10.0.0.5",
-                                                "log_format": "json"}))  # fmt: skip
+    on = Deployment(
+        DeploymentConfig.from_dict(
+            {"model": "m", "metrics_port": 9400, "metrics_host": "10.0.0.5", "log_format": "json"}
+        )
+    )
     router = on.config.router_config("m")
     assert (router.metrics_port, router.metrics_host) == (9400, "10.0.0.5")
     for role in ("prefill", "decode"):

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.model_config import ModelConfig
+from splitserve.engine.model_config import ModelConfig
 from splitserve.make_model import PRESETS
 
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "gpu_bench.py"
@@ -42,14 +42,25 @@ def make_result(ms_q1: float, ms_l1: float, ms_l32: float, bound_l1: float) -> d
         return {"ms_per_step": ms, "bytes_bound_ms": bound, "mean_context": 128.0, "tok_s": 1e3 / ms}
 
     return {
-        "device": "cuda", "dtype": "bfloat16", "copy_bandwidth_gb_s": 4000.0, "gemm_peak_flops": 1e15,
+        "device": "cuda",
+        "dtype": "bfloat16",
+        "copy_bandwidth_gb_s": 4000.0,
+        "gemm_peak_flops": 1e15,
         "models": {
-            "qwen2.5-0.5b": {"splitserve": {"decode_1": decode(ms_q1), "prefill_2048": 1e5},
-                             "transformers": {"decode_1": {"ms_per_step": 2 * ms_q1}},
-                             "prefill_flops": {2048: 2048 * 2e9}},
-            "llama3.1-8b": {"splitserve": {"decode_1": decode(ms_l1, bound_l1), "decode_32": decode(ms_l32),
-                                           "prefill_2048": "timed out"},
-                            "transformers": {}, "prefill_flops": {2048: 2048 * 3e10}},
+            "qwen2.5-0.5b": {
+                "splitserve": {"decode_1": decode(ms_q1), "prefill_2048": 1e5},
+                "transformers": {"decode_1": {"ms_per_step": 2 * ms_q1}},
+                "prefill_flops": {2048: 2048 * 2e9},
+            },
+            "llama3.1-8b": {
+                "splitserve": {
+                    "decode_1": decode(ms_l1, bound_l1),
+                    "decode_32": decode(ms_l32),
+                    "prefill_2048": "timed out",
+                },
+                "transformers": {},
+                "prefill_flops": {2048: 2048 * 3e10},
+            },
         },
     }
 

@@ -17,42 +17,98 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 from tokenizers import Tokenizer
 
-from engine.model_config import ModelConfig
 from splitserve.bpe_tokenizer import corpus_texts, train_tokenizer
+from splitserve.engine.model_config import ModelConfig
 from splitserve.make_model import DEFAULT_SHARD_BYTES, PRESETS, make_model, write_random_checkpoint
 from splitserve.random_weights import _pack_shards, random_weights, tensor_shapes
 
 # Qwen/Qwen2.5-0.5B's config.json (the base model: bos = eos = <|endoftext|>), less the keys that vary.
 QWEN25_05B_CONFIG = {
-    "architectures": ["Qwen2ForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 151643,
-    "eos_token_id": 151643, "hidden_act": "silu", "hidden_size": 896, "initializer_range": 0.02,
-    "intermediate_size": 4864, "max_position_embeddings": 32768, "model_type": "qwen2", "num_attention_heads": 14,
-    "num_hidden_layers": 24, "num_key_value_heads": 2, "rms_norm_eps": 1e-06, "rope_theta": 1000000.0,
-    "tie_word_embeddings": True, "use_cache": True, "use_sliding_window": False, "vocab_size": 151936,
+    "architectures": ["Qwen2ForCausalLM"],
+    "attention_dropout": 0.0,
+    "bos_token_id": 151643,
+    "eos_token_id": 151643,
+    "hidden_act": "silu",
+    "hidden_size": 896,
+    "initializer_range": 0.02,
+    "intermediate_size": 4864,
+    "max_position_embeddings": 32768,
+    "model_type": "qwen2",
+    "num_attention_heads": 14,
+    "num_hidden_layers": 24,
+    "num_key_value_heads": 2,
+    "rms_norm_eps": 1e-06,
+    "rope_theta": 1000000.0,
+    "tie_word_embeddings": True,
+    "use_cache": True,
+    "use_sliding_window": False,
+    "vocab_size": 151936,
 }
 QWEN25_CONFIG_KEYS = {*QWEN25_05B_CONFIG, "max_window_layers", "sliding_window", "torch_dtype", "transformers_version"}
 # meta-llama/Llama-3.1-8B's config.json as published.
 LLAMA31_8B_CONFIG = {
-    "architectures": ["LlamaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 128000,
-    "eos_token_id": 128001, "hidden_act": "silu", "hidden_size": 4096, "initializer_range": 0.02,
-    "intermediate_size": 14336, "max_position_embeddings": 131072, "mlp_bias": False, "model_type": "llama",
-    "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 8, "pretraining_tp": 1,
-    "rms_norm_eps": 1e-05, "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                            "original_max_position_embeddings": 8192, "rope_type": "llama3"},
-    "rope_theta": 500000.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
-    "transformers_version": "4.43.0.dev0", "use_cache": True, "vocab_size": 128256,
+    "architectures": ["LlamaForCausalLM"],
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "bos_token_id": 128000,
+    "eos_token_id": 128001,
+    "hidden_act": "silu",
+    "hidden_size": 4096,
+    "initializer_range": 0.02,
+    "intermediate_size": 14336,
+    "max_position_embeddings": 131072,
+    "mlp_bias": False,
+    "model_type": "llama",
+    "num_attention_heads": 32,
+    "num_hidden_layers": 32,
+    "num_key_value_heads": 8,
+    "pretraining_tp": 1,
+    "rms_norm_eps": 1e-05,
+    "rope_scaling": {
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+        "rope_type": "llama3",
+    },
+    "rope_theta": 500000.0,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "transformers_version": "4.43.0.dev0",
+    "use_cache": True,
+    "vocab_size": 128256,
 }
-LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                  "original_max_position_embeddings": 1024}
-PROMPTS = ["Hello, how are you?", "The capital of France is", "def main():", "Once upon a time",
-           "Write a poem about the sea.", "x = [i for i in range(10)]"]
+LLAMA3_SCALING = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 1024,
+}
+PROMPTS = [
+    "Hello, how are you?",
+    "The capital of France is",
+    "def main():",
+    "Once upon a time",
+    "Write a poem about the sea.",
+    "x = [i for i in range(10)]",
+]
 
 
 def make_llama_config(**overrides) -> dict:
     config = {
-        "architectures": ["LlamaForCausalLM"], "vocab_size": 2048, "hidden_size": 128, "intermediate_size": 384,
-        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 4096,
-        "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "rope_scaling": LLAMA3_SCALING, "attention_bias": True,
+        "architectures": ["LlamaForCausalLM"],
+        "vocab_size": 2048,
+        "hidden_size": 128,
+        "intermediate_size": 384,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0,
+        "rope_scaling": LLAMA3_SCALING,
+        "attention_bias": True,
         "tie_word_embeddings": False,
     }
     return {**config, **overrides}
@@ -60,9 +116,18 @@ def make_llama_config(**overrides) -> dict:
 
 def make_mistral_config(**overrides) -> dict:
     config = {
-        "architectures": ["MistralForCausalLM"], "vocab_size": 2048, "hidden_size": 128, "intermediate_size": 384,
-        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 48,
-        "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "sliding_window": 16,
+        "architectures": ["MistralForCausalLM"],
+        "vocab_size": 2048,
+        "hidden_size": 128,
+        "intermediate_size": 384,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 48,
+        "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "sliding_window": 16,
         "tie_word_embeddings": False,
     }
     return {**config, **overrides}
@@ -88,14 +153,14 @@ def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def arch_dirs(tmp_path_factory: pytest.TempPathFactory, tiny_dir: Path) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("arch")
-    return {"qwen2": tiny_dir, **{name: write_random_checkpoint(root / name, ARCH_CONFIGS[name])
-                                  for name in ("llama", "mistral")}}
+    return {
+        "qwen2": tiny_dir,
+        **{name: write_random_checkpoint(root / name, ARCH_CONFIGS[name]) for name in ("llama", "mistral")},
+    }
 
 
 def load_hf_model(path: Path) -> transformers.PreTrainedModel:
-    model, info = transformers.AutoModelForCausalLM.from_pretrained(
-        path, dtype=torch.float32, output_loading_info=True
-    )
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, output_loading_info=True)
     assert not any(info.get(key) for key in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
     return model.eval()
 
@@ -134,20 +199,33 @@ def test_llama31_8b_preset_is_the_published_config():
 def test_config_only_writes_no_weights(tmp_path: Path):
     path = make_model("tiny", tmp_path, config_only=True)
     assert sorted(p.name for p in path.iterdir()) == [
-        "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"]
+        "config.json",
+        "generation_config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ]
     config = transformers.AutoConfig.from_pretrained(path)
     assert (config.hidden_size, config.vocab_size) == (PRESETS["tiny"]["hidden_size"], PRESETS["tiny"]["vocab_size"])
 
 
 def test_tiny_checkpoint_files(tiny_dir: Path):
     assert sorted(p.name for p in tiny_dir.iterdir()) == [
-        "config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ]
     config = json.loads((tiny_dir / "config.json").read_text())
     assert set(config) == QWEN25_CONFIG_KEYS
     assert config["torch_dtype"] == "float32" and config["sliding_window"] is None
     assert json.loads((tiny_dir / "generation_config.json").read_text()) == {
-        "bos_token_id": 2045, "do_sample": False, "eos_token_id": [2047, 2045], "pad_token_id": 2045,
-        "transformers_version": "4.43.1"}
+        "bos_token_id": 2045,
+        "do_sample": False,
+        "eos_token_id": [2047, 2045],
+        "pad_token_id": 2045,
+        "transformers_version": "4.43.1",
+    }
     with safe_open(tiny_dir / "model.safetensors", "pt") as f:
         assert f.metadata() == {"format": "pt"}
         assert "lm_head.weight" not in f.keys()
@@ -179,11 +257,15 @@ def test_random_tensors_are_contiguous_and_do_not_share_storage():
         assert len({t.untyped_storage().data_ptr() for t in tensors.values()}) == len(tensors)
 
 
-@pytest.mark.parametrize("scaling", [
-    LLAMA3_SCALING,
-    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024},
-    {"type": "linear", "factor": 2.0},
-], ids=["llama3", "yarn", "linear"])
+@pytest.mark.parametrize(
+    "scaling",
+    [
+        LLAMA3_SCALING,
+        {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024},
+        {"type": "linear", "factor": 2.0},
+    ],
+    ids=["llama3", "yarn", "linear"],
+)
 def test_legacy_and_current_config_forms_give_identical_rope(scaling: dict, tmp_path: Path):
     config = make_llama_config(rope_scaling=scaling)
     legacy = write_random_checkpoint(tmp_path / "legacy", config, config_format="legacy")
@@ -198,8 +280,9 @@ def test_legacy_and_current_config_forms_give_identical_rope(scaling: dict, tmp_
     assert legacy_json["rope_scaling"]["rope_type"] == current_json["rope_parameters"]["rope_type"] == rope_type
     assert current_json["rope_parameters"]["rope_theta"] == 500000.0
 
-    models = {name: load_hf_model(path) for name, path in
-              [("legacy", legacy), ("current", current), ("unscaled", unscaled)]}
+    models = {
+        name: load_hf_model(path) for name, path in [("legacy", legacy), ("current", current), ("unscaled", unscaled)]
+    }
     assert models["legacy"].config.rope_parameters == models["current"].config.rope_parameters
     inv_freqs = {name: m.model.rotary_emb.inv_freq for name, m in models.items()}
     assert torch.equal(inv_freqs["legacy"], inv_freqs["current"])
@@ -247,8 +330,10 @@ def test_chat_template_renders_chatml(tiny_dir: Path):
     tokenizer = transformers.AutoTokenizer.from_pretrained(tiny_dir)
     messages = [{"role": "user", "content": "Hi there"}]
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    assert text == ("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
-                    "<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n")
+    assert text == (
+        "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
+        "<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n"
+    )
     with_system = [{"role": "system", "content": "Be brief."}, *messages]
     text = tokenizer.apply_chat_template(with_system, tokenize=False, add_generation_prompt=False)
     assert text == "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi there<|im_end|>\n"
@@ -264,8 +349,14 @@ def test_qwen_layout_keeps_real_special_ids_and_pads_above_them(tmp_path: Path):
     assert tokenizer.encode("<|im_end|>").ids == [151645]
 
     # The preset's ids end up in the files (shrunk to one narrow layer: the real one is ~1 GB).
-    narrow = {**PRESETS["qwen2.5-0.5b"], "hidden_size": 32, "intermediate_size": 32, "num_hidden_layers": 1,
-              "num_attention_heads": 2, "num_key_value_heads": 1}
+    narrow = {
+        **PRESETS["qwen2.5-0.5b"],
+        "hidden_size": 32,
+        "intermediate_size": 32,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+    }
     path = write_random_checkpoint(tmp_path, narrow, dtype="bfloat16", tokenizer=tokenizer)
     config = json.loads((path / "config.json").read_text())
     assert (config["bos_token_id"], config["eos_token_id"]) == (151643, 151643)
@@ -276,7 +367,7 @@ def test_qwen_layout_keeps_real_special_ids_and_pads_above_them(tmp_path: Path):
 def shortest_loop(tokens: list[int], max_period: int = 4, repeats: int = 3) -> int | None:
     """The smallest period p <= max_period with which `tokens` ends in `repeats` identical blocks."""
     for period in range(1, max_period + 1):
-        tail = tokens[-period * repeats:]
+        tail = tokens[-period * repeats :]
         if len(tail) == period * repeats and tail == tail[:period] * repeats:
             return period
     return None
@@ -292,10 +383,15 @@ def test_greedy_generation_is_not_degenerate(arch: str, arch_dirs: dict[str, Pat
         input_ids = tokenizer(prompt, return_tensors="pt").input_ids
         with torch.no_grad():
             result = model.generate(
-                input_ids, max_new_tokens=40, do_sample=False, eos_token_id=None, pad_token_id=0,
-                output_scores=True, return_dict_in_generate=True,
+                input_ids,
+                max_new_tokens=40,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+                output_scores=True,
+                return_dict_in_generate=True,
             )
-        new_tokens = result.sequences[0, input_ids.shape[1]:].tolist()
+        new_tokens = result.sequences[0, input_ids.shape[1] :].tolist()
         assert len(new_tokens) == 40
         assert len(set(new_tokens)) >= 8, (prompt, new_tokens)
         assert shortest_loop(new_tokens[:32]) is None, (prompt, new_tokens)
@@ -353,5 +449,10 @@ def test_overwrite_replaces_a_sharded_checkpoint(tmp_path: Path):
     (tmp_path / "notes.txt").write_text("keep me")
     make_model("tiny", tmp_path, overwrite=True)
     assert sorted(p.name for p in tmp_path.iterdir()) == [
-        "config.json", "generation_config.json", "model.safetensors", "notes.txt", "tokenizer.json",
-        "tokenizer_config.json"]
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "notes.txt",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ]

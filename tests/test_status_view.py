@@ -11,27 +11,43 @@ def make_status(workers=(), **fields) -> pb.GetStatusResponse:
 
 
 def make_worker(worker_id: str, healthy: bool = True, **fields) -> pb.WorkerStatus:
-    return pb.WorkerStatus(worker_id=worker_id, role=worker_id.split("-")[0], node_id="ab" * 20, healthy=healthy,
-                           address=f"10.0.0.{len(worker_id)}:7000", **fields)  # fmt: skip
+    return pb.WorkerStatus(
+        worker_id=worker_id,
+        role=worker_id.split("-")[0],
+        node_id="ab" * 20,
+        healthy=healthy,
+        address=f"10.0.0.{len(worker_id)}:7000",
+        **fields,
+    )
 
 
 def test_table_rows_summary_and_alignment():
-    status = make_status([
-        make_worker("prefill-10", kv_blocks_total=1000, kv_blocks_in_use=250, kv_blocks_cached=40, running=3),
-        make_worker("prefill-2", metrics_address="10.0.0.9:9100", cpus="0-3,8", threads=5),
-        make_worker("decode-0", healthy=False, waiting=12),
-    ], queued_requests=5, running_requests=7, metrics_address="127.0.0.1:9400")  # fmt: skip
+    status = make_status(
+        [
+            make_worker("prefill-10", kv_blocks_total=1000, kv_blocks_in_use=250, kv_blocks_cached=40, running=3),
+            make_worker("prefill-2", metrics_address="10.0.0.9:9100", cpus="0-3,8", threads=5),
+            make_worker("decode-0", healthy=False, waiting=12),
+        ],
+        queued_requests=5,
+        running_requests=7,
+        metrics_address="127.0.0.1:9400",
+    )
     lines = format_status(status, "127.0.0.1:50051").splitlines()
-    assert lines[0] == ("router 127.0.0.1:50051  model tiny  queued 5  running 7  workers 2/3 healthy  "
-                        "metrics 127.0.0.1:9400")  # fmt: skip
+    assert lines[0] == (
+        "router 127.0.0.1:50051  model tiny  queued 5  running 7  workers 2/3 healthy  metrics 127.0.0.1:9400"
+    )
     assert lines[1].split() == [w for c in COLUMNS for w in c.split()]
     assert [line.split()[0] for line in lines[2:]] == ["decode-0", "prefill-2", "prefill-10"]
     decode, small, big = (line.split() for line in lines[2:])
     assert decode[3] == "DOWN" and decode[5] == "12" and decode[2] == "ab" * 6 and decode[-1] == "-"
     assert big[6:8] == ["250/1000", "(25%)"] and big[8] == "40" and big[4] == "3"
     assert small[-1] == "10.0.0.9:9100" and small[9:11] == ["0-3,8", "5"] and big[9:11] == ["-", "0"]
-    for column, prefix in [("ROLE", ("decode", "prefill")), ("CPUS", ("-", "0-3,8")), ("ADDRESS", ("10.0.0.",)),
-                           ("METRICS", ("-", "10.0"))]:
+    for column, prefix in [
+        ("ROLE", ("decode", "prefill")),
+        ("CPUS", ("-", "0-3,8")),
+        ("ADDRESS", ("10.0.0.",)),
+        ("METRICS", ("-", "10.0")),
+    ]:
         offset = lines[1].index(column)  # every cell starts under its header
         assert all(line[offset:].startswith(prefix) for line in lines[2:]), column
     running = lines[1].index("RUN") + len("RUN")  # numbers end under theirs

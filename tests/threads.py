@@ -8,7 +8,8 @@ if it is still running, re-raises what it raised, and returns what it returned.
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 
 class Background:

@@ -92,8 +92,10 @@ def pin(cpus: CpuSet) -> None:
     usable = set(usable_cpus())
     outside = [c for c in cpus if c not in usable]
     if outside:
-        raise ValueError(f"cpus: {format_cpu_list(outside)} not usable on this node (pid {os.getpid()} may "
-                         f"run on {format_cpu_list(usable)})")
+        raise ValueError(
+            f"cpus: {format_cpu_list(outside)} not usable on this node (pid {os.getpid()} may "
+            f"run on {format_cpu_list(usable)})"
+        )
     for tid in sorted(int(t) for t in os.listdir("/proc/self/task")):
         try:
             os.sched_setaffinity(tid, cpus)

@@ -27,17 +27,17 @@ from pathlib import Path
 import grpc
 import torch
 
-from engine.core import EngineCore
-from kv_transfer.descriptor import LayoutFingerprint
-from splitserve.rpc import workers_pb2 as wpb
-from splitserve.rpc.options import SERVER_OPTIONS
+from splitserve.engine.core import EngineCore
+from splitserve.kv_transfer.descriptor import LayoutFingerprint
 from splitserve.observability.exporter import MetricsServer
+from splitserve.rpc import workers_pb2 as wpb
 from splitserve.rpc.auth import server_interceptors
+from splitserve.rpc.options import SERVER_OPTIONS
 from splitserve.v1 import splitserve_pb2 as pb
-from worker_common.affinity import format_cpu_list, pin, usable_cpus
-from worker_common.config import WorkerConfig
-from worker_common.metrics import WorkerMetrics
-from worker_common.registration import Registration
+from splitserve.worker_common.affinity import format_cpu_list, pin, usable_cpus
+from splitserve.worker_common.config import WorkerConfig
+from splitserve.worker_common.metrics import WorkerMetrics
+from splitserve.worker_common.registration import Registration
 
 log = logging.getLogger("splitserve.worker")
 
@@ -62,10 +62,14 @@ class WorkerBase:
         self.core = EngineCore(config.engine, record_block_events=config.role == "prefill")
         self.lock = threading.RLock()
         self.fingerprint = LayoutFingerprint(
-            config.model_name or Path(config.engine.model_dir).name, str(self.core.dtype).removeprefix("torch."),
-            config.engine.block_size, self.core.model_config.num_layers, self.core.model_config.num_kv_heads,
-            self.core.model_config.head_dim, self.core.weights_checksum,
-        )  # fmt: skip
+            config.model_name or Path(config.engine.model_dir).name,
+            str(self.core.dtype).removeprefix("torch."),
+            config.engine.block_size,
+            self.core.model_config.num_layers,
+            self.core.model_config.num_kv_heads,
+            self.core.model_config.head_dim,
+            self.core.weights_checksum,
+        )
         self.address = ""
         self._inbox: queue.Queue = queue.Queue()
         self._wake = threading.Event()
@@ -89,9 +93,12 @@ class WorkerBase:
         # admits, and calls past it are refused at once (RESOURCE_EXHAUSTED) instead of queueing
         # without a deadline behind busy threads.
         threads = self.max_request_calls() + cfg.transfer.max_pairs + 16  # + status, cache events, pairs
-        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix=f"{cfg.role}-rpc"),
-                                   options=SERVER_OPTIONS, maximum_concurrent_rpcs=threads,
-                                   interceptors=server_interceptors(cfg.security.policy(), aio=False))  # fmt: skip
+        self._server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix=f"{cfg.role}-rpc"),
+            options=SERVER_OPTIONS,
+            maximum_concurrent_rpcs=threads,
+            interceptors=server_interceptors(cfg.security.policy(), aio=False),
+        )
         self.add_services(self._server)
         port = cfg.security.add_port(self._server, f"{cfg.host}:{cfg.port}")
         if port == 0:
@@ -109,10 +116,16 @@ class WorkerBase:
         return self.address
 
     def worker_info(self) -> wpb.WorkerInfo:
-        return wpb.WorkerInfo(role=self.config.role, worker_id=self.config.worker_id, address=self.address,
-                              node=self.config.node or socket.gethostname(), incarnation=self.incarnation,
-                              max_inflight=self.config.max_inflight, block_size=self.config.engine.block_size,
-                              metrics_address=self.metrics_address)  # fmt: skip
+        return wpb.WorkerInfo(
+            role=self.config.role,
+            worker_id=self.config.worker_id,
+            address=self.address,
+            node=self.config.node or socket.gethostname(),
+            incarnation=self.incarnation,
+            max_inflight=self.config.max_inflight,
+            block_size=self.config.engine.block_size,
+            metrics_address=self.metrics_address,
+        )
 
     def drain(self) -> None:
         """Take no new request; finish or hand back the ones held (from the registration thread)."""
@@ -153,8 +166,14 @@ class WorkerBase:
         if self.config.engine.num_threads:
             torch.set_num_threads(self.config.engine.num_threads)
         self.threads = torch.get_num_threads()
-        log.info("%s worker %s: cpus %s%s, %d torch threads", self.config.role, self.config.worker_id, self.cpus,
-                 "" if self.config.cpus is not None else " (not pinned)", self.threads)
+        log.info(
+            "%s worker %s: cpus %s%s, %d torch threads",
+            self.config.role,
+            self.config.worker_id,
+            self.cpus,
+            "" if self.config.cpus is not None else " (not pinned)",
+            self.threads,
+        )
         while not self._stopped.is_set():
             try:
                 while True:
@@ -198,8 +217,13 @@ class WorkerBase:
         faults = self.config.faults
         if faults.die_at == kind:
             if self._steps[kind] == faults.die_after:
-                log.error("%s worker %s: dying at %s step %d (fault point)", self.config.role, self.config.worker_id,
-                          kind, faults.die_after + 1)  # fmt: skip
+                log.error(
+                    "%s worker %s: dying at %s step %d (fault point)",
+                    self.config.role,
+                    self.config.worker_id,
+                    kind,
+                    faults.die_after + 1,
+                )
                 logging.shutdown()
                 os._exit(1)
             self._steps[kind] += 1
@@ -225,12 +249,22 @@ class WorkerBase:
     def status(self, running: int, waiting: int) -> pb.WorkerStatus:
         total, in_use, cached = self.kv_figures()
         return pb.WorkerStatus(
-            role=self.config.role, worker_id=self.config.worker_id, node_id=self.config.node or socket.gethostname(),
-            address=self.address, healthy=not self._stopped.is_set(), running=running, waiting=waiting,
-            kv_blocks_total=total, kv_blocks_in_use=in_use, kv_blocks_cached=cached,
-            incarnation=self.incarnation, metrics_address=self.metrics_address, cpus=self.cpus, threads=self.threads,
+            role=self.config.role,
+            worker_id=self.config.worker_id,
+            node_id=self.config.node or socket.gethostname(),
+            address=self.address,
+            healthy=not self._stopped.is_set(),
+            running=running,
+            waiting=waiting,
+            kv_blocks_total=total,
+            kv_blocks_in_use=in_use,
+            kv_blocks_cached=cached,
+            incarnation=self.incarnation,
+            metrics_address=self.metrics_address,
+            cpus=self.cpus,
+            threads=self.threads,
             decode_graphs=self.core.decode_graphs,
-        )  # fmt: skip
+        )
 
     @property
     def incarnation(self) -> str:

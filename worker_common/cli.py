@@ -1,6 +1,6 @@
-"""Run one worker as a plain process (for debugging): ``python -m prefill_worker --model DIR``.
+"""Run one worker as a plain process (for debugging): ``python -m splitserve.prefill_worker --model DIR``.
 
-It serves until SIGINT or SIGTERM. Point a router at it with ``python -m router --prefill ADDR
+It serves until SIGINT or SIGTERM. Point a router at it with ``python -m splitserve.router --prefill ADDR
 --decode ADDR --model DIR``.
 """
 
@@ -12,10 +12,10 @@ import signal
 import sys
 import threading
 
-from engine.core import EngineConfig
+from splitserve.engine.core import EngineConfig
 from splitserve.observability.logs import configure_logging
-from worker_common.affinity import parse_cpu_list, thread_count
-from worker_common.config import WorkerConfig
+from splitserve.worker_common.affinity import parse_cpu_list, thread_count
+from splitserve.worker_common.config import WorkerConfig
 
 
 def main(role: str, argv: list[str] | None = None) -> int:
@@ -28,13 +28,27 @@ def main(role: str, argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cpu")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-blocks", type=int, default=None)
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: one per --cpus cpu, else torch's)")
-    p.add_argument("--cpus", type=_cpu_list, default=None,
-                   help="pin the process to these cpus before torch starts its threads: '0,1' or '0-1'")
-    p.add_argument("--linear-kernel", choices=["auto", "plain", "packed", "split"], default="auto",
-                   help="CPU linear-layer kernel; auto: timed per weight shape at load (engine/linear_tuner.py)")
-    p.add_argument("--max-inflight", type=int, default=16 if role == "prefill" else 128,
-                   help="prefill: requests before their first token; decode: leases held")
+    p.add_argument(
+        "--threads", type=int, default=None, help="torch threads (default: one per --cpus cpu, else torch's)"
+    )
+    p.add_argument(
+        "--cpus",
+        type=_cpu_list,
+        default=None,
+        help="pin the process to these cpus before torch starts its threads: '0,1' or '0-1'",
+    )
+    p.add_argument(
+        "--linear-kernel",
+        choices=["auto", "plain", "packed", "split"],
+        default="auto",
+        help="CPU linear-layer kernel; auto: timed per weight shape at load (engine/linear_tuner.py)",
+    )
+    p.add_argument(
+        "--max-inflight",
+        type=int,
+        default=16 if role == "prefill" else 128,
+        help="prefill: requests before their first token; decode: leases held",
+    )
     p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics here (0: any free port)")
     p.add_argument("--log-format", choices=["text", "json"], default="text")
     args = p.parse_args(argv)
@@ -42,17 +56,34 @@ def main(role: str, argv: list[str] | None = None) -> int:
     if threads:
         os.environ["OMP_NUM_THREADS"] = str(threads)  # for what this process starts; torch is told directly
     configure_logging(args.log_format, static={"worker_id": args.worker_id, "role": role})
-    engine = EngineConfig(model_dir=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
-                          num_blocks=args.num_blocks, num_threads=threads, linear_kernel=args.linear_kernel,
-                          enable_prefix_caching=role == "prefill")  # fmt: skip
+    engine = EngineConfig(
+        model_dir=args.model,
+        dtype=args.dtype,
+        device=args.device,
+        block_size=args.block_size,
+        num_blocks=args.num_blocks,
+        num_threads=threads,
+        linear_kernel=args.linear_kernel,
+        enable_prefix_caching=role == "prefill",
+    )
     if role == "prefill":
-        from prefill_worker.worker import PrefillWorker as cls
+        from splitserve.prefill_worker.worker import PrefillWorker as cls
     else:
-        from decode_worker.worker import DecodeWorker as cls
+        from splitserve.decode_worker.worker import DecodeWorker as cls
     try:  # a bad setting (cpus not on this machine, too many threads for them) is a usage error
-        worker = cls(WorkerConfig(role=role, worker_id=args.worker_id, engine=engine, host=args.host, port=args.port,
-                                  max_inflight=args.max_inflight, metrics_port=args.metrics_port,
-                                  log_format=args.log_format, cpus=args.cpus))  # fmt: skip
+        worker = cls(
+            WorkerConfig(
+                role=role,
+                worker_id=args.worker_id,
+                engine=engine,
+                host=args.host,
+                port=args.port,
+                max_inflight=args.max_inflight,
+                metrics_port=args.metrics_port,
+                log_format=args.log_format,
+                cpus=args.cpus,
+            )
+        )
     except ValueError as e:
         p.error(str(e))
     stop = threading.Event()

@@ -5,10 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from engine.core import EngineConfig
-from kv_transfer.config import TransferConfig
-from worker_common.affinity import check_cpu_set
+from splitserve.engine.core import EngineConfig
+from splitserve.kv_transfer.config import TransferConfig
 from splitserve.rpc.security import InternalSecurity
+from splitserve.worker_common.affinity import check_cpu_set
 
 
 @dataclass(frozen=True)
@@ -72,5 +72,7 @@ class WorkerConfig:
 def check_threads_fit(threads: int | None, cpus: tuple[int, ...]) -> None:
     """More torch threads than pinned cpus would oversubscribe them: refused."""
     if threads is not None and threads > len(cpus):
-        raise ValueError(f"threads: {threads} threads on {len(cpus)} pinned cpus oversubscribe them; "
-                         f"set threads <= {len(cpus)} or leave it null (one per cpu)")
+        raise ValueError(
+            f"threads: {threads} threads on {len(cpus)} pinned cpus oversubscribe them; "
+            f"set threads <= {len(cpus)} or leave it null (one per cpu)"
+        )

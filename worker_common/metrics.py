@@ -9,7 +9,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from kv_transfer.handles import TransferHandle, TransferState
+from splitserve.kv_transfer.handles import TransferHandle, TransferState
 from splitserve.observability.buckets import BATCH, STEP_S, TOKENS, TRANSFER_S
 
 LABELS = ["worker_id", "role"]
@@ -19,27 +19,52 @@ class WorkerMetrics:
     def __init__(self, worker_id: str, role: str, registry: CollectorRegistry | None = None) -> None:
         self.registry = r = registry or CollectorRegistry()
         self.ids = (worker_id, role)
-        self.steps = Counter("splitserve_engine_steps", "Model steps, by kind (prefill: the step computes prompt "
-                             "tokens; decode: only decodes)", [*LABELS, "kind"], registry=r)  # fmt: skip
-        self.step_seconds = Histogram("splitserve_engine_step_seconds", "One model step (forward and sampling)",
-                                      [*LABELS, "kind"], buckets=STEP_S, registry=r)  # fmt: skip
-        self.batch_requests = Histogram("splitserve_engine_batch_requests", "Requests in one step", LABELS,
-                                        buckets=BATCH, registry=r)  # fmt: skip
-        self.batch_tokens = Histogram("splitserve_engine_batch_tokens", "Tokens computed in one step", LABELS,
-                                      buckets=TOKENS, registry=r)  # fmt: skip
-        self.cache_queries = Counter("splitserve_engine_prefix_cache_queries", "Tokens prefilled, looked up in the "
-                                     "prefix cache", LABELS, registry=r).labels(*self.ids)  # fmt: skip
-        self.cache_hits = Counter("splitserve_engine_prefix_cache_hits", "Of those, tokens found there", LABELS,
-                                  registry=r).labels(*self.ids)  # fmt: skip
-        self.transfers = Counter("splitserve_engine_kv_transfers", "KV transfers ended, by direction (sent, "
-                                 "received) and result (done, failed, cancelled)",
-                                 [*LABELS, "direction", "result"], registry=r)  # fmt: skip
-        self.transfer_bytes = Counter("splitserve_engine_kv_transfer_bytes", "KV payload bytes moved",
-                                      [*LABELS, "direction"], registry=r)  # fmt: skip
-        self.transfer_seconds = Histogram("splitserve_engine_kv_transfer_seconds", "A done transfer's active "
-                                          "time: its first payload until the last was acknowledged (sent) or "
-                                          "landed (received)", [*LABELS, "direction"], buckets=TRANSFER_S,
-                                          registry=r)  # fmt: skip
+        self.steps = Counter(
+            "splitserve_engine_steps",
+            "Model steps, by kind (prefill: the step computes prompt tokens; decode: only decodes)",
+            [*LABELS, "kind"],
+            registry=r,
+        )
+        self.step_seconds = Histogram(
+            "splitserve_engine_step_seconds",
+            "One model step (forward and sampling)",
+            [*LABELS, "kind"],
+            buckets=STEP_S,
+            registry=r,
+        )
+        self.batch_requests = Histogram(
+            "splitserve_engine_batch_requests", "Requests in one step", LABELS, buckets=BATCH, registry=r
+        )
+        self.batch_tokens = Histogram(
+            "splitserve_engine_batch_tokens", "Tokens computed in one step", LABELS, buckets=TOKENS, registry=r
+        )
+        self.cache_queries = Counter(
+            "splitserve_engine_prefix_cache_queries",
+            "Tokens prefilled, looked up in the prefix cache",
+            LABELS,
+            registry=r,
+        ).labels(*self.ids)
+        self.cache_hits = Counter(
+            "splitserve_engine_prefix_cache_hits", "Of those, tokens found there", LABELS, registry=r
+        ).labels(*self.ids)
+        self.transfers = Counter(
+            "splitserve_engine_kv_transfers",
+            "KV transfers ended, by direction (sent, received) and result (done, failed, cancelled)",
+            [*LABELS, "direction", "result"],
+            registry=r,
+        )
+        self.transfer_bytes = Counter(
+            "splitserve_engine_kv_transfer_bytes", "KV payload bytes moved", [*LABELS, "direction"], registry=r
+        )
+        self.transfer_seconds = Histogram(
+            "splitserve_engine_kv_transfer_seconds",
+            "A done transfer's active "
+            "time: its first payload until the last was acknowledged (sent) or "
+            "landed (received)",
+            [*LABELS, "direction"],
+            buckets=TRANSFER_S,
+            registry=r,
+        )
 
     def watch(self, worker) -> None:
         """Read the worker's load, KV blocks and pairs at every scrape."""
@@ -76,20 +101,28 @@ class _WorkerCollector:
         status = self.worker.status_message()
         figures = [
             ("splitserve_engine_requests_running", "Requests being computed", status.running),
-            ("splitserve_engine_requests_waiting", "Requests queued (prefill) or waiting for their KV (decode)",
-             status.waiting),
+            (
+                "splitserve_engine_requests_waiting",
+                "Requests queued (prefill) or waiting for their KV (decode)",
+                status.waiting,
+            ),
             ("splitserve_engine_kv_blocks_capacity", "KV blocks of this worker", status.kv_blocks_total),
-            ("splitserve_engine_kv_blocks_in_use", "KV blocks held by live requests or transfers",
-             status.kv_blocks_in_use),
+            (
+                "splitserve_engine_kv_blocks_in_use",
+                "KV blocks held by live requests or transfers",
+                status.kv_blocks_in_use,
+            ),
             ("splitserve_engine_kv_blocks_cached", "Evictable prefix-cache blocks", status.kv_blocks_cached),
             ("splitserve_engine_kv_pairs", "Open KV-transfer pair groups", self.worker.kv_pairs()),
-        ]  # fmt: skip
+        ]
         for name, help_text, value in figures:
             family = GaugeMetricFamily(name, help_text, labels=LABELS)
             family.add_metric(self.ids, value)
             yield family
-        preemptions = CounterMetricFamily("splitserve_engine_preemptions", "Requests preempted for lack of KV "
-                                          "blocks (decode: handed back to the router; colocated: recomputed)",
-                                          labels=LABELS)  # fmt: skip
+        preemptions = CounterMetricFamily(
+            "splitserve_engine_preemptions",
+            "Requests preempted for lack of KV blocks (decode: handed back to the router; colocated: recomputed)",
+            labels=LABELS,
+        )
         preemptions.add_metric(self.ids, self.worker.scheduler.num_preemptions)
         yield preemptions

@@ -23,8 +23,13 @@ log = logging.getLogger("splitserve.worker")
 
 
 class Registration:
-    def __init__(self, router_address: str, info: Callable[[], wpb.WorkerInfo], on_drain: Callable[[], None],
-                 security: InternalSecurity | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        router_address: str,
+        info: Callable[[], wpb.WorkerInfo],
+        on_drain: Callable[[], None],
+        security: InternalSecurity | None = None,
+    ) -> None:
         self.router_address, self._info, self._on_drain = router_address, info, on_drain
         self.security = security or InternalSecurity()
         self.registered = threading.Event()

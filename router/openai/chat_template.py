@@ -2,7 +2,7 @@
 renders it, without transformers (the router is torch-free).
 
 The template comes from the model folder (``chat_template.jinja``, else ``tokenizer_config.json``'s
-``chat_template``; engine.tokenizer reads both). It is the operator's code, run in jinja2's immutable
+``chat_template``; splitserve.engine.tokenizer reads both). It is the operator's code, run in jinja2's immutable
 sandbox with what transformers provides: ``trim_blocks``, ``lstrip_blocks``, loop controls, a
 ``tojson`` that does not escape HTML, ``raise_exception``, ``strftime_now``, the ``{% generation %}``
 tag, and the tokenizer's ``bos_token`` and ``eos_token``. Messages are the client's data: special
@@ -23,7 +23,7 @@ from jinja2 import nodes
 from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from engine.tokenizer import Tokenizer
+from splitserve.engine.tokenizer import Tokenizer
 
 
 class ChatTemplateError(ValueError):
@@ -78,8 +78,14 @@ class ChatTemplate:
 
     def render(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
         """The prompt text; raises ChatTemplateError with the template's own message."""
-        values = {**self.special_tokens, **kwargs, "messages": messages, "tools": None, "documents": None,
-                  "add_generation_prompt": add_generation_prompt}  # fmt: skip
+        values = {
+            **self.special_tokens,
+            **kwargs,
+            "messages": messages,
+            "tools": None,
+            "documents": None,
+            "add_generation_prompt": add_generation_prompt,
+        }
         try:
             return self.template.render(values)
         except (jinja2.TemplateError, TypeError, ValueError) as e:

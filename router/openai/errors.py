@@ -1,7 +1,7 @@
 """Errors in OpenAI's shape, and the router's gRPC status codes mapped to HTTP statuses.
 
-    {"error": {"message": "temperature: must be >= 0.0, got -1.0", "type": "invalid_request_error",
-               "param": "temperature", "code": "invalid_value"}}
+{"error": {"message": "temperature: must be >= 0.0, got -1.0", "type": "invalid_request_error",
+           "param": "temperature", "code": "invalid_value"}}
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import json
 
 from aiohttp import web
 
-# The router's status codes (router.dispatcher.RouterError, gRPC names) -> HTTP status, error type, code.
+# The router's status codes (splitserve.router.dispatcher.RouterError, gRPC names) -> HTTP status, error type, code.
 _FROM_STATUS = {
     "INVALID_ARGUMENT": (400, "invalid_request_error", "invalid_value"),
     "UNAUTHENTICATED": (401, "invalid_request_error", "invalid_api_key"),
@@ -20,16 +20,23 @@ _FROM_STATUS = {
     "UNAVAILABLE": (503, "server_error", "service_unavailable"),
 }
 _INTERNAL = (500, "server_error", "internal_error")
-_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
-          405: "invalid_request_error", 409: "invalid_request_error", 413: "invalid_request_error",
-          429: "rate_limit_error"}  # fmt: skip
+_TYPES = {
+    400: "invalid_request_error",
+    401: "invalid_request_error",
+    404: "invalid_request_error",
+    405: "invalid_request_error",
+    409: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+}
 
 
 class OpenAIError(Exception):
     """Ends an HTTP request with ``status`` and OpenAI's error object."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 type_: str | None = None) -> None:  # fmt: skip
+    def __init__(
+        self, status: int, message: str, param: str | None = None, code: str | None = None, type_: str | None = None
+    ) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
         self.type = type_ or _TYPES.get(status, "server_error")

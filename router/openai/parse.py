@@ -11,20 +11,29 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from engine.tokenizer import Tokenizer
-from router.dispatcher import RouterError
-from router.openai.chat_template import ChatTemplate, ChatTemplateError
-from router.openai.errors import OpenAIError, invalid, unsupported
+from splitserve.engine.tokenizer import Tokenizer
+from splitserve.router.dispatcher import RouterError
+from splitserve.router.openai.chat_template import ChatTemplate, ChatTemplateError
+from splitserve.router.openai.errors import OpenAIError, invalid, unsupported
 from splitserve.v1 import splitserve_pb2 as pb
 
 Kind = Literal["completion", "chat"]
 
 # Sampling parameters (OpenAI's, and vLLM's extras) -> their type; the protobuf field has the same name.
 SAMPLING = {
-    "temperature": "number", "top_p": "number", "top_k": "int32", "min_p": "number", "seed": "uint64",
-    "presence_penalty": "number", "frequency_penalty": "number", "repetition_penalty": "number",
-    "min_tokens": "uint32", "ignore_eos": "bool", "skip_special_tokens": "bool", "include_stop_str_in_output": "bool",
-}  # fmt: skip
+    "temperature": "number",
+    "top_p": "number",
+    "top_k": "int32",
+    "min_p": "number",
+    "seed": "uint64",
+    "presence_penalty": "number",
+    "frequency_penalty": "number",
+    "repetition_penalty": "number",
+    "min_tokens": "uint32",
+    "ignore_eos": "bool",
+    "skip_special_tokens": "bool",
+    "include_stop_str_in_output": "bool",
+}
 _BOUNDS = {"int32": (-(2**31), 2**31), "uint32": (0, 2**32), "uint64": (0, 2**64)}
 
 # Parameters refused unless they ask for nothing (the values listed, or null): why.
@@ -94,8 +103,7 @@ def parse_completion(body: object, model: ServedModel, request_id: str) -> Job:
         else:
             message.token_ids.extend(prompt)
         requests.append(message)
-    params = {"prompt": "prompt", "token_ids": "prompt", "prompt, token_ids": "prompt",
-              "request_id": "X-Request-Id"}  # fmt: skip
+    params = {"prompt": "prompt", "token_ids": "prompt", "prompt, token_ids": "prompt", "request_id": "X-Request-Id"}
     return Job("completion", requests, *_streaming(body), params)
 
 
@@ -106,8 +114,9 @@ def parse_chat(body: object, model: ServedModel, request_id: str) -> Job:
     kwargs = _typed(body, "chat_template_kwargs", dict) or {}
     add_generation_prompt = _typed(body, "add_generation_prompt", bool)
     try:
-        text = model.chat_template.render(_messages(body.get("messages")),
-                                          add_generation_prompt=add_generation_prompt is not False, **kwargs)  # fmt: skip
+        text = model.chat_template.render(
+            _messages(body.get("messages")), add_generation_prompt=add_generation_prompt is not False, **kwargs
+        )
         token_ids = model.tokenizer.encode(text, add_special_tokens=False)  # the template wrote them
     except ChatTemplateError as e:
         raise invalid("messages", f"the chat template cannot render them: {e}") from None
@@ -116,15 +125,22 @@ def parse_chat(body: object, model: ServedModel, request_id: str) -> Job:
     if not token_ids:
         raise invalid("messages", "the chat template rendered them to no tokens")
     if len(token_ids) >= model.max_model_len:
-        raise invalid("messages", f"the prompt is {len(token_ids)} tokens, the context length is "
-                                  f"{model.max_model_len}", "context_length_exceeded")  # fmt: skip
+        raise invalid(
+            "messages",
+            f"the prompt is {len(token_ids)} tokens, the context length is {model.max_model_len}",
+            "context_length_exceeded",
+        )
     limit = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     sampling = _sampling(body, limit)
     if not sampling.HasField("max_tokens"):  # as vLLM: the rest of the context
         sampling.max_tokens = model.max_model_len - len(token_ids)
     request = pb.GenerateRequest(token_ids=token_ids, sampling=sampling, request_id=request_id)
-    params = {"token_ids": "messages", "prompt, token_ids": "messages", "sampling.max_tokens": limit,
-              "request_id": "X-Request-Id"}  # fmt: skip
+    params = {
+        "token_ids": "messages",
+        "prompt, token_ids": "messages",
+        "sampling.max_tokens": limit,
+        "request_id": "X-Request-Id",
+    }
     return Job("chat", [request], *_streaming(body), params)
 
 
@@ -137,8 +153,9 @@ def _common(body: object, model: ServedModel) -> dict:
         raise OpenAIError(400, "the request body must be a JSON object", None, "invalid_type")
     name = body.get("model")
     if name is not None and name != model.name:
-        raise OpenAIError(404, f"The model `{name}` does not exist (this server serves `{model.name}`).", "model",
-                          "model_not_found")  # fmt: skip
+        raise OpenAIError(
+            404, f"The model `{name}` does not exist (this server serves `{model.name}`).", "model", "model_not_found"
+        )
     for param, (nothing, why) in REFUSED.items():
         value = body.get(param)
         if value is not None and not any(value == x and type(value) is type(x) for x in nothing):
@@ -173,13 +190,21 @@ def _sampling(body: dict, max_tokens_param: str) -> pb.SamplingParams:
         if kind == "bool":
             if not isinstance(value, bool):
                 raise invalid(name, f"must be a boolean, got {value!r}", "invalid_type")
-        elif isinstance(value, bool) or not isinstance(value, (int, float)) or (kind != "number" and isinstance(value, float)):
-            raise invalid(name, f"must be {'a number' if kind == 'number' else 'an integer'}, got {value!r}", "invalid_type")
+        elif (
+            isinstance(value, bool)
+            or not isinstance(value, (int, float))
+            or (kind != "number" and isinstance(value, float))
+        ):
+            raise invalid(
+                name, f"must be {'a number' if kind == 'number' else 'an integer'}, got {value!r}", "invalid_type"
+            )
         elif kind in _BOUNDS:
             low, high = _BOUNDS[kind]
             low = 1 if name == max_tokens_param else low
             if not low <= value < high:
-                raise invalid(name, f"must be >= {low}, got {value}" if value < low else f"must be < {high}, got {value}")
+                raise invalid(
+                    name, f"must be >= {low}, got {value}" if value < low else f"must be < {high}, got {value}"
+                )
         values["max_tokens" if name == max_tokens_param else name] = value
     message = pb.SamplingParams(**values)
     stop = body.get("stop")
@@ -209,8 +234,9 @@ def _prompts(value: object) -> list[str | list[int]]:
             return value
         if all(isinstance(p, list) and p and all(_is_id(t) for t in p) for p in value):
             return value
-    raise invalid("prompt", "must be a string, a non-empty list of token ids, or a non-empty list of either",
-                  "invalid_type")  # fmt: skip
+    raise invalid(
+        "prompt", "must be a string, a non-empty list of token ids, or a non-empty list of either", "invalid_type"
+    )
 
 
 def _messages(value: object) -> list[dict]:
@@ -225,9 +251,14 @@ def _messages(value: object) -> list[dict]:
         message = {k: v for k, v in message.items() if v is not None}
         content = message.get("content")
         if isinstance(content, list):
-            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
-                raise invalid(f"{where}.content", "only text parts ({\"type\": \"text\", \"text\": ...}) are supported",
-                              "unsupported_value")  # fmt: skip
+            if not all(
+                isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content
+            ):
+                raise invalid(
+                    f"{where}.content",
+                    'only text parts ({"type": "text", "text": ...}) are supported',
+                    "unsupported_value",
+                )
             message["content"] = "\n".join(p["text"] for p in content)
         elif content is not None and not isinstance(content, str):
             raise invalid(f"{where}.content", "must be a string or a list of text parts", "invalid_type")

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 
-from router.openai.parse import Job
+from splitserve.router.openai.parse import Job
 from splitserve.v1 import splitserve_pb2 as pb
 
 FINISH_REASONS = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length"}
@@ -20,8 +20,12 @@ FINISH_REASONS = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "lengt
 def usage(finals: list[pb.GenerateResponse]) -> dict:
     prompt = sum(f.usage.prompt_tokens for f in finals)
     completion = sum(f.usage.completion_tokens for f in finals)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": sum(f.usage.cached_tokens for f in finals)}}  # fmt: skip
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": sum(f.usage.cached_tokens for f in finals)},
+    }
 
 
 def timing(message: pb.Timing) -> dict:
@@ -41,12 +45,22 @@ class Responder:
     def _object(self, choices: list[dict], **extra) -> dict:
         kind = ("chat.completion.chunk" if self.job.stream else "chat.completion") if self.chat else "text_completion"
         usage_field = {"usage": None} if self.job.stream and self.job.include_usage else {}
-        return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": choices,
-                **usage_field, **extra}  # fmt: skip
+        return {
+            "id": self.id,
+            "object": kind,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+            **usage_field,
+            **extra,
+        }
 
     def _finished(self, index: int, final: pb.GenerateResponse) -> dict:
-        return {"finish_reason": FINISH_REASONS.get(final.finish_reason, "stop"),
-                "stop_reason": self._stop_reason(index, final.stop_reason), "timing": timing(final.timing)}  # fmt: skip
+        return {
+            "finish_reason": FINISH_REASONS.get(final.finish_reason, "stop"),
+            "stop_reason": self._stop_reason(index, final.stop_reason),
+            "timing": timing(final.timing),
+        }
 
     def _stop_reason(self, index: int, stop_reason: str) -> str | int | None:
         if not stop_reason or stop_reason in self.job.requests[index].sampling.stop:
@@ -57,8 +71,9 @@ class Responder:
 
     def role_chunk(self, index: int) -> dict:
         """Chat streams open each choice with the assistant's role, as OpenAI's do."""
-        return self._object([{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                              "finish_reason": None}])  # fmt: skip
+        return self._object(
+            [{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]
+        )
 
     def chunk(self, index: int, message: pb.GenerateResponse) -> dict | None:
         """The chunk for one router message; None when it has no text and does not finish the choice

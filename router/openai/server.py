@@ -23,17 +23,17 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
-from engine.tokenizer import Tokenizer
-from router.dispatcher import RouterError
-from router.openai.chat_template import ChatTemplate, ChatTemplateError
-from router.openai.errors import OpenAIError, dumps
-from router.openai.parse import Job, ServedModel, parse_chat, parse_completion
-from router.openai.respond import Responder
+from splitserve.engine.tokenizer import Tokenizer
+from splitserve.router.dispatcher import RouterError
+from splitserve.router.openai.chat_template import ChatTemplate, ChatTemplateError
+from splitserve.router.openai.errors import OpenAIError, dumps
+from splitserve.router.openai.parse import Job, ServedModel, parse_chat, parse_completion
+from splitserve.router.openai.respond import Responder
 from splitserve.rpc.auth import AUTH_HEADER, Credential
 from splitserve.v1 import splitserve_pb2 as pb
 
 if TYPE_CHECKING:
-    from router.server import Router
+    from splitserve.router.server import Router
 
 log = logging.getLogger("splitserve.openai")
 REQUEST_ID_HEADER = "X-Request-Id"
@@ -44,8 +44,13 @@ class OpenAIServer:
         self.router = router
         cfg = router.config
         self.api_keys = Credential("an API key", cfg.public_security.keys())
-        self.model = ServedModel(router.model_name, router.tokenizer, router.model_config.max_position_embeddings,
-                                 *_template(router.tokenizer), max_prompts=cfg.max_queue)  # fmt: skip
+        self.model = ServedModel(
+            router.model_name,
+            router.tokenizer,
+            router.model_config.max_position_embeddings,
+            *_template(router.tokenizer),
+            max_prompts=cfg.max_queue,
+        )
         self.created = int(time.time())
         self.runner: web.AppRunner | None = None
         self.address = ""
@@ -56,10 +61,15 @@ class OpenAIServer:
         # Bodies up to twice the router's message limit are read, so that admission refuses them
         # naming the field; past that aiohttp answers 413 unread (as the gRPC transport does).
         app = web.Application(middlewares=[self._errors, self._auth], client_max_size=2 * cfg.max_message_bytes)
-        app.add_routes([web.get("/health", self.health), web.get("/v1/models", self.models),
-                        web.get("/v1/models/{model:.+}", self.model_info),
-                        web.post("/v1/completions", self.completions),
-                        web.post("/v1/chat/completions", self.chat_completions)])  # fmt: skip
+        app.add_routes(
+            [
+                web.get("/health", self.health),
+                web.get("/v1/models", self.models),
+                web.get("/v1/models/{model:.+}", self.model_info),
+                web.post("/v1/completions", self.completions),
+                web.post("/v1/chat/completions", self.chat_completions),
+            ]
+        )
         self.runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0)
         await self.runner.setup()
         site = web.TCPSite(self.runner, host, port, ssl_context=cfg.public_security.ssl_context())
@@ -115,8 +125,13 @@ class OpenAIServer:
         return web.Response(text="ok")
 
     def _model_object(self) -> dict:
-        return {"id": self.model.name, "object": "model", "created": self.created, "owned_by": "splitserve",
-                "max_model_len": self.model.max_model_len}  # fmt: skip
+        return {
+            "id": self.model.name,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "splitserve",
+            "max_model_len": self.model.max_model_len,
+        }
 
     async def models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [self._model_object()]}, dumps=dumps)
@@ -155,14 +170,16 @@ class OpenAIServer:
         except RouterError as e:
             raise job.error(e) from None
 
-    async def _stream(self, request: web.Request, job: Job, responder: Responder, messages,
-                      request_id: str) -> web.StreamResponse:  # fmt: skip
+    async def _stream(
+        self, request: web.Request, job: Job, responder: Responder, messages, request_id: str
+    ) -> web.StreamResponse:
         """Server-sent events as OpenAI sends them: ``data: {chunk}``, a usage chunk when asked, then
         ``data: [DONE]``. Nothing is sent before the first message, so an error before any output
         (a full queue, no worker) still has its HTTP status; one after it is sent as an error event."""
         item = await anext(messages, None)
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                               REQUEST_ID_HEADER: request_id})  # fmt: skip
+        response = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", REQUEST_ID_HEADER: request_id}
+        )
         await response.prepare(request)
 
         async def send(obj: dict | str) -> None:
@@ -197,7 +214,11 @@ def _template(tokenizer: Tokenizer) -> tuple[ChatTemplate | None, str]:
     except ChatTemplateError as e:
         log.error("chat completions are refused: %s", e)
         return None, str(e)
-    reason = "" if template else "the model has no chat template (tokenizer_config.json's chat_template or chat_template.jinja)"
+    reason = (
+        ""
+        if template
+        else "the model has no chat template (tokenizer_config.json's chat_template or chat_template.jinja)"
+    )
     return template, reason
 
 

@@ -179,4 +179,3 @@ def _shared_prefix(options: DatasetOptions, tokens: TokenRange, rng: np.random.G
     output_lens = uniform_lengths(rng, options.output_len or 256, options.range_ratio, n)
     groups = rng.permutation(np.arange(n) % options.shared_prefix_groups).tolist()
     return [BenchRequest(prefixes[g] + tokens.draw(rng, s), o) for g, s, o in zip(groups, suffix_lens, output_lens)]
-

@@ -23,9 +23,14 @@ import numpy as np
 
 SLO_KEYS = ("ttft", "tpot", "e2el")
 # The router's Timing fields (ms) and their labels in the summary.
-SERVER_TIMINGS = {"queue_ms": "Router queue", "prefill_ms": "Prefill (dispatch to 1st token)",
-                  "transfer_ms": "KV transfer (1st token to landed)", "first_token_ms": "First token (router TTFT)",
-                  "decode_ms": "Decode (1st to last token)", "total_ms": "Total"}
+SERVER_TIMINGS = {
+    "queue_ms": "Router queue",
+    "prefill_ms": "Prefill (dispatch to 1st token)",
+    "transfer_ms": "KV transfer (1st token to landed)",
+    "first_token_ms": "First token (router TTFT)",
+    "decode_ms": "Decode (1st to last token)",
+    "total_ms": "Total",
+}
 
 
 @dataclass
@@ -101,15 +106,22 @@ def meets_slos(record: RequestRecord, slos: Mapping[str, float]) -> bool:
 def stats_ms(name: str, values_s: Sequence[float], percentiles: Sequence[float]) -> dict[str, float]:
     """``mean_{name}_ms``, ``median_``, ``std_`` and ``p{P}_`` of values given in seconds."""
     ms = np.asarray(values_s if len(values_s) else [0.0], dtype=float) * 1e3
-    out = {f"mean_{name}_ms": float(np.mean(ms)), f"median_{name}_ms": float(np.median(ms)),
-           f"std_{name}_ms": float(np.std(ms))}  # fmt: skip
+    out = {
+        f"mean_{name}_ms": float(np.mean(ms)),
+        f"median_{name}_ms": float(np.median(ms)),
+        f"std_{name}_ms": float(np.std(ms)),
+    }
     for p in percentiles:
         out[f"p{percentile_word(p)}_{name}_ms"] = float(np.percentile(ms, p))
     return out
 
 
-def summarize(records: Sequence[RequestRecord], duration_s: float, percentiles: Sequence[float] = (90, 95, 99),
-              slos: Mapping[str, float] | None = None) -> dict:  # fmt: skip
+def summarize(
+    records: Sequence[RequestRecord],
+    duration_s: float,
+    percentiles: Sequence[float] = (90, 95, 99),
+    slos: Mapping[str, float] | None = None,
+) -> dict:
     """The run's metrics under vLLM's result keys (plus splitserve's own: failures, client queue,
     server timing). ``request_goodput`` is None without SLOs, as in vLLM."""
     ok = [r for r in records if r.success]
@@ -168,7 +180,7 @@ def format_summary(result: Mapping, percentiles: Sequence[float] = (90, 95, 99))
         lines.append(f"{label:<40} {'None' if value is None else format(value, fmt)}")
 
     if "client_machine" in result:
-        from engine.hardware import cpu_summary
+        from splitserve.engine.hardware import cpu_summary
 
         row("Client machine:", cpu_summary(result["client_machine"]))
     row("Successful requests:", result["completed"])
@@ -189,10 +201,13 @@ def format_summary(result: Mapping, percentiles: Sequence[float] = (90, 95, 99))
         row("Request goodput (req/s):", result["request_goodput"], ".2f")
     row("Output token throughput (tok/s):", result["output_throughput"], ".2f")
     row("Total Token throughput (tok/s):", result["total_token_throughput"], ".2f")
-    for key, name, header in (("ttft", "TTFT", "Time to First Token"),
-                              ("tpot", "TPOT", "Time per Output Token (excl. 1st token)"),
-                              ("itl", "ITL", "Inter-token Latency"), ("e2el", "E2EL", "End-to-end Latency"),
-                              ("client_queue", "client queue", "Client-side Queue Time")):  # fmt: skip
+    for key, name, header in (
+        ("ttft", "TTFT", "Time to First Token"),
+        ("tpot", "TPOT", "Time per Output Token (excl. 1st token)"),
+        ("itl", "ITL", "Inter-token Latency"),
+        ("e2el", "E2EL", "End-to-end Latency"),
+        ("client_queue", "client queue", "Client-side Queue Time"),
+    ):
         lines.append("{s:{c}^{n}}".format(s=header, n=50, c="-"))
         row(f"Mean {name} (ms):", result[f"mean_{key}_ms"], ".2f")
         row(f"Median {name} (ms):", result[f"median_{key}_ms"], ".2f")

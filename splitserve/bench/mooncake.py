@@ -54,11 +54,16 @@ def _checked(record: object, where: str) -> dict:
         if isinstance(value, bool) or not isinstance(value, (int, float)) or value < minimum:
             raise ValueError(f"{where}: {key}: must be a number >= {minimum}, got {value!r}")
     hash_ids = record.get("hash_ids", [])
-    if not isinstance(hash_ids, list) or not all(isinstance(h, int) and not isinstance(h, bool) and h >= 0
-                                                 for h in hash_ids):  # fmt: skip
+    if not isinstance(hash_ids, list) or not all(
+        isinstance(h, int) and not isinstance(h, bool) and h >= 0 for h in hash_ids
+    ):
         raise ValueError(f"{where}: hash_ids: must be a list of non-negative integers")
-    return {"timestamp": float(record["timestamp"]), "input_length": int(record["input_length"]),
-            "output_length": int(record["output_length"]), "hash_ids": hash_ids}  # fmt: skip
+    return {
+        "timestamp": float(record["timestamp"]),
+        "input_length": int(record["input_length"]),
+        "output_length": int(record["output_length"]),
+        "hash_ids": hash_ids,
+    }
 
 
 def block_tokens(hash_id: int, tokens: TokenRange, seed: int) -> list[int]:
@@ -66,8 +71,9 @@ def block_tokens(hash_id: int, tokens: TokenRange, seed: int) -> list[int]:
     return tokens.draw(np.random.default_rng([seed, hash_id]), MOONCAKE_BLOCK_TOKENS)
 
 
-def load_mooncake(path: str | Path, num_prompts: int | None, tokens: TokenRange, seed: int = 0,
-                  time_scale: float = 1.0) -> list[BenchRequest]:  # fmt: skip
+def load_mooncake(
+    path: str | Path, num_prompts: int | None, tokens: TokenRange, seed: int = 0, time_scale: float = 1.0
+) -> list[BenchRequest]:
     """The first ``num_prompts`` requests of the trace, arriving at their (scaled) timestamps."""
     records = read_trace(path, num_prompts)
     offsets = trace_offsets([r["timestamp"] for r in records], time_scale)

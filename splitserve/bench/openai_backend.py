@@ -47,28 +47,43 @@ async def list_models(base_url: str, timeout_s: float = 10.0, api_key: str | Non
 
 
 def request_body(request: BenchRequest, model: str, config: BenchConfig, seed: int) -> dict:
-    return {"model": model, "prompt": list(request.prompt), "max_tokens": request.output_len,
-            "temperature": config.temperature, "ignore_eos": config.ignore_eos, "seed": seed, "stream": True,
-            "stream_options": {"include_usage": True}}
+    return {
+        "model": model,
+        "prompt": list(request.prompt),
+        "max_tokens": request.output_len,
+        "temperature": config.temperature,
+        "ignore_eos": config.ignore_eos,
+        "seed": seed,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
 
 
 def _headers(api_key: str | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
-async def _stream(session: aiohttp.ClientSession, url: str, body: dict, record: RequestRecord, sent: float,
-                  timeout_s: float, api_key: str | None) -> None:
+async def _stream(
+    session: aiohttp.ClientSession,
+    url: str,
+    body: dict,
+    record: RequestRecord,
+    sent: float,
+    timeout_s: float,
+    api_key: str | None,
+) -> None:
     """Fills ``record`` from one streamed completion; raises on an HTTP error or a broken stream."""
     last, chunks, completion_tokens = sent, 0, None
-    async with session.post(url, json=body, headers=_headers(api_key),
-                            timeout=aiohttp.ClientTimeout(total=timeout_s)) as response:
+    async with session.post(
+        url, json=body, headers=_headers(api_key), timeout=aiohttp.ClientTimeout(total=timeout_s)
+    ) as response:
         if response.status != 200:
             raise _HTTPError(response.status, (await response.text())[:300])
         async for raw in response.content:
             line = raw.strip()
             if not line.startswith(b"data:"):
                 continue
-            data = line[len(b"data:"):].strip()
+            data = line[len(b"data:") :].strip()
             if data == b"[DONE]":
                 break
             chunk = json.loads(data)
@@ -94,8 +109,16 @@ class _HTTPError(Exception):
         self.status = status
 
 
-async def _send(session: aiohttp.ClientSession, url: str, body: dict, record: RequestRecord, start: float,
-                config: BenchConfig, slots: asyncio.Semaphore | None, progress: Progress) -> None:
+async def _send(
+    session: aiohttp.ClientSession,
+    url: str,
+    body: dict,
+    record: RequestRecord,
+    start: float,
+    config: BenchConfig,
+    slots: asyncio.Semaphore | None,
+    progress: Progress,
+) -> None:
     await asyncio.sleep(max(0.0, start + record.due_s - time.perf_counter()))
     async with slots if slots is not None else contextlib.nullcontext():
         sent = time.perf_counter()
@@ -111,8 +134,9 @@ async def _send(session: aiohttp.ClientSession, url: str, body: dict, record: Re
     progress.update(record.success)
 
 
-async def run_requests(requests: Sequence[BenchRequest], offsets_s: Sequence[float], config: BenchConfig,
-                       model: str, progress: Progress) -> tuple[list[RequestRecord], float]:
+async def run_requests(
+    requests: Sequence[BenchRequest], offsets_s: Sequence[float], config: BenchConfig, model: str, progress: Progress
+) -> tuple[list[RequestRecord], float]:
     """As ``runner.run_requests``, over HTTP: request i is sent ``offsets_s[i]`` after the start."""
     records = [RequestRecord(r.prompt_len, r.output_len, due_s=o) for r, o in zip(requests, offsets_s, strict=True)]
     bodies = [request_body(r, model, config, config.seed + i) for i, r in enumerate(requests)]
@@ -123,8 +147,9 @@ async def run_requests(requests: Sequence[BenchRequest], offsets_s: Sequence[flo
     async with aiohttp.ClientSession(connector=connector) as session:
         start = time.perf_counter()
         try:
-            await asyncio.gather(*(_send(session, url, b, rec, start, config, slots, progress)
-                                   for b, rec in zip(bodies, records)))
+            await asyncio.gather(
+                *(_send(session, url, b, rec, start, config, slots, progress) for b, rec in zip(bodies, records))
+            )
         finally:
             duration = time.perf_counter() - start
             progress.close()

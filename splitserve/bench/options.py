@@ -23,37 +23,57 @@ SWEEP_ONLY = ("rates", "out_dir", "attainment")
 
 def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("action", nargs="?", choices=["sweep"], help="sweep: one run per --rates, goodput and plots")
-    p.add_argument("--backend", default="splitserve", choices=["splitserve", "openai"],
-                   help="splitserve: the router's gRPC API at --addr; openai: any OpenAI-compatible server at "
-                        "--base-url (vLLM, splitserve's --openai-port), streamed /v1/completions")
+    p.add_argument(
+        "--backend",
+        default="splitserve",
+        choices=["splitserve", "openai"],
+        help="splitserve: the router's gRPC API at --addr; openai: any OpenAI-compatible server at "
+        "--base-url (vLLM, splitserve's --openai-port), streamed /v1/completions",
+    )
     p.add_argument("--addr", default="127.0.0.1:50051", help="the router's host:port")
     p.add_argument("--base-url", default=None, help="with --backend openai: http://host:port of the server")
-    p.add_argument("--model", default=None,
-                   help="with --backend openai: the served model name (default: the first id of GET /v1/models)")
+    p.add_argument(
+        "--model",
+        default=None,
+        help="with --backend openai: the served model name (default: the first id of GET /v1/models)",
+    )
     p.add_argument("--num-prompts", type=int, default=1000, help="requests to send (mooncake: the trace's first N)")
     d = p.add_argument_group("dataset")
     d.add_argument("--dataset", default="random", choices=DATASETS)
     d.add_argument("--dataset-path", help="the trace (JSON lines) for --dataset mooncake")
-    d.add_argument("--input-len", type=int, default=None,
-                   help="random: mean prompt length (1024); presets: median; shared-prefix: unique suffix (128)")
+    d.add_argument(
+        "--input-len",
+        type=int,
+        default=None,
+        help="random: mean prompt length (1024); presets: median; shared-prefix: unique suffix (128)",
+    )
     d.add_argument("--output-len", type=int, default=None, help="random: mean output length (128); presets: median")
     d.add_argument("--range-ratio", type=float, default=0.0, help="random, shared-prefix: lengths in len*[1-r, 1+r]")
     d.add_argument("--random-prefix-len", type=int, default=0, help="random: a prefix shared by every prompt")
     d.add_argument("--shared-prefix-groups", type=int, default=8, help="shared-prefix: number of system prompts")
     d.add_argument("--shared-prefix-len", type=int, default=1024, help="shared-prefix: system prompt length")
     d.add_argument("--time-scale", type=float, default=1.0, help="mooncake: multiply the trace's gaps (2 = half speed)")
-    d.add_argument("--max-model-len", type=int, default=None,
-                   help="cap prompt + output (default: the server's context length, else 2048)")
-    d.add_argument("--vocab-size", type=int, default=None,
-                   help="draw token ids for this vocabulary (default: the server's)")
+    d.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="cap prompt + output (default: the server's context length, else 2048)",
+    )
+    d.add_argument(
+        "--vocab-size", type=int, default=None, help="draw token ids for this vocabulary (default: the server's)"
+    )
     a = p.add_argument_group("load")
     a.add_argument("--request-rate", type=float, default=float("inf"), help="requests per second; inf: all at once")
     a.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the gaps: 1 Poisson, <1 burstier")
     a.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most (closed loop)")
     a.add_argument("--seed", type=int, default=0, help="seeds the dataset, the arrivals and the sampling")
     a.add_argument("--temperature", type=float, default=0.0)
-    a.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
-                   help="ignore EOS so that every output is exactly as long as asked (default: on)")  # fmt: skip
+    a.add_argument(
+        "--ignore-eos",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="ignore EOS so that every output is exactly as long as asked (default: on)",
+    )
     a.add_argument("--request-timeout", type=float, default=600.0, help="deadline of each call, seconds")
     r = p.add_argument_group("results")
     r.add_argument("--goodput", nargs="+", default=[], metavar="KEY:MS", help="SLOs, e.g. ttft:500 tpot:50 e2el:5000")
@@ -87,12 +107,22 @@ def run_bench(args: argparse.Namespace) -> int:
     openai = args.backend == "openai"
     if openai != (args.base_url is not None) or (args.model is not None and not openai):
         raise ValueError("--base-url, --model: only with --backend openai, which needs --base-url")
-    config = BenchConfig(addr=args.addr, backend=args.backend, base_url=args.base_url or "",
-                         request_rate=args.request_rate, burstiness=args.burstiness,
-                         max_concurrency=args.max_concurrency, seed=args.seed, temperature=args.temperature,
-                         ignore_eos=args.ignore_eos, request_timeout_s=args.request_timeout,
-                         percentiles=parse_percentiles(args.percentiles), goodput=parse_goodput(args.goodput),
-                         progress=not args.no_progress, security=security)
+    config = BenchConfig(
+        addr=args.addr,
+        backend=args.backend,
+        base_url=args.base_url or "",
+        request_rate=args.request_rate,
+        burstiness=args.burstiness,
+        max_concurrency=args.max_concurrency,
+        seed=args.seed,
+        temperature=args.temperature,
+        ignore_eos=args.ignore_eos,
+        request_timeout_s=args.request_timeout,
+        percentiles=parse_percentiles(args.percentiles),
+        goodput=parse_goodput(args.goodput),
+        progress=not args.no_progress,
+        security=security,
+    )
     server = _openai_server(args, security.api_key) if openai else _grpc_server(args, security)
     if server is None:
         return 1
@@ -103,15 +133,23 @@ def run_bench(args: argparse.Namespace) -> int:
     if not vocab_size:
         raise ValueError("--vocab-size: the server does not report its vocabulary size; give it")
     limits = [n for n in (args.max_model_len, max_model_len) if n]
-    options = DatasetOptions(name=args.dataset, num_prompts=args.num_prompts, input_len=args.input_len,
-                             output_len=args.output_len, range_ratio=args.range_ratio,
-                             random_prefix_len=args.random_prefix_len, shared_prefix_groups=args.shared_prefix_groups,
-                             shared_prefix_len=args.shared_prefix_len, dataset_path=args.dataset_path,
-                             time_scale=args.time_scale, max_model_len=min(limits, default=2048), seed=args.seed)  # fmt: skip
+    options = DatasetOptions(
+        name=args.dataset,
+        num_prompts=args.num_prompts,
+        input_len=args.input_len,
+        output_len=args.output_len,
+        range_ratio=args.range_ratio,
+        random_prefix_len=args.random_prefix_len,
+        shared_prefix_groups=args.shared_prefix_groups,
+        shared_prefix_len=args.shared_prefix_len,
+        dataset_path=args.dataset_path,
+        time_scale=args.time_scale,
+        max_model_len=min(limits, default=2048),
+        seed=args.seed,
+    )
     tokens = TokenRange.for_vocab(vocab_size)
     if sweep:  # fresh prompts per rate: the prefix cache must not carry over from one rate to the next
-        return _sweep(args, lambda i: make_requests(replace(options, seed=options.seed + i), tokens), config,
-                      model_id)  # fmt: skip
+        return _sweep(args, lambda i: make_requests(replace(options, seed=options.seed + i), tokens), config, model_id)
     return _single(args, make_requests(options, tokens), config, model_id)
 
 
@@ -124,8 +162,10 @@ def _grpc_server(args: argparse.Namespace, security) -> tuple[str, int, int] | N
     try:
         status = asyncio.run(get_status(args.addr, security=security))
     except grpc.RpcError as e:
-        print(f"splitserve bench: cannot read the server's status at {args.addr}: {e.code().name}: {e.details()}",
-              file=sys.stderr)
+        print(
+            f"splitserve bench: cannot read the server's status at {args.addr}: {e.code().name}: {e.details()}",
+            file=sys.stderr,
+        )
         return None
     return status.model, status.max_model_len, status.vocab_size
 
@@ -140,8 +180,7 @@ def _openai_server(args: argparse.Namespace, api_key: str | None) -> tuple[str, 
     try:
         models = asyncio.run(list_models(args.base_url, api_key=api_key))
     except (aiohttp.ClientError, TimeoutError, RuntimeError, KeyError, ValueError) as e:
-        print(f"splitserve bench: cannot list the models at {args.base_url}: {type(e).__name__}: {e}",
-              file=sys.stderr)
+        print(f"splitserve bench: cannot list the models at {args.base_url}: {type(e).__name__}: {e}", file=sys.stderr)
         return None
     ids = [m.get("id") for m in models]
     name = args.model or (ids[0] if ids else None)
@@ -176,15 +215,18 @@ def _single(args: argparse.Namespace, requests: list[BenchRequest], config: Benc
     return 0 if result["completed"] else 1
 
 
-def _sweep(args: argparse.Namespace, requests: Callable[[int], list[BenchRequest]], config: BenchConfig,
-           model_id: str) -> int:  # fmt: skip
+def _sweep(
+    args: argparse.Namespace, requests: Callable[[int], list[BenchRequest]], config: BenchConfig, model_id: str
+) -> int:
     from splitserve.bench.sweep import parse_rates, run_sweep
 
     target = 0.9 if args.attainment is None else args.attainment
     sweep = run_sweep(requests, config, parse_rates(args.rates), target, args.out_dir, model_id, args.dataset)
     for row in sweep["results"]:
-        print(f"rate {row['request_rate']:>8g} req/s  attainment {row['slo_attainment']:6.1%}  "
-              f"p99 TTFT {row['p99_ttft_ms']:9.1f} ms  p99 TPOT {row['p99_tpot_ms']:8.1f} ms  failed {row['failed']}")  # fmt: skip
+        print(
+            f"rate {row['request_rate']:>8g} req/s  attainment {row['slo_attainment']:6.1%}  "
+            f"p99 TTFT {row['p99_ttft_ms']:9.1f} ms  p99 TPOT {row['p99_tpot_ms']:8.1f} ms  failed {row['failed']}"
+        )
     print(sweep["goodput"]["text"])
     print(f"sweep written to {Path(args.out_dir) / 'sweep.json'}", file=sys.stderr)
     return 0

@@ -71,9 +71,14 @@ def cpu_list(cpus: Sequence[int]) -> str:
 def peer_env(cpus: Sequence[int], kv_cache_gib: float) -> dict[str, str]:
     """vLLM CPU on exactly ``cpus`` (one OpenMP thread each, none reserved), a KV cache of kv_cache_gib."""
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
-    return env | {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_OMP_THREADS_BIND": cpu_list(cpus),
-                  "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "OMP_NUM_THREADS": str(len(cpus)),
-                  "VLLM_CPU_KVCACHE_SPACE": f"{kv_cache_gib:g}", "TOKENIZERS_PARALLELISM": "false"}
+    return env | {
+        "VLLM_TARGET_DEVICE": "cpu",
+        "VLLM_CPU_OMP_THREADS_BIND": cpu_list(cpus),
+        "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+        "OMP_NUM_THREADS": str(len(cpus)),
+        "VLLM_CPU_KVCACHE_SPACE": f"{kv_cache_gib:g}",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
 
 
 def _kill_group(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
@@ -90,15 +95,29 @@ def _kill_group(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
             continue
 
 
-def run_offline(python: Path, model: Path, dtype: str, cpus: Sequence[int], timeout_s: float,
-                extra: Sequence[str] = (), kv_cache_gib: float = 1.0, log_path: Path | None = None) -> dict:
+def run_offline(
+    python: Path,
+    model: Path,
+    dtype: str,
+    cpus: Sequence[int],
+    timeout_s: float,
+    extra: Sequence[str] = (),
+    kv_cache_gib: float = 1.0,
+    log_path: Path | None = None,
+) -> dict:
     """scripts/peer_vllm.py in the peer's python; its JSON result, or {"error": what it printed last}."""
     cmd = [str(python), str(PEER_SCRIPT), "--model", str(model), "--dtype", dtype, *extra]
     start = time.perf_counter()
     # Written as it runs (a first start compiles for minutes: the log shows how far it is), read back at the end.
     with tempfile.TemporaryFile("w+") if log_path is None else _open_log(log_path) as log:
-        proc = subprocess.Popen(cmd, env=peer_env(cpus, kv_cache_gib), stdout=log, stderr=subprocess.STDOUT,
-                                text=True, start_new_session=True)
+        proc = subprocess.Popen(
+            cmd,
+            env=peer_env(cpus, kv_cache_gib),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
         try:
             proc.wait(timeout=timeout_s)
             killed = ""
@@ -129,9 +148,18 @@ def free_port(host: str = "127.0.0.1") -> int:
 class VLLMServer:
     """``vllm serve`` of the peer's venv on 127.0.0.1, as a context manager that always stops it."""
 
-    def __init__(self, python: Path, model: Path, dtype: str, cpus: Sequence[int], served_name: str,
-                 max_model_len: int = 2048, kv_cache_gib: float = 1.0, max_num_seqs: int = 32,
-                 log_path: Path | None = None) -> None:
+    def __init__(
+        self,
+        python: Path,
+        model: Path,
+        dtype: str,
+        cpus: Sequence[int],
+        served_name: str,
+        max_model_len: int = 2048,
+        kv_cache_gib: float = 1.0,
+        max_num_seqs: int = 32,
+        log_path: Path | None = None,
+    ) -> None:
         self.python, self.model, self.dtype, self.cpus = python, model, dtype, list(cpus)
         self.served_name, self.max_model_len, self.kv_cache_gib = served_name, max_model_len, kv_cache_gib
         self.max_num_seqs, self.log_path = max_num_seqs, log_path
@@ -146,20 +174,44 @@ class VLLMServer:
     def start(self, timeout_s: float) -> str:
         """Starts it and waits for /health (the first start compiles for minutes); returns the base URL."""
         # The module entry point (the `vllm` script looks its version up under the dist name "vllm").
-        cmd = [str(self.python), "-m", "vllm.entrypoints.cli.main", "serve", str(self.model), "--host", "127.0.0.1",
-               "--port", str(self.port), "--dtype", self.dtype, "--max-model-len", str(self.max_model_len),
-               "--served-model-name", self.served_name, "--max-num-seqs", str(self.max_num_seqs),
-               "--no-enable-prefix-caching", "--seed", "0"]
+        cmd = [
+            str(self.python),
+            "-m",
+            "vllm.entrypoints.cli.main",
+            "serve",
+            str(self.model),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--dtype",
+            self.dtype,
+            "--max-model-len",
+            str(self.max_model_len),
+            "--served-model-name",
+            self.served_name,
+            "--max-num-seqs",
+            str(self.max_num_seqs),
+            "--no-enable-prefix-caching",
+            "--seed",
+            "0",
+        ]
         log = open(self.log_path, "w") if self.log_path else subprocess.DEVNULL  # noqa: SIM115  (closed in stop)
         self._log = log
         start = time.perf_counter()
-        self.proc = subprocess.Popen(cmd, env=peer_env(self.cpus, self.kv_cache_gib), stdout=log,
-                                     stderr=subprocess.STDOUT, start_new_session=True)
+        self.proc = subprocess.Popen(
+            cmd,
+            env=peer_env(self.cpus, self.kv_cache_gib),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         deadline = start + timeout_s
         while time.perf_counter() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"vllm serve exited with code {self.proc.returncode} before it was ready"
-                                   f"{self._tail()}")
+                raise RuntimeError(
+                    f"vllm serve exited with code {self.proc.returncode} before it was ready{self._tail()}"
+                )
             try:
                 with urllib.request.urlopen(f"{self.base_url}/health", timeout=2.0) as r:
                     if r.status == 200:

@@ -41,8 +41,12 @@ def plot_attainment(results: Sequence[dict], target: float, goodput: dict, path:
     ax.axhline(100 * target, color="red", linestyle="--", label=f"target {target:.0%}")
     if goodput["status"] == "interpolated":
         ax.axvline(goodput["rate"], color="green", linestyle=":", label=f"goodput {goodput['rate']:.3g} req/s")
-    ax.set(xlabel="request rate (req/s)", ylabel="requests meeting every SLO (%)", ylim=(0, 105),
-           title="SLO attainment against request rate")  # fmt: skip
+    ax.set(
+        xlabel="request rate (req/s)",
+        ylabel="requests meeting every SLO (%)",
+        ylim=(0, 105),
+        title="SLO attainment against request rate",
+    )
     ax.grid(True, alpha=0.3)
     ax.legend()
     return _save(fig, path)
@@ -51,6 +55,8 @@ def plot_attainment(results: Sequence[dict], target: float, goodput: dict, path:
 def plot_sweep(results: Sequence[dict], target: float, goodput: dict, out_dir: Path) -> list[Path]:
     """ttft.png, tpot.png and attainment.png in ``out_dir``."""
     slos = results[0]["goodput_slos_ms"] if results else {}
-    return [plot_latency(results, "ttft", "TTFT", slos.get("ttft"), out_dir / "ttft.png"),
-            plot_latency(results, "tpot", "TPOT", slos.get("tpot"), out_dir / "tpot.png"),
-            plot_attainment(results, target, goodput, out_dir / "attainment.png")]  # fmt: skip
+    return [
+        plot_latency(results, "ttft", "TTFT", slos.get("ttft"), out_dir / "ttft.png"),
+        plot_latency(results, "tpot", "TPOT", slos.get("tpot"), out_dir / "tpot.png"),
+        plot_attainment(results, target, goodput, out_dir / "attainment.png"),
+    ]

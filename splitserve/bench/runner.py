@@ -21,15 +21,14 @@ from typing import Literal
 
 import grpc
 
-from engine.hardware import describe_machine
 from splitserve.bench.datasets import BenchRequest
 from splitserve.bench.metrics import SERVER_TIMINGS, RequestRecord, per_request_lists, summarize
 from splitserve.client import make_request
+from splitserve.engine.hardware import describe_machine
 from splitserve.rpc.options import CLIENT_OPTIONS
 from splitserve.rpc.security import ClientSecurity
 from splitserve.v1 import splitserve_pb2 as pb
 from splitserve.v1 import splitserve_pb2_grpc as pb_grpc
-
 
 BACKENDS = ("splitserve", "openai")
 
@@ -67,7 +66,9 @@ class BenchConfig:
             raise ValueError(f"--temperature: must be >= 0, got {self.temperature}")
 
 
-async def get_status(addr: str, timeout_s: float = 10.0, security: ClientSecurity | None = None) -> pb.GetStatusResponse:
+async def get_status(
+    addr: str, timeout_s: float = 10.0, security: ClientSecurity | None = None
+) -> pb.GetStatusResponse:
     async with (security or ClientSecurity()).channel(addr, CLIENT_OPTIONS, aio=True) as channel:
         return await pb_grpc.SplitServeStub(channel).GetStatus(pb.GetStatusRequest(), timeout=timeout_s)
 
@@ -88,8 +89,10 @@ class Progress:
             self.drawn = now
             filled = self.width * self.done // max(self.total, 1)
             failed = f", {self.failed} failed" if self.failed else ""
-            sys.stderr.write(f"\r[{'#' * filled}{'.' * (self.width - filled)}] {self.done}/{self.total} requests"
-                             f"{failed}, {now - self.start:.1f}s")  # fmt: skip
+            sys.stderr.write(
+                f"\r[{'#' * filled}{'.' * (self.width - filled)}] {self.done}/{self.total} requests"
+                f"{failed}, {now - self.start:.1f}s"
+            )
             sys.stderr.flush()
 
     def close(self) -> None:
@@ -98,8 +101,15 @@ class Progress:
             sys.stderr.flush()
 
 
-async def _send(stub: pb_grpc.SplitServeStub, message: pb.GenerateRequest, record: RequestRecord, start: float,
-                config: BenchConfig, slots: asyncio.Semaphore | None, progress: Progress) -> None:  # fmt: skip
+async def _send(
+    stub: pb_grpc.SplitServeStub,
+    message: pb.GenerateRequest,
+    record: RequestRecord,
+    start: float,
+    config: BenchConfig,
+    slots: asyncio.Semaphore | None,
+    progress: Progress,
+) -> None:
     await asyncio.sleep(max(0.0, start + record.due_s - time.perf_counter()))
     async with slots if slots is not None else contextlib.nullcontext():
         sent = last = time.perf_counter()
@@ -126,28 +136,44 @@ async def _send(stub: pb_grpc.SplitServeStub, message: pb.GenerateRequest, recor
     progress.update(record.success)
 
 
-async def run_requests(requests: Sequence[BenchRequest], offsets_s: Sequence[float],
-                       config: BenchConfig) -> tuple[list[RequestRecord], float]:  # fmt: skip
+async def run_requests(
+    requests: Sequence[BenchRequest], offsets_s: Sequence[float], config: BenchConfig
+) -> tuple[list[RequestRecord], float]:
     """Sends request i at ``offsets_s[i]`` after the start; returns the records and the duration (s)."""
     records = [RequestRecord(r.prompt_len, r.output_len, due_s=o) for r, o in zip(requests, offsets_s, strict=True)]
     # Built before the clock starts: serializing long prompts must not delay the requests due first.
-    messages = [make_request(token_ids=r.prompt, max_tokens=r.output_len, temperature=config.temperature,
-                             ignore_eos=config.ignore_eos, seed=config.seed + i) for i, r in enumerate(requests)]  # fmt: skip
+    messages = [
+        make_request(
+            token_ids=r.prompt,
+            max_tokens=r.output_len,
+            temperature=config.temperature,
+            ignore_eos=config.ignore_eos,
+            seed=config.seed + i,
+        )
+        for i, r in enumerate(requests)
+    ]
     slots = asyncio.Semaphore(config.max_concurrency) if config.max_concurrency else None
     progress = Progress(len(requests), config.progress)
     async with config.security.channel(config.addr, CLIENT_OPTIONS, aio=True) as channel:
         stub = pb_grpc.SplitServeStub(channel)
         start = time.perf_counter()
         try:
-            await asyncio.gather(*(_send(stub, m, rec, start, config, slots, progress) for m, rec in zip(messages, records)))
+            await asyncio.gather(
+                *(_send(stub, m, rec, start, config, slots, progress) for m, rec in zip(messages, records))
+            )
         finally:
             duration = time.perf_counter() - start
             progress.close()
     return records, duration
 
 
-def benchmark(requests: Sequence[BenchRequest], offsets_s: Sequence[float], config: BenchConfig,
-              model_id: str = "", dataset: str = "") -> dict:  # fmt: skip
+def benchmark(
+    requests: Sequence[BenchRequest],
+    offsets_s: Sequence[float],
+    config: BenchConfig,
+    model_id: str = "",
+    dataset: str = "",
+) -> dict:
     """One run: vLLM's result keys, the per-request lists and the run's settings."""
     if config.backend == "openai":
         from splitserve.bench import openai_backend

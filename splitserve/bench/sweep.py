@@ -65,8 +65,15 @@ def describe_goodput(goodput: dict, target: float) -> str:
     return f"goodput: {goodput['rate']:.3g} req/s at {pct} SLO attainment (between {low:g} and {high:g} req/s)"
 
 
-def run_sweep(requests: Callable[[int], Sequence[BenchRequest]], config: BenchConfig, rates: Sequence[float],
-              target: float, out_dir: str | Path, model_id: str = "", dataset: str = "") -> dict:  # fmt: skip
+def run_sweep(
+    requests: Callable[[int], Sequence[BenchRequest]],
+    config: BenchConfig,
+    rates: Sequence[float],
+    target: float,
+    out_dir: str | Path,
+    model_id: str = "",
+    dataset: str = "",
+) -> dict:
     """Runs ``requests(i)`` at the i-th rate (the same arrival seed for every rate), writes
     ``rate_<R>.json`` per rate, ``sweep.json`` and the plots into ``out_dir``; returns sweep.json's content."""
     from splitserve.bench.plots import plot_sweep  # matplotlib: loaded only for a sweep
@@ -91,9 +98,18 @@ def run_sweep(requests: Callable[[int], Sequence[BenchRequest]], config: BenchCo
         # sweep.json keeps the summary; the per-request lists stay in rate_<R>.json.
         per_rate.append({k: v for k, v in result.items() if not isinstance(v, list)})
     goodput = goodput_rate(rates, [r["slo_attainment"] for r in per_rate], target)
-    sweep = {"model_id": model_id, "dataset": dataset, "num_prompts": len(batch), "slos_ms": dict(config.goodput),
-             "attainment_target": target, "burstiness": config.burstiness, "max_concurrency": config.max_concurrency,
-             "rates": list(rates), "goodput": goodput | {"text": describe_goodput(goodput, target)},
-             "results": per_rate, "plots": [p.name for p in plot_sweep(per_rate, target, goodput, out)]}  # fmt: skip
+    sweep = {
+        "model_id": model_id,
+        "dataset": dataset,
+        "num_prompts": len(batch),
+        "slos_ms": dict(config.goodput),
+        "attainment_target": target,
+        "burstiness": config.burstiness,
+        "max_concurrency": config.max_concurrency,
+        "rates": list(rates),
+        "goodput": goodput | {"text": describe_goodput(goodput, target)},
+        "results": per_rate,
+        "plots": [p.name for p in plot_sweep(per_rate, target, goodput, out)],
+    }
     (out / "sweep.json").write_text(json.dumps(sweep, indent=2))
     return sweep

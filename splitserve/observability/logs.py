@@ -68,8 +68,10 @@ class JsonFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         entry = {
             "time": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z",
-            "level": record.levelname, "logger": record.name, "message": record.getMessage(),
-        }  # fmt: skip
+            "level": record.levelname,
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
         entry.update((k, v) for k, v in vars(record).items() if k not in _STANDARD and not k.startswith("_"))
         if record.exc_info:
             entry["exception"] = self.formatException(record.exc_info)
@@ -88,8 +90,9 @@ def make_handler(log_format: LogFormat = "text", static: dict[str, str] | None =
     return handler
 
 
-def configure_logging(log_format: LogFormat = "text", static: dict[str, str] | None = None,
-                      level: int = logging.INFO) -> None:  # fmt: skip
+def configure_logging(
+    log_format: LogFormat = "text", static: dict[str, str] | None = None, level: int = logging.INFO
+) -> None:
     """The process's root handler (replacing one installed here before; other handlers are kept)."""
     root = logging.getLogger()
     for old in [h for h in root.handlers if getattr(h, "_splitserve", False)]:

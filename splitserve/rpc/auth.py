@@ -57,8 +57,7 @@ class AccessPolicy:
             return None
         values = [v for k, v in (metadata or ()) if k.lower() == AUTH_HEADER]
         if not values:
-            return (f"{method} needs {credential.name}: send the metadata "
-                    f"'{AUTH_HEADER}: Bearer <token>'")  # fmt: skip
+            return f"{method} needs {credential.name}: send the metadata '{AUTH_HEADER}: Bearer <token>'"
         value = values[0] if isinstance(values[0], str) else values[0].decode("utf-8", "replace")
         scheme, _, presented = value.strip().partition(" ")
         if scheme.lower() != "bearer" or not presented.strip():
@@ -80,10 +79,15 @@ def _denying(handler: grpc.RpcMethodHandler, message: str, aio: bool) -> grpc.Rp
         def deny(request, context):
             context.abort(UNAUTHENTICATED, message)
 
-    make = {(False, False): grpc.unary_unary_rpc_method_handler, (False, True): grpc.unary_stream_rpc_method_handler,
-            (True, False): grpc.stream_unary_rpc_method_handler,
-            (True, True): grpc.stream_stream_rpc_method_handler}[(handler.request_streaming, handler.response_streaming)]  # fmt: skip
-    return make(deny, request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer)
+    make = {
+        (False, False): grpc.unary_unary_rpc_method_handler,
+        (False, True): grpc.unary_stream_rpc_method_handler,
+        (True, False): grpc.stream_unary_rpc_method_handler,
+        (True, True): grpc.stream_stream_rpc_method_handler,
+    }[(handler.request_streaming, handler.response_streaming)]
+    return make(
+        deny, request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer
+    )
 
 
 class AuthInterceptor(grpc.ServerInterceptor):
@@ -118,8 +122,9 @@ def server_interceptors(policy: AccessPolicy, aio: bool) -> list:
 
 # ---- tokens on every call of a channel (client side) ----------------------------------------------
 
-_SyncDetails = collections.namedtuple("_SyncDetails", ("method", "timeout", "metadata", "credentials",
-                                                       "wait_for_ready", "compression"))  # fmt: skip
+_SyncDetails = collections.namedtuple(
+    "_SyncDetails", ("method", "timeout", "metadata", "credentials", "wait_for_ready", "compression")
+)
 
 
 class _CallDetails(_SyncDetails, grpc.ClientCallDetails):
@@ -130,16 +135,26 @@ def _with(metadata: tuple, extra: tuple) -> tuple:
     return tuple(metadata or ()) + extra
 
 
-class _AddMetadata(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
-                   grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):  # fmt: skip
+class _AddMetadata(
+    grpc.UnaryUnaryClientInterceptor,
+    grpc.UnaryStreamClientInterceptor,
+    grpc.StreamUnaryClientInterceptor,
+    grpc.StreamStreamClientInterceptor,
+):
     """Adds fixed metadata (the bearer token) to every call of a sync channel."""
 
     def __init__(self, metadata: tuple) -> None:
         self.metadata = metadata
 
     def _details(self, d):
-        return _CallDetails(d.method, d.timeout, _with(d.metadata, self.metadata), d.credentials,
-                            getattr(d, "wait_for_ready", None), getattr(d, "compression", None))  # fmt: skip
+        return _CallDetails(
+            d.method,
+            d.timeout,
+            _with(d.metadata, self.metadata),
+            d.credentials,
+            getattr(d, "wait_for_ready", None),
+            getattr(d, "compression", None),
+        )
 
     def intercept_unary_unary(self, continuation, details, request):
         return continuation(self._details(details), request)
@@ -162,8 +177,9 @@ class _AioAddMetadata:
             return await continuation(details._replace(metadata=metadata), request)
         except grpc.aio.UsageError:  # the channel closed before the call started (later than without
             # interceptors): fail as a call cancelled by the closing channel does, with a status
-            raise grpc.aio.AioRpcError(grpc.StatusCode.CANCELLED, grpc.aio.Metadata(), grpc.aio.Metadata(),
-                                       "the channel was closed") from None  # fmt: skip
+            raise grpc.aio.AioRpcError(
+                grpc.StatusCode.CANCELLED, grpc.aio.Metadata(), grpc.aio.Metadata(), "the channel was closed"
+            ) from None
 
 
 class _AioUnaryUnary(_AioAddMetadata, grpc.aio.UnaryUnaryClientInterceptor):
@@ -182,8 +198,13 @@ class _AioStreamStream(_AioAddMetadata, grpc.aio.StreamStreamClientInterceptor):
     intercept_stream_stream = _AioAddMetadata._intercept
 
 
-def open_channel(target: str, options: Sequence = (), credentials: grpc.ChannelCredentials | None = None,
-                 token: str | None = None, aio: bool = False):  # fmt: skip
+def open_channel(
+    target: str,
+    options: Sequence = (),
+    credentials: grpc.ChannelCredentials | None = None,
+    token: str | None = None,
+    aio: bool = False,
+):
     """A sync or grpc.aio channel: TLS when ``credentials`` are given, the token on every call."""
     options = list(options)
     if aio:
@@ -192,5 +213,9 @@ def open_channel(target: str, options: Sequence = (), credentials: grpc.ChannelC
         if credentials is None:
             return grpc.aio.insecure_channel(target, options=options, interceptors=interceptors)
         return grpc.aio.secure_channel(target, credentials, options=options, interceptors=interceptors)
-    channel = grpc.insecure_channel(target, options) if credentials is None else grpc.secure_channel(target, credentials, options)
+    channel = (
+        grpc.insecure_channel(target, options)
+        if credentials is None
+        else grpc.secure_channel(target, credentials, options)
+    )
     return grpc.intercept_channel(channel, _AddMetadata(bearer(token))) if token else channel

@@ -2,15 +2,26 @@
 
 from __future__ import annotations
 
-from engine.request import FinishReason
-from engine.rng import random_seed
-from engine.sampling_params import SamplingParams, SamplingParamsError
+from splitserve.engine.request import FinishReason
+from splitserve.engine.rng import random_seed
+from splitserve.engine.sampling_params import SamplingParams, SamplingParamsError
 from splitserve.v1 import splitserve_pb2 as pb
 
 _OPTIONAL_SCALARS = (
-    "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "ignore_eos", "repetition_penalty",
-    "presence_penalty", "frequency_penalty", "min_tokens", "skip_special_tokens", "include_stop_str_in_output",
-)  # fmt: skip
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "ignore_eos",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "min_tokens",
+    "skip_special_tokens",
+    "include_stop_str_in_output",
+)
 
 FINISH_TO_PB = {
     FinishReason.STOP: pb.FINISH_REASON_STOP,

@@ -83,16 +83,24 @@ class InternalSecurity:
         if not self.tls:
             return None
         return grpc.ssl_server_credentials(
-            [(read_file(self.tls_key, "security.internal_tls_key"), read_file(self.tls_cert, "security.internal_tls_cert"))],
-            root_certificates=read_file(self.tls_ca, "security.internal_tls_ca"), require_client_auth=True,
-        )  # fmt: skip
+            [
+                (
+                    read_file(self.tls_key, "security.internal_tls_key"),
+                    read_file(self.tls_cert, "security.internal_tls_cert"),
+                )
+            ],
+            root_certificates=read_file(self.tls_ca, "security.internal_tls_ca"),
+            require_client_auth=True,
+        )
 
     def channel_credentials(self) -> grpc.ChannelCredentials | None:
         if not self.tls:
             return None
-        return grpc.ssl_channel_credentials(root_certificates=read_file(self.tls_ca, "security.internal_tls_ca"),
-                                            private_key=read_file(self.tls_key, "security.internal_tls_key"),
-                                            certificate_chain=read_file(self.tls_cert, "security.internal_tls_cert"))  # fmt: skip
+        return grpc.ssl_channel_credentials(
+            root_certificates=read_file(self.tls_ca, "security.internal_tls_ca"),
+            private_key=read_file(self.tls_key, "security.internal_tls_key"),
+            certificate_chain=read_file(self.tls_cert, "security.internal_tls_cert"),
+        )
 
     def channel(self, target: str, options: Sequence = (), aio: bool = False):
         """A channel to an internal server: mTLS and the cluster token when configured."""
@@ -137,9 +145,11 @@ class PublicSecurity:
         if not self.tls_cert:
             return None
         ca = read_file(self.tls_client_ca, "security.tls_client_ca") if self.tls_client_ca else None
-        return grpc.ssl_server_credentials([(read_file(self.tls_key, "security.tls_key"),
-                                             read_file(self.tls_cert, "security.tls_cert"))],
-                                           root_certificates=ca, require_client_auth=ca is not None)  # fmt: skip
+        return grpc.ssl_server_credentials(
+            [(read_file(self.tls_key, "security.tls_key"), read_file(self.tls_cert, "security.tls_cert"))],
+            root_certificates=ca,
+            require_client_auth=ca is not None,
+        )
 
     def ssl_context(self) -> ssl.SSLContext | None:
         """The same TLS for an HTTP server on the router (the OpenAI API): this certificate and key,
@@ -159,7 +169,9 @@ class PublicSecurity:
         return context
 
     def keys(self) -> tuple[str, ...]:
-        return self.api_keys + (read_token_file(self.api_key_file, "security.api_key_file") if self.api_key_file else ())
+        return self.api_keys + (
+            read_token_file(self.api_key_file, "security.api_key_file") if self.api_key_file else ()
+        )
 
     def policy(self, cluster_token: str | None) -> AccessPolicy:
         """Health is open (load balancers and probes send no metadata); Admin (scaling) takes the
@@ -200,7 +212,7 @@ class ClientSecurity:
             root_certificates=read_file(self.tls_ca, "tls_ca") if self.tls_ca else None,
             private_key=read_file(self.tls_key, "tls_key") if self.tls_key else None,
             certificate_chain=read_file(self.tls_cert, "tls_cert") if self.tls_cert else None,
-        )  # fmt: skip
+        )
 
     def channel(self, target: str, options: Sequence = (), aio: bool = False):
         return open_channel(target, options, self.credentials(), self.api_key, aio=aio)

@@ -14,12 +14,35 @@ from splitserve.client import Client
 from tests.serving.conftest import start_deployment
 
 RESULT_KEYS = (
-    "date", "backend", "model_id", "num_prompts", "request_rate", "burstiness", "max_concurrency", "duration",
-    "completed", "failed", "total_input_tokens", "total_output_tokens", "request_throughput", "request_goodput",
-    "output_throughput", "total_token_throughput", "input_lens", "output_lens", "ttfts", "itls", "tpots", "e2els",
-    "errors", "client_queue_times", "mean_server_transfer_ms", "mean_client_queue_ms", "p99_client_queue_ms",
+    "date",
+    "backend",
+    "model_id",
+    "num_prompts",
+    "request_rate",
+    "burstiness",
+    "max_concurrency",
+    "duration",
+    "completed",
+    "failed",
+    "total_input_tokens",
+    "total_output_tokens",
+    "request_throughput",
+    "request_goodput",
+    "output_throughput",
+    "total_token_throughput",
+    "input_lens",
+    "output_lens",
+    "ttfts",
+    "itls",
+    "tpots",
+    "e2els",
+    "errors",
+    "client_queue_times",
+    "mean_server_transfer_ms",
+    "mean_client_queue_ms",
+    "p99_client_queue_ms",
     *(f"{s}_{m}_ms" for m in ("ttft", "tpot", "itl", "e2el") for s in ("mean", "median", "std", "p90", "p95", "p99")),
-)  # fmt: skip
+)
 
 
 @pytest.fixture(scope="module")
@@ -30,8 +53,12 @@ def deployment(ray_session, serving_model):
 
 
 def run_bench(*args: str, timeout_s: float = 60, returncode: int = 0) -> subprocess.CompletedProcess:
-    out = subprocess.run([sys.executable, "-m", "splitserve.cli", "bench", *args, "--no-progress",
-                          "--request-timeout", str(timeout_s)], capture_output=True, text=True, timeout=120)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-m", "splitserve.cli", "bench", *args, "--no-progress", "--request-timeout", str(timeout_s)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == returncode, out.stderr
     return out
 
@@ -54,9 +81,29 @@ def test_status_reports_the_vocabulary_and_the_context(deployment):
 
 def test_open_loop_at_a_rate(deployment, tmp_path):
     path = tmp_path / "result.json"
-    out = run_bench("--addr", deployment.address, "--num-prompts", "12", "--dataset", "random", "--input-len", "32",
-                    "--output-len", "8", "--range-ratio", "0.5", "--request-rate", "20", "--seed", "3",
-                    "--goodput", "ttft:60000", "tpot:60000", "--save-result", str(path))  # fmt: skip
+    out = run_bench(
+        "--addr",
+        deployment.address,
+        "--num-prompts",
+        "12",
+        "--dataset",
+        "random",
+        "--input-len",
+        "32",
+        "--output-len",
+        "8",
+        "--range-ratio",
+        "0.5",
+        "--request-rate",
+        "20",
+        "--seed",
+        "3",
+        "--goodput",
+        "ttft:60000",
+        "tpot:60000",
+        "--save-result",
+        str(path),
+    )
     assert "============ Serving Benchmark Result ============" in out.stdout
     result = json.loads(path.read_text())
     assert [k for k in RESULT_KEYS if k not in result] == []
@@ -71,8 +118,20 @@ def test_open_loop_at_a_rate(deployment, tmp_path):
 
 def test_closed_loop_never_exceeds_the_concurrency(deployment, tmp_path):
     path = tmp_path / "result.json"
-    run_bench("--addr", deployment.address, "--num-prompts", "12", "--input-len", "24", "--output-len", "6",
-              "--max-concurrency", "4", "--save-result", str(path))  # fmt: skip
+    run_bench(
+        "--addr",
+        deployment.address,
+        "--num-prompts",
+        "12",
+        "--input-len",
+        "24",
+        "--output-len",
+        "6",
+        "--max-concurrency",
+        "4",
+        "--save-result",
+        str(path),
+    )
     result = json.loads(path.read_text())
     assert_all_served(result, 12)
     assert result["max_concurrency"] == 4 and result["request_rate"] == "inf"
@@ -84,8 +143,18 @@ def test_closed_loop_never_exceeds_the_concurrency(deployment, tmp_path):
 
 def test_mooncake_trace_replay_hits_the_prefix_cache(deployment, tmp_path):
     path = tmp_path / "result.json"
-    run_bench("--addr", deployment.address, "--dataset", "mooncake", "--dataset-path", str(SAMPLE_TRACE),
-              "--num-prompts", "6", "--save-result", str(path))  # fmt: skip
+    run_bench(
+        "--addr",
+        deployment.address,
+        "--dataset",
+        "mooncake",
+        "--dataset-path",
+        str(SAMPLE_TRACE),
+        "--num-prompts",
+        "6",
+        "--save-result",
+        str(path),
+    )
     result = json.loads(path.read_text())
     assert_all_served(result, 6)
     assert result["request_rate"] == "trace" and result["duration"] >= 0.9  # the 6th request is due at 0.908 s
@@ -93,9 +162,24 @@ def test_mooncake_trace_replay_hits_the_prefix_cache(deployment, tmp_path):
 
 
 def test_sweep_over_two_rates(deployment, tmp_path):
-    out = run_bench("sweep", "--addr", deployment.address, "--rates", "10,40", "--num-prompts", "6",
-                    "--input-len", "16", "--output-len", "4", "--goodput", "ttft:60000", "tpot:60000",
-                    "--out-dir", str(tmp_path))  # fmt: skip
+    out = run_bench(
+        "sweep",
+        "--addr",
+        deployment.address,
+        "--rates",
+        "10,40",
+        "--num-prompts",
+        "6",
+        "--input-len",
+        "16",
+        "--output-len",
+        "4",
+        "--goodput",
+        "ttft:60000",
+        "tpot:60000",
+        "--out-dir",
+        str(tmp_path),
+    )
     sweep = json.loads((tmp_path / "sweep.json").read_text())
     assert [r["slo_attainment"] for r in sweep["results"]] == [1.0, 1.0]
     assert sweep["goodput"]["status"] == "at_least" and sweep["goodput"]["rate"] == 40
@@ -107,8 +191,20 @@ def test_sweep_over_two_rates(deployment, tmp_path):
 
 def test_requests_past_their_deadline_are_counted_as_failed(deployment, tmp_path):
     path = tmp_path / "result.json"
-    run_bench("--addr", deployment.address, "--num-prompts", "4", "--input-len", "16", "--output-len", "64",
-              "--save-result", str(path), timeout_s=0.002, returncode=1)  # fmt: skip
+    run_bench(
+        "--addr",
+        deployment.address,
+        "--num-prompts",
+        "4",
+        "--input-len",
+        "16",
+        "--output-len",
+        "64",
+        "--save-result",
+        str(path),
+        timeout_s=0.002,
+        returncode=1,
+    )
     result = json.loads(path.read_text())
     assert result["completed"] == 0 and result["failures"] == {"DEADLINE_EXCEEDED": 4}
     assert all(e.startswith("DEADLINE_EXCEEDED") for e in result["errors"]) and result["output_lens"] == [0] * 4
@@ -116,11 +212,19 @@ def test_requests_past_their_deadline_are_counted_as_failed(deployment, tmp_path
 
 def test_the_openai_backend_measures_as_the_grpc_one(deployment, tmp_path):
     """The same load over splitserve's OpenAI port: the same result keys, every token counted, sane times."""
-    workload = ("--num-prompts", "6", "--input-len", "16", "--output-len", "6", "--max-concurrency", "3",
-                "--seed", "5")
+    workload = ("--num-prompts", "6", "--input-len", "16", "--output-len", "6", "--max-concurrency", "3", "--seed", "5")
     run_bench("--addr", deployment.address, *workload, "--save-result", str(tmp_path / "grpc.json"))
-    out = run_bench("--backend", "openai", "--base-url", f"http://{deployment.openai_address}", "--vocab-size",
-                    "2048", *workload, "--save-result", str(tmp_path / "openai.json"))
+    out = run_bench(
+        "--backend",
+        "openai",
+        "--base-url",
+        f"http://{deployment.openai_address}",
+        "--vocab-size",
+        "2048",
+        *workload,
+        "--save-result",
+        str(tmp_path / "openai.json"),
+    )
     grpc_result, result = (json.loads((tmp_path / f"{name}.json").read_text()) for name in ("grpc", "openai"))
     assert "============ Serving Benchmark Result ============" in out.stdout
     assert sorted(result) == sorted(grpc_result)
@@ -135,6 +239,17 @@ def test_the_openai_backend_measures_as_the_grpc_one(deployment, tmp_path):
 
 
 def test_the_openai_backend_names_a_model_the_server_lacks(deployment):
-    out = run_bench("--backend", "openai", "--base-url", f"http://{deployment.openai_address}", "--model", "other",
-                    "--vocab-size", "2048", "--num-prompts", "1", returncode=1)
+    out = run_bench(
+        "--backend",
+        "openai",
+        "--base-url",
+        f"http://{deployment.openai_address}",
+        "--model",
+        "other",
+        "--vocab-size",
+        "2048",
+        "--num-prompts",
+        "1",
+        returncode=1,
+    )
     assert "not 'other' (--model)" in out.stderr

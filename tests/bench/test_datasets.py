@@ -76,8 +76,9 @@ def test_fit_to_context_cuts_the_output_to_half_then_the_prompt_tail():
 
 
 def test_shared_prefix_groups_share_their_system_prompt():
-    requests = make_dataset("shared-prefix", num_prompts=40, shared_prefix_groups=4, shared_prefix_len=64,
-                            input_len=16, output_len=8)  # fmt: skip
+    requests = make_dataset(
+        "shared-prefix", num_prompts=40, shared_prefix_groups=4, shared_prefix_len=64, input_len=16, output_len=8
+    )
     prefixes = {tuple(r.prompt[:64]) for r in requests}
     assert len(prefixes) == 4
     for prefix in prefixes:  # groups take turns: 10 requests each, with unique suffixes
@@ -94,18 +95,23 @@ def write_trace(path, records) -> str:
 
 def test_mooncake_equal_hash_ids_give_identical_blocks(tmp_path):
     b = MOONCAKE_BLOCK_TOKENS
-    trace = write_trace(tmp_path / "t.jsonl", [
-        {"timestamp": 1000, "input_length": 2 * b + 100, "output_length": 10, "hash_ids": [0, 1, 2]},
-        {"timestamp": 1500, "input_length": b + 7, "output_length": 20, "hash_ids": [0, 1]},
-        {"timestamp": 3000, "input_length": 2 * b, "output_length": 5, "hash_ids": [3, 1]},
-        {"timestamp": 3000, "input_length": b + 30, "output_length": 5, "hash_ids": [0]},
-    ])  # fmt: skip
+    trace = write_trace(
+        tmp_path / "t.jsonl",
+        [
+            {"timestamp": 1000, "input_length": 2 * b + 100, "output_length": 10, "hash_ids": [0, 1, 2]},
+            {"timestamp": 1500, "input_length": b + 7, "output_length": 20, "hash_ids": [0, 1]},
+            {"timestamp": 3000, "input_length": 2 * b, "output_length": 5, "hash_ids": [3, 1]},
+            {"timestamp": 3000, "input_length": b + 30, "output_length": 5, "hash_ids": [0]},
+        ],
+    )
     first, second, third, fourth = load_mooncake(trace, None, TOKENS, seed=1, time_scale=0.5)
     assert [r.prompt_len for r in (first, second, third, fourth)] == [2 * b + 100, b + 7, 2 * b, b + 30]
     assert first.prompt[: b + 7] == second.prompt  # blocks 0 and 1, the last one cut to input_length
     assert first.prompt[b : 2 * b] == third.prompt[b:]  # block 1 is the same wherever it stands
     assert first.prompt[:b] != third.prompt[:b]  # blocks 0 and 3 differ
-    assert fourth.prompt[:b] == first.prompt[:b] and fourth.prompt[b:] != first.prompt[b : b + 30]  # own tokens past the ids
+    assert (
+        fourth.prompt[:b] == first.prompt[:b] and fourth.prompt[b:] != first.prompt[b : b + 30]
+    )  # own tokens past the ids
     assert [r.arrival_s for r in (first, second, third, fourth)] == pytest.approx([0.0, 0.25, 1.0, 1.0])
     assert [r.output_len for r in (first, second, third, fourth)] == [10, 20, 5, 5]
     again = load_mooncake(trace, 2, TOKENS, seed=1)
@@ -113,13 +119,16 @@ def test_mooncake_equal_hash_ids_give_identical_blocks(tmp_path):
     assert load_mooncake(trace, 1, TOKENS, seed=2)[0].prompt != first.prompt
 
 
-@pytest.mark.parametrize("line, message", [
-    ("not json", "not JSON"),
-    ('{"timestamp": 0, "input_length": 0, "output_length": 1}', "input_length"),
-    ('{"timestamp": -1, "input_length": 5, "output_length": 1}', "timestamp"),
-    ('{"timestamp": 0, "input_length": 5, "output_length": "x"}', "output_length"),
-    ('{"timestamp": 0, "input_length": 5, "output_length": 1, "hash_ids": [1, -2]}', "hash_ids"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "line, message",
+    [
+        ("not json", "not JSON"),
+        ('{"timestamp": 0, "input_length": 0, "output_length": 1}', "input_length"),
+        ('{"timestamp": -1, "input_length": 5, "output_length": 1}', "timestamp"),
+        ('{"timestamp": 0, "input_length": 5, "output_length": "x"}', "output_length"),
+        ('{"timestamp": 0, "input_length": 5, "output_length": 1, "hash_ids": [1, -2]}', "hash_ids"),
+    ],
+)
 def test_mooncake_errors_name_the_line_and_the_field(tmp_path, line, message):
     path = tmp_path / "bad.jsonl"
     path.write_text('{"timestamp": 0, "input_length": 5, "output_length": 1, "hash_ids": [0]}\n\n' + line + "\n")
@@ -130,7 +139,9 @@ def test_mooncake_errors_name_the_line_and_the_field(tmp_path, line, message):
 
 
 def test_the_sample_trace_loads_and_shares_prefixes():
-    requests = make_requests(DatasetOptions(name="mooncake", dataset_path=str(SAMPLE_TRACE), max_model_len=4096), TOKENS)
+    requests = make_requests(
+        DatasetOptions(name="mooncake", dataset_path=str(SAMPLE_TRACE), max_model_len=4096), TOKENS
+    )
     records = read_trace(SAMPLE_TRACE)
     assert len(requests) == len(records) >= 20
     assert requests[0].arrival_s == 0.0 and all(b.arrival_s >= a.arrival_s for a, b in zip(requests, requests[1:]))
@@ -141,9 +152,13 @@ def test_the_sample_trace_loads_and_shares_prefixes():
 
 
 def test_options_are_checked_by_name():
-    for kwargs, option in (({"name": "sharegpt"}, "--dataset"), ({"num_prompts": 0}, "--num-prompts"),
-                           ({"input_len": 0}, "--input-len"), ({"range_ratio": 1.0}, "--range-ratio"),
-                           ({"shared_prefix_groups": 0}, "--shared-prefix-groups"),
-                           ({"max_model_len": 1}, "--max-model-len")):  # fmt: skip
+    for kwargs, option in (
+        ({"name": "sharegpt"}, "--dataset"),
+        ({"num_prompts": 0}, "--num-prompts"),
+        ({"input_len": 0}, "--input-len"),
+        ({"range_ratio": 1.0}, "--range-ratio"),
+        ({"shared_prefix_groups": 0}, "--shared-prefix-groups"),
+        ({"max_model_len": 1}, "--max-model-len"),
+    ):
         with pytest.raises(ValueError, match=option):
             DatasetOptions(**kwargs)

@@ -17,8 +17,14 @@ def load_script():
 
 
 def make_row(rate: float, ttft: float, tpot: float, tok_s: float) -> dict:
-    return {"request_rate": rate, "median_ttft_ms": ttft, "p90_ttft_ms": 2 * ttft, "median_tpot_ms": tpot,
-            "p90_tpot_ms": 2 * tpot, "output_throughput": tok_s}
+    return {
+        "request_rate": rate,
+        "median_ttft_ms": ttft,
+        "p90_ttft_ms": 2 * ttft,
+        "median_tpot_ms": tpot,
+        "p90_tpot_ms": 2 * tpot,
+        "output_throughput": tok_s,
+    }
 
 
 def test_ratios_per_rate_over_the_unpinned_run():
@@ -27,5 +33,7 @@ def test_ratios_per_rate_over_the_unpinned_run():
     unpinned = [make_row(1, 200, 20, 200), make_row(2, 100, 0, 400)]
     ratios = bench.rate_ratios(pinned, unpinned)
     assert [r["request_rate"] for r in ratios] == [1, 2]  # a rate only one run reached is left out
-    assert ratios[0]["median_ttft_ms"] == 0.5 and ratios[0]["p90_tpot_ms"] == 0.5 and ratios[0]["output_throughput"] == 1.5
+    assert (
+        ratios[0]["median_ttft_ms"] == 0.5 and ratios[0]["p90_tpot_ms"] == 0.5 and ratios[0]["output_throughput"] == 1.5
+    )
     assert ratios[1]["median_ttft_ms"] == 1.5 and math.isnan(ratios[1]["median_tpot_ms"])

@@ -6,23 +6,70 @@ import math
 
 import pytest
 
-from splitserve.bench.metrics import (RequestRecord, format_summary, meets_slos, parse_goodput, parse_percentiles,
-                                      per_request_lists, summarize)  # fmt: skip
+from splitserve.bench.metrics import (
+    RequestRecord,
+    format_summary,
+    meets_slos,
+    parse_goodput,
+    parse_percentiles,
+    per_request_lists,
+    summarize,
+)
 
 
 def make_records() -> list[RequestRecord]:
     """Three successes (one with a single output token) and three failures, over a 2 s run."""
-    a = RequestRecord(10, 4, due_s=0.0, sent_s=0.0, ttft_s=0.1, itls_s=[0.02, 0.03, 0.05], e2el_s=0.2, output_len=4,
-                      cached_tokens=16, server_timing={"queue_ms": 1.0, "prefill_ms": 50.0, "transfer_ms": 4.0,
-                                                       "first_token_ms": 60.0, "decode_ms": 100.0, "total_ms": 170.0})
-    b = RequestRecord(20, 1, due_s=0.5, sent_s=0.75, ttft_s=0.3, e2el_s=0.3, output_len=1,
-                      server_timing={"queue_ms": 3.0, "prefill_ms": 70.0, "transfer_ms": 0.0,
-                                     "first_token_ms": 80.0, "decode_ms": 0.0, "total_ms": 80.0})
+    a = RequestRecord(
+        10,
+        4,
+        due_s=0.0,
+        sent_s=0.0,
+        ttft_s=0.1,
+        itls_s=[0.02, 0.03, 0.05],
+        e2el_s=0.2,
+        output_len=4,
+        cached_tokens=16,
+        server_timing={
+            "queue_ms": 1.0,
+            "prefill_ms": 50.0,
+            "transfer_ms": 4.0,
+            "first_token_ms": 60.0,
+            "decode_ms": 100.0,
+            "total_ms": 170.0,
+        },
+    )
+    b = RequestRecord(
+        20,
+        1,
+        due_s=0.5,
+        sent_s=0.75,
+        ttft_s=0.3,
+        e2el_s=0.3,
+        output_len=1,
+        server_timing={
+            "queue_ms": 3.0,
+            "prefill_ms": 70.0,
+            "transfer_ms": 0.0,
+            "first_token_ms": 80.0,
+            "decode_ms": 0.0,
+            "total_ms": 80.0,
+        },
+    )
     c = RequestRecord(5, 3, due_s=1.0, sent_s=1.0, ttft_s=0.2, itls_s=[0.1, 0.1], e2el_s=0.4, output_len=3)
-    failed = [RequestRecord(7, 4, due_s=1.2, sent_s=1.25, error_code="UNAVAILABLE", error="UNAVAILABLE: no worker"),
-              RequestRecord(7, 4, due_s=1.3, sent_s=1.3, error_code="UNAVAILABLE", error="UNAVAILABLE: no worker"),
-              RequestRecord(7, 4, due_s=1.4, sent_s=1.4, ttft_s=0.5, output_len=2, error_code="DEADLINE_EXCEEDED",
-                            error="DEADLINE_EXCEEDED: Deadline Exceeded")]  # fmt: skip
+    failed = [
+        RequestRecord(7, 4, due_s=1.2, sent_s=1.25, error_code="UNAVAILABLE", error="UNAVAILABLE: no worker"),
+        RequestRecord(7, 4, due_s=1.3, sent_s=1.3, error_code="UNAVAILABLE", error="UNAVAILABLE: no worker"),
+        RequestRecord(
+            7,
+            4,
+            due_s=1.4,
+            sent_s=1.4,
+            ttft_s=0.5,
+            output_len=2,
+            error_code="DEADLINE_EXCEEDED",
+            error="DEADLINE_EXCEEDED: Deadline Exceeded",
+        ),
+    ]
     return [a, b, c, *failed]
 
 
@@ -112,7 +159,7 @@ def test_summary_table_reads_like_vllms():
 
 
 def test_summary_names_the_client_machine_when_the_result_has_it():
-    from engine.hardware import cpu_summary, describe_machine
+    from splitserve.engine.hardware import cpu_summary, describe_machine
 
     m = summarize(make_records(), 2.0) | {"request_rate": 4.0, "max_concurrency": None}
     assert not any(line.startswith("Client machine:") for line in format_summary(m).splitlines())

@@ -10,16 +10,19 @@ from splitserve.bench.datasets import PRESETS
 from splitserve.cli import build_parser, main
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--rates", "1,2"], "--rates: only with `splitserve bench sweep`"),
-    (["sweep", "--rates", "1"], "--rates, --out-dir: both required"),
-    (["sweep", "--rates", "1", "--out-dir", "x", "--save-result", "r.json"], "--save-result"),
-    (["sweep", "--rates", "1", "--out-dir", "x", "--dataset", "mooncake"], "--dataset mooncake"),
-    (["--goodput", "ttft"], "--goodput"),
-    (["--percentiles", "90,x"], "--percentiles"),
-    (["--max-concurrency", "0"], "--max-concurrency"),
-    (["--request-timeout", "0"], "--request-timeout"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--rates", "1,2"], "--rates: only with `splitserve bench sweep`"),
+        (["sweep", "--rates", "1"], "--rates, --out-dir: both required"),
+        (["sweep", "--rates", "1", "--out-dir", "x", "--save-result", "r.json"], "--save-result"),
+        (["sweep", "--rates", "1", "--out-dir", "x", "--dataset", "mooncake"], "--dataset mooncake"),
+        (["--goodput", "ttft"], "--goodput"),
+        (["--percentiles", "90,x"], "--percentiles"),
+        (["--max-concurrency", "0"], "--max-concurrency"),
+        (["--request-timeout", "0"], "--request-timeout"),
+    ],
+)
 def test_bad_options_are_refused_by_name(argv, message, capsys):
     assert main(["bench", *argv]) == 2
     assert message in capsys.readouterr().err

@@ -15,7 +15,10 @@ def test_cpu_lists_are_written_as_vllm_reads_them():
     assert peer.cpu_list([3]) == "3"
     env = peer.peer_env([0, 1], kv_cache_gib=1.0)
     assert (env["VLLM_CPU_OMP_THREADS_BIND"], env["OMP_NUM_THREADS"], env["VLLM_CPU_NUM_OF_RESERVED_CPU"]) == (
-        "0-1", "2", "0")
+        "0-1",
+        "2",
+        "0",
+    )
     assert env["VLLM_TARGET_DEVICE"] == "cpu" and env["VLLM_CPU_KVCACHE_SPACE"] == "1" and "PYTHONPATH" not in env
 
 
@@ -33,7 +36,8 @@ def test_a_missing_peer_is_not_measured_and_says_so(tmp_path: Path, capsys):
 
 def test_a_failing_peer_is_reported_with_what_it_printed(tmp_path: Path):
     # The project's own python has no vllm: the peer script fails at its import, and the error says so.
-    result = peer.run_offline(Path(sys.executable), tmp_path, "float32", [0], timeout_s=60,
-                              log_path=tmp_path / "peer.log")
+    result = peer.run_offline(
+        Path(sys.executable), tmp_path, "float32", [0], timeout_s=60, log_path=tmp_path / "peer.log"
+    )
     assert "error" in result and "vllm" in result["error"]
     assert "vllm" in (tmp_path / "peer.log").read_text()

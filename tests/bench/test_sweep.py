@@ -50,10 +50,18 @@ def fake_benchmark(requests, offsets, config, model_id="", dataset=""):
     """Latency grows with the rate; above 3 req/s half the requests miss the SLOs."""
     rate = config.request_rate
     n = len(requests)
-    result = {"request_rate": rate, "num_prompts": n, "good_requests": n if rate <= 3 else n // 2,
-              "goodput_slos_ms": dict(config.goodput), "failed": 0, "ttfts": [0.1] * n}  # fmt: skip
+    result = {
+        "request_rate": rate,
+        "num_prompts": n,
+        "good_requests": n if rate <= 3 else n // 2,
+        "goodput_slos_ms": dict(config.goodput),
+        "failed": 0,
+        "ttfts": [0.1] * n,
+    }
     for key in ("ttft", "tpot", "itl", "e2el", "client_queue"):
-        result |= {f"{s}_{key}_ms": 10.0 * rate * (i + 1) for i, s in enumerate(("mean", "median", "std", "p90", "p99"))}
+        result |= {
+            f"{s}_{key}_ms": 10.0 * rate * (i + 1) for i, s in enumerate(("mean", "median", "std", "p90", "p99"))
+        }
     return result
 
 

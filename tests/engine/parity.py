@@ -8,7 +8,7 @@ from contextlib import contextmanager
 
 import torch
 
-from engine import LLM
+from splitserve.engine import LLM
 
 
 @contextmanager

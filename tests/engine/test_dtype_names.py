@@ -7,12 +7,14 @@ import argparse
 import pytest
 import torch
 
-from engine.loader import DTYPE_NAMES, canonical_dtype, parse_dtype
 from splitserve.cli import build_parser
+from splitserve.engine.loader import DTYPE_NAMES, canonical_dtype, parse_dtype
 
-
-ALIASES = [(("bfloat16", "bf16", "BF16"), torch.bfloat16), (("float16", "half", "fp16"), torch.float16),
-           (("float32", "float", "fp32"), torch.float32)]
+ALIASES = [
+    (("bfloat16", "bf16", "BF16"), torch.bfloat16),
+    (("float16", "half", "fp16"), torch.float16),
+    (("float32", "float", "fp32"), torch.float32),
+]
 
 
 @pytest.mark.parametrize("names, dtype", ALIASES)

@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from engine import hardware
+from splitserve.engine import hardware
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -87,11 +87,25 @@ def test_header_names_every_field():
     m = hardware.describe_machine(cpuinfo_text=AVX512_CPUINFO)
     m["transformers"] = "5.24.0"
     text = hardware.header_lines(dtype="bfloat16", threads=2, device="cpu", machine=m)
-    for needle in ("AMD EPYC 9R45 64-Core Processor", f"{m['logical_cores']} logical cores",
-                   f"({m['usable_cores']} usable)", "avx2 yes", "avx512f yes", "avx512bw yes",
-                   "avx512_bf16 yes", "amx_bf16 no", "avx_ne_convert no", f"torch {m['torch']}",
-                   f"cpu capability {m['torch_cpu_capability']}", "oneDNN bf16", "transformers 5.24.0",
-                   f"python {m['python']}", "device cpu", "dtype bfloat16", "threads 2"):  # fmt: skip
+    for needle in (
+        "AMD EPYC 9R45 64-Core Processor",
+        f"{m['logical_cores']} logical cores",
+        f"({m['usable_cores']} usable)",
+        "avx2 yes",
+        "avx512f yes",
+        "avx512bw yes",
+        "avx512_bf16 yes",
+        "amx_bf16 no",
+        "avx_ne_convert no",
+        f"torch {m['torch']}",
+        f"cpu capability {m['torch_cpu_capability']}",
+        "oneDNN bf16",
+        "transformers 5.24.0",
+        f"python {m['python']}",
+        "device cpu",
+        "dtype bfloat16",
+        "threads 2",
+    ):
         assert needle in text, (needle, text)
 
 
@@ -106,9 +120,11 @@ def test_header_says_no_for_missing_flags_and_libraries():
 
 
 def test_describe_without_torch_probe_does_not_import_torch():
-    code = ("import sys, json; from engine import hardware; m = hardware.describe_machine(probe_torch=False); "
-            "print(json.dumps({'torch_loaded': 'torch' in sys.modules, 'torch': m['torch'], "
-            "'heavy': sorted(k for k in ('grpc', 'ray', 'router', 'splitserve') if k in sys.modules)}))")  # fmt: skip
+    code = (
+        "import sys, json; from engine import hardware; m = hardware.describe_machine(probe_torch=False); "
+        "print(json.dumps({'torch_loaded': 'torch' in sys.modules, 'torch': m['torch'], "
+        "'heavy': sorted(k for k in ('grpc', 'ray', 'router', 'splitserve') if k in sys.modules)}))"
+    )
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60, check=True)
     reply = json.loads(out.stdout)

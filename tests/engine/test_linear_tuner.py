@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.core import EngineConfig
-from engine.linear_tuner import (
+from splitserve.engine.core import EngineConfig
+from splitserve.engine.linear_tuner import (
     FORCED_SPLIT_ROWS,
     KernelPolicy,
     ShapeKey,
@@ -19,8 +19,8 @@ from engine.linear_tuner import (
     machine_key,
     measure,
 )
-from engine.model import CausalLM, Linear, onednn_runs
-from engine.model_config import ModelConfig
+from splitserve.engine.model import CausalLM, Linear, onednn_runs
+from splitserve.engine.model_config import ModelConfig
 from tests.conftest import PACKABLE_ARCH_CONFIGS
 from tests.engine.parity import torch_threads
 

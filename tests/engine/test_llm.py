@@ -8,9 +8,9 @@ import shutil
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
-from engine.loader import CheckpointError
-from engine.model_config import ModelConfig, ModelConfigError
+from splitserve.engine import LLM, SamplingParams
+from splitserve.engine.loader import CheckpointError
+from splitserve.engine.model_config import ModelConfig, ModelConfigError
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 
@@ -43,7 +43,9 @@ def test_stop_string_cuts_text_and_finishes(llm):
     stop = full.text[start : start + 3]
     first = full.text.find(stop)
     assert stop.strip() and first > 0
-    out = llm.generate("Once upon a time", SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, stop=[stop]))[0]
+    out = llm.generate(
+        "Once upon a time", SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, stop=[stop])
+    )[0]
     assert out.finish_reason == "stop" and out.stop_reason == stop
     assert out.text == full.text[:first]
     assert len(out.token_ids) < 24
@@ -82,8 +84,9 @@ def test_seeded_sampling_is_reproducible_and_independent_of_batch(llm):
     others = [SamplingParams(max_tokens=30, temperature=0.7, seed=s, ignore_eos=True) for s in range(5)]
     batch = llm.generate([[11, 12], [1, 2, 3, 4], [40] * 20, [3], [7, 8, 9], [100, 200]], [others[0], sp, *others[1:]])
     assert batch[1].token_ids == alone
-    different = llm.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=20, temperature=1.0, top_p=0.9, seed=99,
-                                                            ignore_eos=True))[0].token_ids  # fmt: skip
+    different = llm.generate(
+        [[1, 2, 3, 4]], SamplingParams(max_tokens=20, temperature=1.0, top_p=0.9, seed=99, ignore_eos=True)
+    )[0].token_ids
     assert different != alone
     assert_clean(llm)
 
@@ -147,8 +150,9 @@ def test_half_precision_runs_close_to_fp32(tiny_model_dir, llm, dtype, device):
 def test_sharded_checkpoint_and_config_forms_load_the_same(tmp_path, tiny_model_dir, llm, device):
     from splitserve.make_model import make_model
 
-    sharded = make_model("tiny", tmp_path / "sharded", dtype="float32", seed=0, max_shard_bytes=400_000,
-                         config_format="current")  # fmt: skip
+    sharded = make_model(
+        "tiny", tmp_path / "sharded", dtype="float32", seed=0, max_shard_bytes=400_000, config_format="current"
+    )
     assert (sharded / "model.safetensors.index.json").is_file()
     assert "rope_parameters" in json.loads((sharded / "config.json").read_text())
     assert ModelConfig.from_model_dir(sharded) == ModelConfig.from_model_dir(tiny_model_dir)

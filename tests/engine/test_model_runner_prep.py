@@ -8,14 +8,14 @@ import random
 
 import torch
 
-from engine.attention import AttentionMetadata, PrefillChunk
-from engine.block_manager import BlockManager
-from engine.kv_cache import KVCache, KVCacheSpec, context_rows
-from engine.model_runner import ModelRunner
-from engine.request import Request
-from engine.sampler import Sampler
-from engine.sampling_params import SamplingParams
-from engine.scheduler import ScheduledRequest
+from splitserve.engine.attention import AttentionMetadata, PrefillChunk
+from splitserve.engine.block_manager import BlockManager
+from splitserve.engine.kv_cache import KVCache, KVCacheSpec, context_rows
+from splitserve.engine.model_runner import ModelRunner
+from splitserve.engine.request import Request
+from splitserve.engine.sampler import Sampler
+from splitserve.engine.sampling_params import SamplingParams
+from splitserve.engine.scheduler import ScheduledRequest
 
 BLOCK_SIZE = 4
 KV_HEADS = 2
@@ -46,8 +46,13 @@ def reference_prepare(runner: ModelRunner, items: list[ScheduledRequest]):
             prefills.append(PrefillChunk(offset, offset + n, start, rows(table[: -(-end // bs)]) if start else None))
         if item.samples:
             sample_rows.append((offset + n - 1, item))
-    meta = AttentionMetadata(torch.tensor(slot_blocks), torch.tensor(slot_offsets), len(decode_tables),
-                             decode_context_lens=decode_lens, prefills=prefills)  # fmt: skip
+    meta = AttentionMetadata(
+        torch.tensor(slot_blocks),
+        torch.tensor(slot_offsets),
+        len(decode_tables),
+        decode_context_lens=decode_lens,
+        prefills=prefills,
+    )
     if decode_tables:
         width = max(len(t) for t in decode_tables)
         meta.decode_rows = rows([b for t in decode_tables for b in t + [0] * (width - len(t))])
@@ -55,13 +60,20 @@ def reference_prepare(runner: ModelRunner, items: list[ScheduledRequest]):
 
 
 def make_runner(num_blocks: int = 256) -> ModelRunner:
-    spec = KVCacheSpec(num_layers=1, num_kv_heads=KV_HEADS, head_dim=2, num_blocks=num_blocks, block_size=BLOCK_SIZE,
-                       dtype=torch.float32)  # fmt: skip
+    spec = KVCacheSpec(
+        num_layers=1,
+        num_kv_heads=KV_HEADS,
+        head_dim=2,
+        num_blocks=num_blocks,
+        block_size=BLOCK_SIZE,
+        dtype=torch.float32,
+    )
     return ModelRunner(None, KVCache(spec, "cpu"), BlockManager(num_blocks, BLOCK_SIZE, False), Sampler())
 
 
-def make_item(runner: ModelRunner, rng: random.Random, name: str, prompt: int, computed: int, new: int,
-              extra_blocks: int) -> ScheduledRequest:  # fmt: skip
+def make_item(
+    runner: ModelRunner, rng: random.Random, name: str, prompt: int, computed: int, new: int, extra_blocks: int
+) -> ScheduledRequest:
     request = Request(name, [rng.randrange(1000) for _ in range(prompt)], SamplingParams(max_tokens=4))
     request.num_computed_tokens = computed
     assert runner.blocks.allocate(name, computed + new + extra_blocks * BLOCK_SIZE)
@@ -99,7 +111,8 @@ def test_prepare_matches_the_per_token_loop_on_mixed_batches():
             prompt = rng.randint(2, 30)
             computed = rng.choice([0, 0, rng.randint(1, prompt - 1)])
             new = rng.randint(2, max(2, prompt - computed)) if prompt - computed >= 2 else 2
-            prefills.append(make_item(runner, rng, f"p{trial}-{i}", max(prompt, computed + new), computed, new,
-                                      rng.randint(0, 2)))  # fmt: skip
+            prefills.append(
+                make_item(runner, rng, f"p{trial}-{i}", max(prompt, computed + new), computed, new, rng.randint(0, 2))
+            )
         items = decodes + prefills
         assert_same(runner._prepare(items), reference_prepare(runner, items))

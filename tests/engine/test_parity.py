@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
+from splitserve.engine import LLM, SamplingParams
 from tests.engine.parity import (
     assert_greedy_parity,
     assert_no_blocks_in_use,
@@ -121,8 +121,13 @@ def test_decode_across_many_blocks_and_preemption(arch_model_dirs, hf_models, de
     [
         {"rope_type": "linear", "factor": 4.0},
         {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
-        {"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-         "original_max_position_embeddings": 32},
+        {
+            "type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 32,
+        },
     ],
     ids=["linear", "yarn", "llama3-old-type-key"],
 )
@@ -134,8 +139,9 @@ def test_rope_scaling_variants_match_transformers(rope_scaling, config_format, t
     from tests.conftest import ARCH_CONFIGS
 
     cfg = {**ARCH_CONFIGS["llama"], "rope_scaling": rope_scaling}
-    path = write_random_checkpoint(tmp_path / "m", cfg, dtype="float32", seed=3, tokenizer=test_tokenizer,
-                                   config_format=config_format)  # fmt: skip
+    path = write_random_checkpoint(
+        tmp_path / "m", cfg, dtype="float32", seed=3, tokenizer=test_tokenizer, config_format=config_format
+    )
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     llm = make_llm(path, device)
     prompt = make_prompts(6, [90])[0]

@@ -22,8 +22,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
-from engine.linear_tuner import FORCED_SPLIT_ROWS
+from splitserve.engine import LLM, SamplingParams
+from splitserve.engine.linear_tuner import FORCED_SPLIT_ROWS
 from tests.conftest import PACKABLE_ARCH_CONFIGS
 from tests.engine.parity import (
     assert_greedy_parity,
@@ -174,8 +174,10 @@ def test_bf16_prefill_logits_within_transformers_bf16_error(arch, bf16_path, eng
     theirs = relative_error([references.prompt_logits(arch, "bf16", p) for p in prompts], fp32)
     record_property("bf16_relative_error", {"ours": ours, "transformers": theirs})
     bound = BF16_ERROR_FACTOR * theirs
-    print(f"\n{arch}/{bf16_path}: bf16 prefill logits, relative L2 error against transformers-fp32: "
-          f"ours {ours:.4f}, transformers-bf16 {theirs:.4f}, bound {bound:.4f}")
+    print(
+        f"\n{arch}/{bf16_path}: bf16 prefill logits, relative L2 error against transformers-fp32: "
+        f"ours {ours:.4f}, transformers-bf16 {theirs:.4f}, bound {bound:.4f}"
+    )
     assert 0 < theirs < 0.06, f"{arch}: transformers-bf16 is {theirs:.3f} from fp32"
     assert ours <= bound, f"{arch}/{bf16_path}: {ours:.4f} > {BF16_ERROR_FACTOR} x {theirs:.4f}"
     assert_no_blocks_in_use(llm)

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from engine.block_manager import BlockManager
-from engine.request import FinishReason, Request, RequestStatus
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerConfig
+from splitserve.engine.block_manager import BlockManager
+from splitserve.engine.request import FinishReason, Request, RequestStatus
+from splitserve.engine.sampling_params import SamplingParams
+from splitserve.engine.scheduler import Scheduler, SchedulerConfig
 
 
 def make_scheduler(num_blocks=32, block_size=4, eos=(), **cfg) -> Scheduler:
@@ -118,7 +118,7 @@ def test_stop_conditions(sampling, reason, stop_reason, num_out):
     s.add(r)
     # With min_tokens the sampler suppresses EOS; emulate that by skipping 13.
     suppress = sampling.get("min_tokens", 0)
-    run_to_end(s, next_token=lambda q: (q.token_ids[-1] + (2 if suppress and q.token_ids[-1] == 12 else 1)))
+    run_to_end(s, next_token=lambda q: q.token_ids[-1] + (2 if suppress and q.token_ids[-1] == 12 else 1))
     assert (r.finish_reason, r.stop_reason, r.num_output_tokens) == (reason, stop_reason, num_out)
     assert_no_leak(s)
 
@@ -195,7 +195,9 @@ def test_hand_back_preemption_returns_requests_instead_of_recomputing():
     s = make_scheduler(num_blocks=6, block_size=4, preemption="hand_back")
     requests = []
     for rid, first in (("a", 1), ("b", 50)):
-        r = Request.resume(rid, [first + i for i in range(6)], [first + 6], SamplingParams(max_tokens=12, temperature=0.0), 1)
+        r = Request.resume(
+            rid, [first + i for i in range(6)], [first + 6], SamplingParams(max_tokens=12, temperature=0.0), 1
+        )
         assert s.blocks.allocate(rid, r.num_tokens)
         s.add_running(r)
         requests.append(r)

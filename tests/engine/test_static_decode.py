@@ -18,9 +18,9 @@ from collections import Counter
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
-from engine.core import EngineConfig
-from engine.static_decode import batch_buckets
+from splitserve.engine import LLM, SamplingParams
+from splitserve.engine.core import EngineConfig
+from splitserve.engine.static_decode import batch_buckets
 from tests.engine.parity import assert_no_blocks_in_use, make_prompts, torch_threads
 
 MAX_NUM_SEQS = 8

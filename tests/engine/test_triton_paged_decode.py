@@ -13,13 +13,12 @@ import importlib
 import pytest
 import torch
 
-from engine import triton_paged_decode
+from splitserve.engine import triton_paged_decode
 
 BLOCK = 4
 HEAD_DIM = 16
 KV_HEADS = 2
 POISON = 1e3  # written into every slot no request may attend to: reading one shows in the output
-
 
 
 @pytest.fixture(scope="module")
@@ -29,14 +28,21 @@ def kernel(device: str):
     triton = pytest.importorskip(
         "triton", reason="the paged decode kernel needs Triton (CUDA, or its CPU interpreter); triton is not installed"
     )
-    module = importlib.import_module("engine.triton_paged_decode")
+    module = importlib.import_module("splitserve.engine.triton_paged_decode")
     if not device.startswith("cuda") and not triton.knobs.runtime.interpret:
         pytest.skip("on CPU the Triton kernel runs only in Triton's interpreter, and TRITON_INTERPRET=0 is set")
     return module
 
 
-def make_batch(lens: list[int], heads: int, dtype: torch.dtype, device: str, head_dim: int = HEAD_DIM, seed: int = 0,
-               block: int = BLOCK):
+def make_batch(
+    lens: list[int],
+    heads: int,
+    dtype: torch.dtype,
+    device: str,
+    head_dim: int = HEAD_DIM,
+    seed: int = 0,
+    block: int = BLOCK,
+):
     """q, a cache whose blocks are scattered, block tables padded with a poisoned block, and lengths."""
     gen = torch.Generator().manual_seed(seed)
     blocks_per_req = [-(-n // block) for n in lens]
@@ -83,18 +89,31 @@ def tolerance(dtype: torch.dtype) -> dict:  # bf16/fp16: inputs exact, outputs r
 # for several loop iterations: with tl.dot (64 keys each), and without for groups 2 and 4 (2048 / (group *
 # head_dim) keys each).
 LENS = [0, 1, BLOCK, 7, 2 * BLOCK, 13, 150]
-CASES = [(group, window, dtype, False) for group in (1, 2, 4) for window in (None, 3, BLOCK + 2)
-         for dtype in (torch.float32, torch.bfloat16)]
-CASES += [(group, window, dtype, True) for group in (1, 4) for window in (None, BLOCK + 2)
-          for dtype in (torch.float32, torch.float16, torch.bfloat16)]
+CASES = [
+    (group, window, dtype, False)
+    for group in (1, 2, 4)
+    for window in (None, 3, BLOCK + 2)
+    for dtype in (torch.float32, torch.bfloat16)
+]
+CASES += [
+    (group, window, dtype, True)
+    for group in (1, 4)
+    for window in (None, BLOCK + 2)
+    for dtype in (torch.float32, torch.float16, torch.bfloat16)
+]
 
 
-@pytest.mark.parametrize("group, window, dtype, use_dot", CASES,
-                         ids=[f"g{g}-w{w}-{str(t)[6:]}-{'dot' if u else 'sum'}" for g, w, t, u in CASES])
+@pytest.mark.parametrize(
+    "group, window, dtype, use_dot",
+    CASES,
+    ids=[f"g{g}-w{w}-{str(t)[6:]}-{'dot' if u else 'sum'}" for g, w, t, u in CASES],
+)
 def test_matches_reference(kernel, device, group, window, dtype, use_dot):
     if use_dot and dtype == torch.bfloat16 and not device.startswith("cuda"):
-        pytest.skip("Triton 3.9's CPU interpreter computes bf16 tl.dot wrongly (a 16x16 product is off by ~1e10; "
-                    "fp16 and fp32 are right); this case runs on CUDA")
+        pytest.skip(
+            "Triton 3.9's CPU interpreter computes bf16 tl.dot wrongly (a 16x16 product is off by ~1e10; "
+            "fp16 and fp32 are right); this case runs on CUDA"
+        )
     q, cache, tables, lens = make_batch(LENS, KV_HEADS * group, dtype, device)
     scale = 1.0  # sharp attention (scores of std 4): a wrong rescale across loop iterations shows
     out = kernel.paged_decode_triton(q, cache, tables, lens, scale, window, use_dot=use_dot)
@@ -160,5 +179,6 @@ def test_library_adapters(device, name):
     q, cache, tables, lens_t = make_batch(lens, KV_HEADS * 2, torch.bfloat16, device, head_dim=64, block=block)
     for window in (None, 3):
         out = fn(q, cache, tables, lens_t, 0.125, window)
-        torch.testing.assert_close(out.double().cpu(), reference(q, cache, tables, lens_t, 0.125, window),
-                                   **tolerance(torch.bfloat16))
+        torch.testing.assert_close(
+            out.double().cpu(), reference(q, cache, tables, lens_t, 0.125, window), **tolerance(torch.bfloat16)
+        )

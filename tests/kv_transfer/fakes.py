@@ -78,7 +78,7 @@ class FakeFabric:
         self._lock = threading.Lock()
 
     def factory(self, backend, store, prefix, rank, host, timeout_s, device):
-        from kv_transfer.comm import GroupCommunicator
+        from splitserve.kv_transfer.comm import GroupCommunicator
 
         with self._lock:
             link = self._links[prefix]

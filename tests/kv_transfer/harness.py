@@ -19,21 +19,22 @@ SPEC = {"num_layers": 4, "num_kv_heads": 2, "head_dim": 16, "num_blocks": 512, "
 
 
 def make_fingerprint(dtype: str, spec: dict, checksum: str = "weights-v1"):
-    from kv_transfer.descriptor import LayoutFingerprint
+    from splitserve.kv_transfer.descriptor import LayoutFingerprint
 
-    return LayoutFingerprint("test-model", dtype, spec["block_size"], spec["num_layers"], spec["num_kv_heads"],
-                             spec["head_dim"], checksum)  # fmt: skip
+    return LayoutFingerprint(
+        "test-model", dtype, spec["block_size"], spec["num_layers"], spec["num_kv_heads"], spec["head_dim"], checksum
+    )
 
 
 def _worker_main(conn, role: str, name: str, spec: dict, dtype: str, config, checksum: str) -> None:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     import torch
 
-    from engine.block_manager import BlockManager
-    from engine.kv_cache import KVCache, KVCacheSpec
-    from kv_transfer.receiver import KVReceiver
-    from kv_transfer.sender import KVSender, PeerAddress
-    from kv_transfer.service import GrpcConnection, serve
+    from splitserve.engine.block_manager import BlockManager
+    from splitserve.engine.kv_cache import KVCache, KVCacheSpec
+    from splitserve.kv_transfer.receiver import KVReceiver
+    from splitserve.kv_transfer.sender import KVSender, PeerAddress
+    from splitserve.kv_transfer.service import GrpcConnection, serve
 
     torch.set_num_threads(1)
     torch_dtype = getattr(torch, dtype)
@@ -53,8 +54,12 @@ def _worker_main(conn, role: str, name: str, spec: dict, dtype: str, config, che
     if role == "receiver":
         endpoint = KVReceiver(cache, fp, name, config=config)
         server, port = serve(endpoint)
-        info.update(receiver_id=name, incarnation=endpoint.incarnation, control=f"127.0.0.1:{port}",
-                    store_port=endpoint.store_port)  # fmt: skip
+        info.update(
+            receiver_id=name,
+            incarnation=endpoint.incarnation,
+            control=f"127.0.0.1:{port}",
+            store_port=endpoint.store_port,
+        )
     else:
         endpoint = KVSender(cache, fp, name, connect=lambda peer: GrpcConnection(peer.control), config=config)
         info.update(incarnation=endpoint.incarnation)
@@ -62,8 +67,9 @@ def _worker_main(conn, role: str, name: str, spec: dict, dtype: str, config, che
 
     def checksums(transfer_id: str, count: int) -> list[str]:
         table = blocks.block_table(transfer_id)[:count]
-        return [hashlib.sha1(cache.tensor[:, b].contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
-                for b in table]  # fmt: skip
+        return [
+            hashlib.sha1(cache.tensor[:, b].contiguous().view(torch.uint8).numpy().tobytes()).hexdigest() for b in table
+        ]
 
     def expect(transfer_id: str, num_tokens: int, extra_blocks: int = 2, timeout_s=None):
         if not blocks.allocate(transfer_id, num_tokens + extra_blocks * spec["block_size"]):
@@ -75,8 +81,9 @@ def _worker_main(conn, role: str, name: str, spec: dict, dtype: str, config, che
         if not blocks.allocate(transfer_id, num_tokens):
             raise RuntimeError("out of blocks")
         address = PeerAddress(peer["receiver_id"], peer["incarnation"], peer["control"])
-        handle = handles[transfer_id] = endpoint.start(transfer_id, address, blocks.block_table(transfer_id),
-                                                       num_tokens, timeout_s)  # fmt: skip
+        handle = handles[transfer_id] = endpoint.start(
+            transfer_id, address, blocks.block_table(transfer_id), num_tokens, timeout_s
+        )
         if stream:
             for layers in range(1, spec["num_layers"] + 1):
                 endpoint.layers_ready(handle, layers)
@@ -87,8 +94,12 @@ def _worker_main(conn, role: str, name: str, spec: dict, dtype: str, config, che
         handle = handles[transfer_id]
         start = time.monotonic()
         state = handle.wait(timeout_s)
-        return {"state": state.value, "error": handle.error, "waited": time.monotonic() - start,
-                "commit": getattr(handle, "commit", None)}  # fmt: skip
+        return {
+            "state": state.value,
+            "error": handle.error,
+            "waited": time.monotonic() - start,
+            "commit": getattr(handle, "commit", None),
+        }
 
     def release(transfer_id: str):
         endpoint.release(transfer_id)
@@ -97,14 +108,23 @@ def _worker_main(conn, role: str, name: str, spec: dict, dtype: str, config, che
 
     def status():
         blocks.check_integrity()
-        return {"used_blocks": blocks.num_used_blocks, "pairs": endpoint.num_pairs(),
-                "live": sorted(t for t, h in handles.items() if not h.terminal)}  # fmt: skip
+        return {
+            "used_blocks": blocks.num_used_blocks,
+            "pairs": endpoint.num_pairs(),
+            "live": sorted(t for t, h in handles.items() if not h.terminal),
+        }
 
     commands = {
-        "info": lambda: info, "expect": expect, "send": send, "wait": wait, "release": release,
-        "cancel": lambda transfer_id: endpoint.cancel(transfer_id), "checksums": checksums, "status": status,
+        "info": lambda: info,
+        "expect": expect,
+        "send": send,
+        "wait": wait,
+        "release": release,
+        "cancel": lambda transfer_id: endpoint.cancel(transfer_id),
+        "checksums": checksums,
+        "status": status,
         "state": lambda transfer_id: handles[transfer_id].state.value,
-    }  # fmt: skip
+    }
     while True:
         try:
             command, args, kwargs = conn.recv()
@@ -129,14 +149,24 @@ class Worker:
     info: dict
 
     @classmethod
-    def start(cls, role: str, name: str, config=None, dtype: str = "float32", spec: dict | None = None,
-              checksum: str = "weights-v1") -> Worker:  # fmt: skip
-        from kv_transfer.config import TransferConfig
+    def start(
+        cls,
+        role: str,
+        name: str,
+        config=None,
+        dtype: str = "float32",
+        spec: dict | None = None,
+        checksum: str = "weights-v1",
+    ) -> Worker:
+        from splitserve.kv_transfer.config import TransferConfig
 
         ctx = mp.get_context("spawn")
         parent, child = ctx.Pipe()
-        process = ctx.Process(target=_worker_main, args=(child, role, name, spec or SPEC, dtype,
-                                                          config or TransferConfig(), checksum), daemon=True)  # fmt: skip
+        process = ctx.Process(
+            target=_worker_main,
+            args=(child, role, name, spec or SPEC, dtype, config or TransferConfig(), checksum),
+            daemon=True,
+        )
         process.start()
         worker = cls(role, name, process, parent, {})
         worker.info = worker.call("info", timeout=60)

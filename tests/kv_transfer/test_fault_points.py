@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from kv_transfer.config import FaultPoint, TransferConfig
-from kv_transfer.handles import TransferState
+from splitserve.kv_transfer.config import FaultPoint, TransferConfig
+from splitserve.kv_transfer.handles import TransferState
 from tests.kv_transfer.fakes import FakeFabric
 from tests.kv_transfer.test_units import BLOCK, make_endpoints
 
@@ -26,12 +26,16 @@ def test_a_fault_point_matches_role_count_and_request_id_prefix():
     assert config.fault("sender", "free", 1) is None
 
 
-@pytest.mark.parametrize("fields, name", [
-    (dict(role="sender", action="pause", after_messages=-1), "fault.after_messages"),
-    (dict(role="sender", action="pause", after_messages=1, seconds=-2.0), "fault.seconds"),
-    (dict(role="sender", action="pause", after_messages=1, request_id_prefix=3), "fault.request_id_prefix"),
-    (dict(role="peer", action="pause", after_messages=1), "fault.role"),
-], ids=["after_messages", "seconds", "request_id_prefix", "role"])  # fmt: skip
+@pytest.mark.parametrize(
+    "fields, name",
+    [
+        (dict(role="sender", action="pause", after_messages=-1), "fault.after_messages"),
+        (dict(role="sender", action="pause", after_messages=1, seconds=-2.0), "fault.seconds"),
+        (dict(role="sender", action="pause", after_messages=1, request_id_prefix=3), "fault.request_id_prefix"),
+        (dict(role="peer", action="pause", after_messages=1), "fault.role"),
+    ],
+    ids=["after_messages", "seconds", "request_id_prefix", "role"],
+)
 def test_bad_fault_points_name_the_field(fields, name):
     with pytest.raises(ValueError, match=name):
         FaultPoint(**fields)
@@ -54,8 +58,9 @@ def timed_transfer(sender, receiver, peer, transfer_id: str, src: list[int], dst
 
 def test_a_pause_holds_every_matching_transfer_and_no_other():
     hold = FaultPoint("sender", "pause", after_messages=1, seconds=PAUSE_S, request_id_prefix="hold-")
-    config = TransferConfig(max_message_bytes=1024, whole_request_bytes=0, layer_group_size=1, op_timeout_s=5.0,
-                            faults=(hold,))  # fmt: skip
+    config = TransferConfig(
+        max_message_bytes=1024, whole_request_bytes=0, layer_group_size=1, op_timeout_s=5.0, faults=(hold,)
+    )
     sender, receiver, peer = make_endpoints("cpu", config, FakeFabric().factory)
     try:
         first = timed_transfer(sender, receiver, peer, "hold-first", [1, 2], [10, 11])

@@ -8,7 +8,7 @@ import time
 import grpc
 import pytest
 
-from kv_transfer.config import FaultPoint, TransferConfig
+from splitserve.kv_transfer.config import FaultPoint, TransferConfig
 from tests.kv_transfer.harness import SPEC, Worker, make_fingerprint
 
 BLOCK = SPEC["block_size"]
@@ -47,8 +47,10 @@ def assert_no_blocks_held(*workers: Worker) -> None:
 def quad():
     """Two senders and two receivers shared by the tests that break nothing."""
     cfg = make_config()
-    workers = [Worker.start(role, name, cfg) for role, name in
-               [("sender", "p0"), ("sender", "p1"), ("receiver", "d0"), ("receiver", "d1")]]  # fmt: skip
+    workers = [
+        Worker.start(role, name, cfg)
+        for role, name in [("sender", "p0"), ("sender", "p1"), ("receiver", "d0"), ("receiver", "d1")]
+    ]
     yield workers
     for w in workers:
         w.stop()
@@ -121,9 +123,9 @@ def test_fingerprint_mismatch_is_refused(quad):
 
 
 def test_malformed_descriptors_are_refused_and_the_receiver_lives_on(quad):
-    from kv_transfer.control import Hello
-    from kv_transfer.descriptor import PROTOCOL_VERSION
-    from kv_transfer.service import sender_to_pb
+    from splitserve.kv_transfer.control import Hello
+    from splitserve.kv_transfer.descriptor import PROTOCOL_VERSION
+    from splitserve.kv_transfer.service import sender_to_pb
     from splitserve.rpc import kv_transfer_pb2 as pb
     from splitserve.rpc import kv_transfer_pb2_grpc as pb_grpc
 
@@ -213,8 +215,13 @@ def test_receiver_killed_mid_transfer():
 
 
 def test_silent_receiver_times_out_and_the_pair_is_rebuilt():
-    p, d = pair_of(receiver_faults=[FaultPoint("receiver", "pause", after_messages=2, seconds=3 * FAST["op_timeout_s"],
-                                                request_id_prefix="stalled")])
+    p, d = pair_of(
+        receiver_faults=[
+            FaultPoint(
+                "receiver", "pause", after_messages=2, seconds=3 * FAST["op_timeout_s"], request_id_prefix="stalled"
+            )
+        ]
+    )
     try:
         start_transfer(p, d, "stalled", 200)
         sent = p.call("wait", "stalled")
@@ -251,8 +258,9 @@ def test_dropped_connection_fails_both_sides_then_recovers():
 @pytest.mark.parametrize("side", ["receiver", "sender"])
 def test_cancel_mid_transfer_frees_both_sides_and_keeps_the_pair(side):
     # The sender pauses after its third message, so the transfer is reliably mid-way when cancelled.
-    p, d = pair_of(sender_faults=[FaultPoint("sender", "pause", after_messages=3, seconds=1.5,
-                                              request_id_prefix="cancelled")])
+    p, d = pair_of(
+        sender_faults=[FaultPoint("sender", "pause", after_messages=3, seconds=1.5, request_id_prefix="cancelled")]
+    )
     try:
         start_transfer(p, d, "cancelled", 200)
         wait_until(lambda: d.call("state", "cancelled") == "transferring")

@@ -1,5 +1,5 @@
-"""kv_transfer in one process: descriptor strictness (fuzzed in tests/security), message planning, the pair logic over a fake
-NCCL-like group, and a real gloo pair on the test device (the GPU check runs this file with
+"""kv_transfer in one process: descriptor strictness (fuzzed in tests/security), message planning, the pair logic over a
+fake NCCL-like group, and a real gloo pair on the test device (the GPU check runs this file with
 ``--device cuda``, covering CUDA payloads staged through pinned host memory)."""
 
 from __future__ import annotations
@@ -12,16 +12,20 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.kv_cache import KVCache, KVCacheSpec
-from kv_transfer.comm import choose_backend
-from kv_transfer.config import FaultPoint, TransferConfig
-from kv_transfer.control import LocalConnection
-from kv_transfer.descriptor import (
-    DescriptorError, LayoutFingerprint, PayloadDescriptor, decode_descriptor, encode_descriptor,
-)  # fmt: skip
-from kv_transfer.handles import TransferState
-from kv_transfer.receiver import KVReceiver
-from kv_transfer.sender import KVSender, PeerAddress
+from splitserve.engine.kv_cache import KVCache, KVCacheSpec
+from splitserve.kv_transfer.comm import choose_backend
+from splitserve.kv_transfer.config import FaultPoint, TransferConfig
+from splitserve.kv_transfer.control import LocalConnection
+from splitserve.kv_transfer.descriptor import (
+    DescriptorError,
+    LayoutFingerprint,
+    PayloadDescriptor,
+    decode_descriptor,
+    encode_descriptor,
+)
+from splitserve.kv_transfer.handles import TransferState
+from splitserve.kv_transfer.receiver import KVReceiver
+from splitserve.kv_transfer.sender import KVSender, PeerAddress
 from tests.kv_transfer.fakes import FakeFabric
 
 LAYERS, HEADS, HEAD_DIM, BLOCK = 4, 2, 8, 4
@@ -29,9 +33,21 @@ FP = LayoutFingerprint("m", "float32", BLOCK, LAYERS, HEADS, HEAD_DIM, "w1")
 
 
 def make_descriptor(**kw) -> PayloadDescriptor:
-    base = dict(seq=0, transfer_id="r1", layer_start=0, layer_end=2, block_start=0, block_end=3, num_blocks=3,
-                num_tokens=10, dtype="float32", shape=(2, 3, 2, HEADS, BLOCK, HEAD_DIM), nbytes=2 * 3 * 512,
-                last=True, commit={"first_token": 5})  # fmt: skip
+    base = dict(
+        seq=0,
+        transfer_id="r1",
+        layer_start=0,
+        layer_end=2,
+        block_start=0,
+        block_end=3,
+        num_blocks=3,
+        num_tokens=10,
+        dtype="float32",
+        shape=(2, 3, 2, HEADS, BLOCK, HEAD_DIM),
+        nbytes=2 * 3 * 512,
+        last=True,
+        commit={"first_token": 5},
+    )
     return PayloadDescriptor(**{**base, **kw})
 
 
@@ -178,8 +194,9 @@ def test_transfer_deadline_and_unknown_transfer_are_reported():
 def test_real_gloo_pair_on_the_test_device(device):
     """Real gloo groups between two endpoints in this process; on CUDA the payload is staged through
     pinned host memory. (gloo is named: NCCL refuses two ranks on one GPU, so a real NCCL pair needs two.)"""
-    config = TransferConfig(max_message_bytes=4096, whole_request_bytes=1024, layer_group_size=2, op_timeout_s=5.0,
-                            backend="gloo")  # fmt: skip
+    config = TransferConfig(
+        max_message_bytes=4096, whole_request_bytes=1024, layer_group_size=2, op_timeout_s=5.0, backend="gloo"
+    )
     sender, receiver, peer = make_endpoints(device, config)
     run_transfers(sender, receiver, peer, [2, 16, 45, 100], stream=True, seed=1)
     run_transfers(sender, receiver, peer, [7], stream=False, seed=2)
@@ -200,8 +217,12 @@ def test_plan_partitions_layers_times_blocks(num_blocks, num_layers, group, limi
 
     l0 = min(start, num_layers - 1)
     messages = sender._plan(H, l0, num_layers, True, {"x": 1})
-    covered = [(layer, b) for m in messages for layer in range(m.layer_start, m.layer_end)
-               for b in range(m.block_start, m.block_end)]  # fmt: skip
+    covered = [
+        (layer, b)
+        for m in messages
+        for layer in range(m.layer_start, m.layer_end)
+        for b in range(m.block_start, m.block_end)
+    ]
     assert sorted(covered) == [(layer, b) for layer in range(l0, num_layers) for b in range(num_blocks)]
     per = fp.bytes_per_block_layer
     assert all((m.layer_end - m.layer_start) * (m.block_end - m.block_start) * per <= max(limit, per) for m in messages)
@@ -232,8 +253,9 @@ def test_pairs_beyond_the_cap_are_closed_least_recently_used_first():
     src = KVCache(spec, "cpu")
     src.tensor.copy_(torch.randn(src.tensor.shape))
     receivers = {name: KVReceiver(KVCache(spec, "cpu"), FP, name, config=config) for name in ("a", "b")}
-    sender = KVSender(src, FP, "p", config=config,
-                      connect=lambda peer: LocalConnection(receivers[peer.receiver_id].serve_pair))  # fmt: skip
+    sender = KVSender(
+        src, FP, "p", config=config, connect=lambda peer: LocalConnection(receivers[peer.receiver_id].serve_pair)
+    )
 
     def move(name: str, tid: str) -> None:
         receiver = receivers[name]

@@ -13,9 +13,25 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_short_multinode_loadtest_serves_everything_and_leaks_nothing(tmp_path):
     out = tmp_path / "lt"
-    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "loadtest.py"), "--num-prompts", "16", "--rates",
-                           "4,16", "--input-len", "64", "--output-len", "16", "--out-dir", str(out)],
-                          capture_output=True, text=True, timeout=240)  # fmt: skip
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "scripts" / "loadtest.py"),
+            "--num-prompts",
+            "16",
+            "--rates",
+            "4,16",
+            "--input-len",
+            "64",
+            "--output-len",
+            "16",
+            "--out-dir",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     verdict = json.loads((out / "loadtest.json").read_text())
     assert verdict["passed"] and all(verdict["checks"].values())

@@ -54,13 +54,19 @@ def test_each_outcome_is_classified_only_for_its_own_cause(soak):
     assert soak.classify(make_record(soak, status="UNAVAILABLE", details=GAVE_UP), kill) == "failed_by_injected_cause"
     retries = GAVE_UP.replace("0 migrations", "3 retries")
     assert soak.classify(make_record(soak, status="UNAVAILABLE", details=retries), kill) == "failed_by_injected_cause"
-    for details in (GAVE_UP.replace("decode-0", "decode-1"), GAVE_UP.replace("decode-0", "decode-01"),
-                    "no decode worker had room for 3 KV blocks within lease_timeout_s", ""):  # fmt: skip
+    for details in (
+        GAVE_UP.replace("decode-0", "decode-1"),
+        GAVE_UP.replace("decode-0", "decode-01"),
+        "no decode worker had room for 3 KV blocks within lease_timeout_s",
+        "",
+    ):
         assert soak.classify(make_record(soak, status="UNAVAILABLE", details=details), kill) is None, details
     for started, ended in ((11.5, 13.0), (8.0, 9.9)):  # sent after the victim was seen gone; ended before the kill
         late = make_record(soak, status="UNAVAILABLE", details=GAVE_UP, started=started, ended=ended)
         assert soak.classify(late, kill) is None
-    assert soak.classify(make_record(soak, status="UNAVAILABLE", details=GAVE_UP), make_kill(soak, gone_at=None)) is None
+    assert (
+        soak.classify(make_record(soak, status="UNAVAILABLE", details=GAVE_UP), make_kill(soak, gone_at=None)) is None
+    )
     # Causes the soak does not create fail it, whatever their message.
     for status in ("RESOURCE_EXHAUSTED", "DEADLINE_EXCEEDED", "INTERNAL"):
         assert soak.classify(make_record(soak, status=status, details=GAVE_UP), kill) is None
@@ -82,8 +88,10 @@ def test_the_kill_window_follows_the_status_polls(soak):
 
 def test_greedy_results_are_compared_with_their_first_and_the_offline_engine(soak):
     reference = [[1, 2, 3], [4, 5]]
-    ok = [make_record(soak, case=0, max_tokens=3, tokens=[1, 2, 3], finish=soak.FINISH_LENGTH, started=t)
-          for t in (1.0, 2.0, 3.0)]  # fmt: skip
+    ok = [
+        make_record(soak, case=0, max_tokens=3, tokens=[1, 2, 3], finish=soak.FINISH_LENGTH, started=t)
+        for t in (1.0, 2.0, 3.0)
+    ]
     moved = make_record(soak, case=1, max_tokens=2, tokens=[4, 5], finish=soak.FINISH_LENGTH, reprefills=1)
     short = make_record(soak, case=1, max_tokens=2, tokens=[4], finish=soak.FINISH_LENGTH)  # not compared
     sampled = make_record(soak, max_tokens=2, tokens=[9, 9], finish=soak.FINISH_LENGTH)  # not compared
@@ -99,13 +107,34 @@ def test_greedy_results_are_compared_with_their_first_and_the_offline_engine(soa
 
 def test_short_soak_loses_no_request_leaks_no_block_and_holds_its_memory(serving_model, tmp_path):
     out = tmp_path / "soak"
-    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "soak.py"), "--model", str(serving_model),
-                           "--duration-s", "40", "--warmup-s", "12", "--concurrency", "6",
-                           "--kill-after-steps", "150", "--out-dir", str(out)],
-                          capture_output=True, text=True, timeout=240)  # fmt: skip
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "scripts" / "soak.py"),
+            "--model",
+            str(serving_model),
+            "--duration-s",
+            "40",
+            "--warmup-s",
+            "12",
+            "--concurrency",
+            "6",
+            "--kill-after-steps",
+            "150",
+            "--out-dir",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     verdict = json.loads((out / "soak.json").read_text())
-    assert done.returncode == 0 and verdict["passed"], (verdict.get("checks"), verdict.get("unclassified"),
-                                                        verdict["greedy"]["mismatches"], done.stderr[-2000:])  # fmt: skip
+    assert done.returncode == 0 and verdict["passed"], (
+        verdict.get("checks"),
+        verdict.get("unclassified"),
+        verdict["greedy"]["mismatches"],
+        done.stderr[-2000:],
+    )
     outcomes = verdict["outcomes"]
     assert outcomes["unclassified"] == 0 and verdict["unclassified"] == [], verdict["unclassified"]
     assert outcomes["finished"] >= 20 and outcomes["cancelled_by_client"] >= 1, outcomes

@@ -26,7 +26,7 @@ def healthy(served: ServeProcess, role: str) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def reference(serving_model):
-    from engine import LLM, SamplingParams
+    from splitserve.engine import LLM, SamplingParams
 
     llm = LLM(serving_model, dtype="float32", num_blocks=256)
     return [o.token_ids for o in llm.generate(PROMPTS, SamplingParams(**SAMPLING))]
@@ -41,9 +41,15 @@ def cluster():
 
 @pytest.fixture(scope="module")
 def served(cluster, serving_model, tmp_path_factory):
-    config = {"model": str(serving_model), "dtype": "float32", "port": 0, "ray_address": cluster.address,
-              "prefill": {"replicas": 1, "threads": 1}, "decode": {"replicas": 2, "threads": 1},
-              "faults": {"decode_step_delay_s": 0.02}}  # fmt: skip
+    config = {
+        "model": str(serving_model),
+        "dtype": "float32",
+        "port": 0,
+        "ray_address": cluster.address,
+        "prefill": {"replicas": 1, "threads": 1},
+        "decode": {"replicas": 2, "threads": 1},
+        "faults": {"decode_step_delay_s": 0.02},
+    }
     served = ServeProcess(config, tmp_path_factory.mktemp("mn") / "deploy.yaml")
     yield served
     assert served.stop() == 0

@@ -8,9 +8,9 @@ import re
 from pathlib import Path
 from types import SimpleNamespace
 
-from router.metrics import RouterMetrics
+from splitserve.router.metrics import RouterMetrics
+from splitserve.worker_common.metrics import WorkerMetrics
 from tests.observability.scrape import exposable_names
-from worker_common.metrics import WorkerMetrics
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "cluster_configs" / "grafana" / "splitserve.json"
 
@@ -19,9 +19,15 @@ def exposed() -> set[str]:
     router = RouterMetrics()
     router.watch(SimpleNamespace(dispatcher=None, inflight=set(), pool=None))
     worker = WorkerMetrics("w-0", "prefill")
-    worker.watch(SimpleNamespace(status_message=lambda: SimpleNamespace(running=0, waiting=0, kv_blocks_total=0,
-                                                                        kv_blocks_in_use=0, kv_blocks_cached=0),
-                                 kv_pairs=lambda: 0, scheduler=SimpleNamespace(num_preemptions=0)))  # fmt: skip
+    worker.watch(
+        SimpleNamespace(
+            status_message=lambda: SimpleNamespace(
+                running=0, waiting=0, kv_blocks_total=0, kv_blocks_in_use=0, kv_blocks_cached=0
+            ),
+            kv_pairs=lambda: 0,
+            scheduler=SimpleNamespace(num_preemptions=0),
+        )
+    )
     return exposable_names(router.registry, worker.registry)
 
 
@@ -33,11 +39,18 @@ def test_every_query_names_an_exposed_metric():
     queried = {name for expr in exprs for name in re.findall(r"\bsplitserve_[a-z0-9_]+\b", expr)}
     missing = queried - exposed()
     assert not missing, f"the dashboard queries metrics nobody exposes: {sorted(missing)}"
-    wanted = {"splitserve_requests_total", "splitserve_time_to_first_token_seconds_bucket",
-              "splitserve_inter_token_latency_seconds_bucket", "splitserve_e2e_request_latency_seconds_bucket",
-              "splitserve_requests_waiting", "splitserve_worker_requests_running", "splitserve_worker_kv_blocks_in_use",
-              "splitserve_prefix_cache_hit_tokens_total", "splitserve_engine_kv_transfer_bytes_total",
-              "splitserve_kv_transfer_seconds_bucket"}  # fmt: skip
+    wanted = {
+        "splitserve_requests_total",
+        "splitserve_time_to_first_token_seconds_bucket",
+        "splitserve_inter_token_latency_seconds_bucket",
+        "splitserve_e2e_request_latency_seconds_bucket",
+        "splitserve_requests_waiting",
+        "splitserve_worker_requests_running",
+        "splitserve_worker_kv_blocks_in_use",
+        "splitserve_prefix_cache_hit_tokens_total",
+        "splitserve_engine_kv_transfer_bytes_total",
+        "splitserve_kv_transfer_seconds_bucket",
+    }
     assert wanted <= queried, f"panels missing for {sorted(wanted - queried)}"
     for expr in exprs:  # a histogram's buckets are only ever read through a rate and by le
         if "_bucket" in expr:

@@ -11,8 +11,8 @@ import threading
 
 import pytest
 
-from router.metrics import RequestSummary, log_request
 from splitserve.observability.logs import configure_logging, make_handler, request_context
+from splitserve.router.metrics import RequestSummary, log_request
 from splitserve.v1 import splitserve_pb2 as pb
 from tests.observability.capture import json_log_lines
 
@@ -70,6 +70,7 @@ def test_each_task_and_thread_keeps_its_own_request_id(capture):
         await asyncio.gather(*(call(f"r{i}") for i in range(5)))
 
     asyncio.run(main())
+
     def handle(request_id: str) -> None:
         with request_context(request_id):
             logger.info("handled")
@@ -116,11 +117,22 @@ def test_configure_logging_replaces_only_its_own_handler():
 
 
 def test_the_request_line_has_the_timing_as_text_and_fields():
-    timing = pb.Timing(queue_ms=1.23456, prefill_ms=20.0, transfer_ms=3.0, first_token_ms=21.2, decode_ms=99.5,
-                       total_ms=121.0, prefill_worker="prefill-0", decode_worker="decode-1", reprefills=1)  # fmt: skip
+    timing = pb.Timing(
+        queue_ms=1.23456,
+        prefill_ms=20.0,
+        transfer_ms=3.0,
+        first_token_ms=21.2,
+        decode_ms=99.5,
+        total_ms=121.0,
+        prefill_worker="prefill-0",
+        decode_worker="decode-1",
+        reprefills=1,
+    )
     with json_log_lines("splitserve.requests") as lines:
         log_request(RequestSummary("req-1", "finished", "OK", "", "stop", 12, 5, 8, timing))
-        log_request(RequestSummary("req-2", "error", "UNAVAILABLE", "no decode worker had room", "", 3, 0, 0, pb.Timing()))
+        log_request(
+            RequestSummary("req-2", "error", "UNAVAILABLE", "no decode worker had room", "", 3, 0, 0, pb.Timing())
+        )
         log_request(RequestSummary("-", "error", "INVALID_ARGUMENT", "prompt: must not be empty", "", 0, 0, 0, None))
         done, failed, refused = lines()
     assert done["request_id"] == "req-1" and done["queue_ms"] == 1.235 and done["reprefills"] == 1

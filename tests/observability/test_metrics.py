@@ -10,34 +10,44 @@ from types import SimpleNamespace
 
 import pytest
 
-from kv_transfer.handles import TransferHandle, TransferState
-from router.metrics import RequestSummary, RouterMetrics
+from splitserve.kv_transfer.handles import TransferHandle, TransferState
 from splitserve.observability.exporter import MetricsServer
+from splitserve.router.metrics import RequestSummary, RouterMetrics
 from splitserve.v1 import splitserve_pb2 as pb
+from splitserve.worker_common.metrics import WorkerMetrics
 from tests.observability.scrape import Scrape, exposable_names
-from worker_common.metrics import WorkerMetrics
 
 
 def make_worker(running=1, waiting=2, total=64, in_use=5, cached=3, pairs=1, preemptions=4):
-    status = pb.WorkerStatus(running=running, waiting=waiting, kv_blocks_total=total, kv_blocks_in_use=in_use,
-                             kv_blocks_cached=cached)  # fmt: skip
-    return SimpleNamespace(status_message=lambda: status, kv_pairs=lambda: pairs,
-                           scheduler=SimpleNamespace(num_preemptions=preemptions))  # fmt: skip
+    status = pb.WorkerStatus(
+        running=running, waiting=waiting, kv_blocks_total=total, kv_blocks_in_use=in_use, kv_blocks_cached=cached
+    )
+    return SimpleNamespace(
+        status_message=lambda: status, kv_pairs=lambda: pairs, scheduler=SimpleNamespace(num_preemptions=preemptions)
+    )
 
 
 def make_router(waiting=1, inflight=3, workers=()):
-    return SimpleNamespace(dispatcher=SimpleNamespace(waiting=[object()] * waiting),
-                           inflight={f"r{i}" for i in range(inflight)}, pool=SimpleNamespace(workers=list(workers)))  # fmt: skip
+    return SimpleNamespace(
+        dispatcher=SimpleNamespace(waiting=[object()] * waiting),
+        inflight={f"r{i}" for i in range(inflight)},
+        pool=SimpleNamespace(workers=list(workers)),
+    )
 
 
 def make_handle(worker_id, role, healthy=True, **status):
-    return SimpleNamespace(worker_id=worker_id, spec=SimpleNamespace(role=role), healthy=healthy,
-                           status=pb.WorkerStatus(worker_id=worker_id, role=role, **status))  # fmt: skip
+    return SimpleNamespace(
+        worker_id=worker_id,
+        spec=SimpleNamespace(role=role),
+        healthy=healthy,
+        status=pb.WorkerStatus(worker_id=worker_id, role=role, **status),
+    )
 
 
 def make_summary(outcome="finished", status="OK", finish_reason="length", **timing) -> RequestSummary:
-    t = pb.Timing(queue_ms=1.0, prefill_ms=20.0, transfer_ms=3.0, first_token_ms=21.0, decode_ms=100.0,
-                  total_ms=121.0, **timing)  # fmt: skip
+    t = pb.Timing(
+        queue_ms=1.0, prefill_ms=20.0, transfer_ms=3.0, first_token_ms=21.0, decode_ms=100.0, total_ms=121.0, **timing
+    )
     return RequestSummary("req-1", outcome, status, "", finish_reason, 10, 5, 4, t)
 
 
@@ -64,8 +74,11 @@ def test_names_follow_prometheus_conventions():
             if "latency" in name or "time" in name:
                 assert name.endswith("_seconds"), name
     exposed = exposable_names(*all_registries())
-    assert {"splitserve_requests_total", "splitserve_time_to_first_token_seconds_bucket",
-            "splitserve_engine_kv_blocks_in_use"} <= exposed  # fmt: skip
+    assert {
+        "splitserve_requests_total",
+        "splitserve_time_to_first_token_seconds_bucket",
+        "splitserve_engine_kv_blocks_in_use",
+    } <= exposed
 
 
 def test_router_observes_requests_by_outcome_and_timing():
@@ -98,11 +111,22 @@ def test_router_observes_requests_by_outcome_and_timing():
 
 def test_router_gauges_follow_the_pool():
     metrics = RouterMetrics()
-    router = make_router(waiting=2, inflight=5, workers=[
-        make_handle("prefill-0", "prefill", running=1, waiting=3, kv_blocks_total=100, kv_blocks_in_use=7,
-                    kv_blocks_cached=9),
-        make_handle("decode-0", "decode", healthy=False, running=4, kv_blocks_total=200, kv_blocks_in_use=50),
-    ])  # fmt: skip
+    router = make_router(
+        waiting=2,
+        inflight=5,
+        workers=[
+            make_handle(
+                "prefill-0",
+                "prefill",
+                running=1,
+                waiting=3,
+                kv_blocks_total=100,
+                kv_blocks_in_use=7,
+                kv_blocks_cached=9,
+            ),
+            make_handle("decode-0", "decode", healthy=False, running=4, kv_blocks_total=200, kv_blocks_in_use=50),
+        ],
+    )
     metrics.watch(router)
     s = Scrape.registry(metrics.registry)
     assert (s.value("splitserve_requests_waiting"), s.value("splitserve_requests_running")) == (2, 3)
@@ -134,7 +158,10 @@ def test_worker_metrics_carry_its_id_and_read_its_state():
     assert all(ids.items() <= labels.items() for sample in s.samples for labels in [sample.labels])
     assert s.value("splitserve_engine_steps_total", kind="decode") == 1
     assert s.value("splitserve_engine_batch_requests_sum") == 2
-    assert (s.value("splitserve_engine_prefix_cache_queries_total"), s.value("splitserve_engine_prefix_cache_hits_total")) == (30, 16)
+    assert (
+        s.value("splitserve_engine_prefix_cache_queries_total"),
+        s.value("splitserve_engine_prefix_cache_hits_total"),
+    ) == (30, 16)
     assert s.value("splitserve_engine_kv_transfers_total", direction="received", result="done") == 1
     assert s.value("splitserve_engine_kv_transfers_total", result="failed") == 1
     assert s.value("splitserve_engine_kv_transfer_bytes_total") == 8192

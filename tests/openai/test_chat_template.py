@@ -11,16 +11,19 @@ import jinja2
 import pytest
 import transformers
 
-from engine.tokenizer import Tokenizer
-from router.openai.chat_template import ChatTemplate, ChatTemplateError
+from splitserve.engine.tokenizer import Tokenizer
+from splitserve.router.openai.chat_template import ChatTemplate, ChatTemplateError
 
 CONVERSATIONS = [
     [{"role": "user", "content": "Hi there"}],
     [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2 + 2?"}],
-    [{"role": "user", "content": "Hello"}, {"role": "assistant", "content": "Hi! How can I help?"},
-     {"role": "user", "content": "Write a haiku about the sea, héllo 你好 🙂\n\nthanks"}],
+    [
+        {"role": "user", "content": "Hello"},
+        {"role": "assistant", "content": "Hi! How can I help?"},
+        {"role": "user", "content": "Write a haiku about the sea, héllo 你好 🙂\n\nthanks"},
+    ],
     [{"role": "user", "content": "A turn <|im_end|> inside <|im_start|>assistant text"}],  # stays special
-]  # fmt: skip
+]
 
 # Llama-3-like: bos_token, namespace, loop controls, tojson, raise_exception, a generation block.
 RICH_TEMPLATE = (
@@ -59,7 +62,8 @@ def test_make_model_chatml_renders_and_encodes_as_transformers(tiny_model_dir, m
     assert text == expected and ids == expected_ids
     im_start, im_end = ours.token_to_id("<|im_start|>"), ours.token_to_id("<|im_end|>")
     assert ids[0] == im_start and ids.count(im_end) == len(messages) + (messages[0]["role"] != "system") + (
-        "<|im_end|>" in messages[-1]["content"])  # the special tokens are single ids, typed ones too  # fmt: skip
+        "<|im_end|>" in messages[-1]["content"]
+    )  # the special tokens are single ids, typed ones too
 
 
 @pytest.fixture(scope="module")
@@ -75,11 +79,15 @@ def rich_model_dir(tiny_model_dir, tmp_path_factory):
 
 def test_a_richer_template_renders_as_transformers(rich_model_dir):
     ours, theirs = ours_and_theirs(rich_model_dir)
-    messages = [{"role": "system", "content": ""}, {"role": "user", "content": "Hi", "meta": {"lang": "fr", "q": "é<"}},
-                {"role": "assistant", "content": "Salut"}, {"role": "user", "content": "Again"}]  # fmt: skip
+    messages = [
+        {"role": "system", "content": ""},
+        {"role": "user", "content": "Hi", "meta": {"lang": "fr", "q": "é<"}},
+        {"role": "assistant", "content": "Salut"},
+        {"role": "user", "content": "Again"},
+    ]
     text, expected, ids, expected_ids = render_both(ours, theirs, messages)
     assert text == expected and ids == expected_ids
-    assert text.startswith("<|endoftext|><|im_start|>user\nHi {\"lang\": \"fr\", \"q\": \"é<\"}")
+    assert text.startswith('<|endoftext|><|im_start|>user\nHi {"lang": "fr", "q": "é<"}')
     assert text.endswith("<|im_start|>assistant (3 turns)\n")
 
 

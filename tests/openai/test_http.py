@@ -17,12 +17,12 @@ from dataclasses import replace
 import openai
 import pytest
 
-from router.config import RouterConfig
-from router.dispatcher import RouterError
-from router.openai.parse import Job
-from router.openai.server import OpenAIServer
-from router.server import Router
 from splitserve.certs import make_certs
+from splitserve.router.config import RouterConfig
+from splitserve.router.dispatcher import RouterError
+from splitserve.router.openai.parse import Job
+from splitserve.router.openai.server import OpenAIServer
+from splitserve.router.server import Router
 from splitserve.rpc.security import PublicSecurity
 from splitserve.v1 import splitserve_pb2 as pb
 
@@ -58,13 +58,19 @@ def plain(tiny_model_dir):
 
 
 def client_of(served: Served, scheme: str = "http", **options) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{scheme}://{served.address}/v1", api_key=options.pop("api_key", "unused"),
-                         max_retries=0, timeout=10, **options)  # fmt: skip
+    return openai.OpenAI(
+        base_url=f"{scheme}://{served.address}/v1",
+        api_key=options.pop("api_key", "unused"),
+        max_retries=0,
+        timeout=10,
+        **options,
+    )
 
 
 def post(served: Served, path: str, body: bytes, method: str = "POST") -> tuple[int, dict]:
-    request = urllib.request.Request(f"http://{served.address}{path}", data=body, method=method,
-                                     headers={"Content-Type": "application/json"})  # fmt: skip
+    request = urllib.request.Request(
+        f"http://{served.address}{path}", data=body, method=method, headers={"Content-Type": "application/json"}
+    )
     try:
         with urllib.request.urlopen(request, timeout=10) as response:
             return response.status, json.loads(response.read())
@@ -74,7 +80,9 @@ def post(served: Served, path: str, body: bytes, method: str = "POST") -> tuple[
 
 def test_malformed_requests_get_openai_errors(plain):
     status, body = post(plain, "/v1/completions", b'{"prompt": "Hi",')
-    assert status == 400 and body["error"]["code"] == "invalid_json" and body["error"]["type"] == "invalid_request_error"
+    assert (
+        status == 400 and body["error"]["code"] == "invalid_json" and body["error"]["type"] == "invalid_request_error"
+    )
     assert set(body["error"]) == {"message", "type", "param", "code"}
     status, body = post(plain, "/v1/chat/completions", b'["not", "an", "object"]')
     assert status == 400 and body["error"]["code"] == "invalid_type"
@@ -89,62 +97,85 @@ def test_malformed_requests_get_openai_errors(plain):
     assert status == 413 and body["error"]["code"] == "request_entity_too_large"
 
 
-@pytest.mark.parametrize(("param", "value"), [
-    ("n", 3), ("best_of", 2), ("logprobs", 1), ("echo", True), ("suffix", "end"), ("logit_bias", {"7": 1.0}),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("param", "value"),
+    [
+        ("n", 3),
+        ("best_of", 2),
+        ("logprobs", 1),
+        ("echo", True),
+        ("suffix", "end"),
+        ("logit_bias", {"7": 1.0}),
+    ],
+)
 def test_completion_parameters_that_cannot_be_honoured_are_refused_by_name(plain, param, value):
     with pytest.raises(openai.BadRequestError) as e:
         client_of(plain).completions.create(model=plain.router.model_name, prompt="Hi", extra_body={param: value})
     assert (e.value.param, e.value.code) == (param, "unsupported_parameter")
 
 
-@pytest.mark.parametrize(("param", "value"), [
-    ("logprobs", True), ("top_logprobs", 2), ("tools", [{"type": "function", "function": {"name": "f"}}]),
-    ("response_format", {"type": "json_object"}), ("tool_choice", "required"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("param", "value"),
+    [
+        ("logprobs", True),
+        ("top_logprobs", 2),
+        ("tools", [{"type": "function", "function": {"name": "f"}}]),
+        ("response_format", {"type": "json_object"}),
+        ("tool_choice", "required"),
+    ],
+)
 def test_chat_parameters_that_cannot_be_honoured_are_refused_by_name(plain, param, value):
     with pytest.raises(openai.BadRequestError) as e:
-        client_of(plain).chat.completions.create(model=plain.router.model_name, messages=MESSAGES,
-                                                 extra_body={param: value})  # fmt: skip
+        client_of(plain).chat.completions.create(
+            model=plain.router.model_name, messages=MESSAGES, extra_body={param: value}
+        )
     assert (e.value.param, e.value.code) == (param, "unsupported_parameter")
 
 
-@pytest.mark.parametrize(("body", "param", "code"), [
-    ({"prompt": "Hi", "temperature": "hot"}, "temperature", "invalid_type"),
-    ({"prompt": "Hi", "max_tokens": 2.5}, "max_tokens", "invalid_type"),
-    ({"prompt": "Hi", "max_tokens": 0}, "max_tokens", "invalid_value"),
-    ({"prompt": "Hi", "max_tokens": 2**40}, "max_tokens", "invalid_value"),
-    ({"prompt": "Hi", "seed": -1}, "seed", "invalid_value"),
-    ({"prompt": "Hi", "top_k": -2}, "top_k", "invalid_value"),
-    ({"prompt": "Hi", "stop": [1, 2]}, "stop", "invalid_type"),
-    ({"prompt": "Hi", "stop": ["s"] * 17}, "stop", "invalid_value"),
-    ({"prompt": "Hi", "ignore_eos": "yes"}, "ignore_eos", "invalid_type"),
-    ({"prompt": "Hi", "stream_options": {"include_usage": True}}, "stream_options", "invalid_value"),
-    ({"prompt": ""}, "prompt", "invalid_value"),
-    ({"prompt": [1, -2]}, "prompt", "invalid_type"),
-    ({"prompt": [99999]}, "prompt", "invalid_value"),
-    ({"prompt": ["a", [1]]}, "prompt", "invalid_type"),
-    ({}, "prompt", "invalid_type"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("body", "param", "code"),
+    [
+        ({"prompt": "Hi", "temperature": "hot"}, "temperature", "invalid_type"),
+        ({"prompt": "Hi", "max_tokens": 2.5}, "max_tokens", "invalid_type"),
+        ({"prompt": "Hi", "max_tokens": 0}, "max_tokens", "invalid_value"),
+        ({"prompt": "Hi", "max_tokens": 2**40}, "max_tokens", "invalid_value"),
+        ({"prompt": "Hi", "seed": -1}, "seed", "invalid_value"),
+        ({"prompt": "Hi", "top_k": -2}, "top_k", "invalid_value"),
+        ({"prompt": "Hi", "stop": [1, 2]}, "stop", "invalid_type"),
+        ({"prompt": "Hi", "stop": ["s"] * 17}, "stop", "invalid_value"),
+        ({"prompt": "Hi", "ignore_eos": "yes"}, "ignore_eos", "invalid_type"),
+        ({"prompt": "Hi", "stream_options": {"include_usage": True}}, "stream_options", "invalid_value"),
+        ({"prompt": ""}, "prompt", "invalid_value"),
+        ({"prompt": [1, -2]}, "prompt", "invalid_type"),
+        ({"prompt": [99999]}, "prompt", "invalid_value"),
+        ({"prompt": ["a", [1]]}, "prompt", "invalid_type"),
+        ({}, "prompt", "invalid_type"),
+    ],
+)
 def test_bad_completion_requests_name_the_parameter(plain, body, param, code):
     status, answer = post(plain, "/v1/completions", json.dumps(body).encode())
     assert status == 400 and (answer["error"]["param"], answer["error"]["code"]) == (param, code)
     assert answer["error"]["message"].startswith(f"{param}: ")
 
 
-@pytest.mark.parametrize(("messages", "param"), [
-    ([], "messages"), ("Hi", "messages"), ([{"content": "no role"}], "messages[0]"),
-    ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], "messages[0].content"),
-    ([{"role": "user", "content": 7}], "messages[0].content"),
-    ([{"role": "user"}], "messages"),  # the template reads content: its own error, naming messages
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("messages", "param"),
+    [
+        ([], "messages"),
+        ("Hi", "messages"),
+        ([{"content": "no role"}], "messages[0]"),
+        ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], "messages[0].content"),
+        ([{"role": "user", "content": 7}], "messages[0].content"),
+        ([{"role": "user"}], "messages"),  # the template reads content: its own error, naming messages
+    ],
+)
 def test_bad_chat_messages_name_the_parameter(plain, messages, param):
     status, answer = post(plain, "/v1/chat/completions", json.dumps({"messages": messages}).encode())
     assert status == 400 and answer["error"]["param"] == param
 
 
 def test_text_parts_are_joined_into_one_message(plain):
-    from router.openai.parse import parse_chat
+    from splitserve.router.openai.parse import parse_chat
 
     parts = [{"role": "user", "content": [{"type": "text", "text": "Hello"}, {"type": "text", "text": "there"}]}]
     joined = [{"role": "user", "content": "Hello\nthere"}]
@@ -198,11 +229,16 @@ def test_a_failure_mid_stream_is_sent_as_an_error_event(plain, monkeypatch):
     assert e.value.message == lost.message and e.value.code == "service_unavailable"
 
 
-@pytest.mark.parametrize(("status_name", "http", "error_type"), [
-    ("RESOURCE_EXHAUSTED", 429, "rate_limit_error"), ("UNAVAILABLE", 503, "server_error"),
-    ("ALREADY_EXISTS", 409, "invalid_request_error"), ("INTERNAL", 500, "server_error"),
-    ("INVALID_ARGUMENT", 400, "invalid_request_error"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("status_name", "http", "error_type"),
+    [
+        ("RESOURCE_EXHAUSTED", 429, "rate_limit_error"),
+        ("UNAVAILABLE", 503, "server_error"),
+        ("ALREADY_EXISTS", 409, "invalid_request_error"),
+        ("INTERNAL", 500, "server_error"),
+        ("INVALID_ARGUMENT", 400, "invalid_request_error"),
+    ],
+)
 def test_router_status_codes_map_to_http(status_name, http, error_type):
     job = Job("chat", [], params={"sampling.max_tokens": "max_completion_tokens"})
     error = job.error(RouterError(status_name, "sampling.max_tokens: something about it"))
@@ -248,8 +284,9 @@ def test_tls_serves_https_with_the_public_certificate(tiny_model_dir, tmp_path):
 
 def test_tls_client_certificates_when_a_client_ca_is_set(tiny_model_dir, tmp_path):
     certs = make_certs(tmp_path / "certs")
-    security = PublicSecurity(tls_cert=str(certs / "server.pem"), tls_key=str(certs / "server.key"),
-                              tls_client_ca=str(certs / "ca.pem"))  # fmt: skip
+    security = PublicSecurity(
+        tls_cert=str(certs / "server.pem"), tls_key=str(certs / "server.key"), tls_client_ca=str(certs / "ca.pem")
+    )
     served = Served(RouterConfig(model_dir=str(tiny_model_dir), public_security=security))
     try:
         context = ssl.create_default_context(cafile=str(certs / "ca.pem"))

@@ -25,20 +25,25 @@ def served(ray_session, serving_model):
 
 @pytest.fixture(scope="module")
 def reference(serving_model):
-    from engine import LLM
+    from splitserve.engine import LLM
 
     return LLM(serving_model, dtype="float32", num_blocks=256)
 
 
 def offline(reference, prompt, **sampling):
-    from engine import SamplingParams
+    from splitserve.engine import SamplingParams
 
     return reference.generate([prompt], SamplingParams(**{**GREEDY, **sampling}))[0]
 
 
 def make_client(deployment, **options) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"http://{deployment.openai_address}/v1", api_key="unused", max_retries=0,
-                         timeout=options.pop("timeout", 60.0), **options)  # fmt: skip
+    return openai.OpenAI(
+        base_url=f"http://{deployment.openai_address}/v1",
+        api_key="unused",
+        max_retries=0,
+        timeout=options.pop("timeout", 60.0),
+        **options,
+    )
 
 
 def assert_idle(deployment, timeout_s: float = 5.0) -> None:
@@ -69,15 +74,19 @@ def test_completion_equals_the_offline_engine_and_the_grpc_path(served, serving_
     expected = offline(reference, prompt, max_tokens=12, ignore_eos=True)
     registry = served.router.metrics.registry
     generated_before = registry.get_sample_value("splitserve_generation_tokens_total") or 0.0
-    response = make_client(served).completions.create(model=serving_model.name, prompt=prompt, max_tokens=12,
-                                                      extra_body={"ignore_eos": True}, **GREEDY)  # fmt: skip
+    response = make_client(served).completions.create(
+        model=serving_model.name, prompt=prompt, max_tokens=12, extra_body={"ignore_eos": True}, **GREEDY
+    )
     (choice,) = response.choices
     assert choice.text == expected.text and len(set(expected.token_ids)) > 3
     assert (choice.index, choice.finish_reason, response.object) == (0, "length", "text_completion")
     assert response.id.startswith("cmpl-") and response.model == serving_model.name and response.created > 0
     prompt_tokens = len(reference.tokenizer.encode(prompt))
     assert (response.usage.prompt_tokens, response.usage.completion_tokens, response.usage.total_tokens) == (
-        prompt_tokens, 12, prompt_tokens + 12)  # fmt: skip
+        prompt_tokens,
+        12,
+        prompt_tokens + 12,
+    )
     timing = choice.model_extra["timing"]  # the router's breakdown, an extra field
     assert timing["first_token_ms"] > 0 and timing["total_ms"] >= timing["first_token_ms"]
     assert timing["prefill_worker"] == "prefill-0" and timing["decode_worker"] == "decode-0"
@@ -90,9 +99,15 @@ def test_completion_equals_the_offline_engine_and_the_grpc_path(served, serving_
 def test_streamed_completion_equals_the_whole_one_and_reports_usage_last(served, reference):
     prompt = [5, 17, 99, 1000, 7]
     expected = offline(reference, prompt, max_tokens=16, ignore_eos=True)
-    stream = make_client(served).completions.create(model=served.router.model_name, prompt=prompt, max_tokens=16,
-                                                    stream=True, stream_options={"include_usage": True},
-                                                    extra_body={"ignore_eos": True}, **GREEDY)  # fmt: skip
+    stream = make_client(served).completions.create(
+        model=served.router.model_name,
+        prompt=prompt,
+        max_tokens=16,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+        **GREEDY,
+    )
     chunks = list(stream)
     *text_chunks, last = chunks
     assert "".join(c.choices[0].text for c in text_chunks) == expected.text
@@ -104,10 +119,13 @@ def test_streamed_completion_equals_the_whole_one_and_reports_usage_last(served,
 
 def test_a_batch_of_prompts_gets_one_choice_each(served, reference):
     prompts = [[1, 2, 3, 4], [900, 800, 700]]
-    response = make_client(served).completions.create(model=served.router.model_name, prompt=prompts, max_tokens=8,
-                                                      extra_body={"ignore_eos": True}, **GREEDY)  # fmt: skip
+    response = make_client(served).completions.create(
+        model=served.router.model_name, prompt=prompts, max_tokens=8, extra_body={"ignore_eos": True}, **GREEDY
+    )
     assert [c.index for c in response.choices] == [0, 1]
-    assert [c.text for c in response.choices] == [offline(reference, p, max_tokens=8, ignore_eos=True).text for p in prompts]
+    assert [c.text for c in response.choices] == [
+        offline(reference, p, max_tokens=8, ignore_eos=True).text for p in prompts
+    ]
     assert response.choices[0].text != response.choices[1].text
     assert (response.usage.prompt_tokens, response.usage.completion_tokens) == (7, 16)
 
@@ -117,15 +135,24 @@ def test_chat_completion_renders_the_checkpoint_template(served, serving_model, 
     prompt_ids = hf.apply_chat_template(CHAT, add_generation_prompt=True, return_dict=False)
     expected = offline(reference, prompt_ids, max_tokens=10, ignore_eos=True)
     client = make_client(served)
-    response = client.chat.completions.create(model=serving_model.name, messages=CHAT, max_completion_tokens=10,
-                                              extra_body={"ignore_eos": True}, **GREEDY)  # fmt: skip
+    response = client.chat.completions.create(
+        model=serving_model.name, messages=CHAT, max_completion_tokens=10, extra_body={"ignore_eos": True}, **GREEDY
+    )
     (choice,) = response.choices
     assert (choice.message.role, choice.message.content) == ("assistant", expected.text)
     assert response.object == "chat.completion" and response.id.startswith("chatcmpl-")
     assert (response.usage.prompt_tokens, response.usage.completion_tokens) == (len(prompt_ids), 10)
 
-    chunks = list(client.chat.completions.create(model=serving_model.name, messages=CHAT, max_tokens=10, stream=True,
-                                                 extra_body={"ignore_eos": True}, **GREEDY))  # fmt: skip
+    chunks = list(
+        client.chat.completions.create(
+            model=serving_model.name,
+            messages=CHAT,
+            max_tokens=10,
+            stream=True,
+            extra_body={"ignore_eos": True},
+            **GREEDY,
+        )
+    )
     assert chunks[0].choices[0].delta.role == "assistant" and chunks[0].object == "chat.completion.chunk"
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == expected.text
     assert chunks[-1].choices[0].finish_reason == "length"
@@ -147,7 +174,9 @@ def test_stop_strings_end_the_text_before_them(served, reference, stream):
     stop = full[8:11]
     assert stop.strip() and full.index(stop) == 8
     create = make_client(served).completions.create
-    args = dict(model=served.router.model_name, prompt=prompt, max_tokens=24, stop=[stop], extra_body={"ignore_eos": True})
+    args = dict(
+        model=served.router.model_name, prompt=prompt, max_tokens=24, stop=[stop], extra_body={"ignore_eos": True}
+    )
     if stream:
         chunks = list(create(stream=True, **args, **GREEDY))
         text, finished = "".join(c.choices[0].text for c in chunks), chunks[-1].choices[0]
@@ -183,9 +212,15 @@ def test_errors_in_openai_shape(served):
 def test_closing_a_stream_cancels_the_request_everywhere(served):
     client = make_client(served)
     name = served.router.model_name
-    stream = client.completions.create(model=name, prompt=list(range(1, 40)), max_tokens=3000, stream=True,
-                                       extra_body={"ignore_eos": True}, extra_headers={"X-Request-Id": "long-one"},
-                                       **GREEDY)  # fmt: skip
+    stream = client.completions.create(
+        model=name,
+        prompt=list(range(1, 40)),
+        max_tokens=3000,
+        stream=True,
+        extra_body={"ignore_eos": True},
+        extra_headers={"X-Request-Id": "long-one"},
+        **GREEDY,
+    )
     received = [next(stream) for _ in range(3)]  # decoding: 3000 tokens would take 30 s or more
     assert all(c.choices[0].text is not None for c in received)
     assert Client(served.address).status().running_requests == 1
@@ -200,6 +235,7 @@ def test_closing_a_stream_cancels_the_request_everywhere(served):
 def test_a_client_timing_out_cancels_a_whole_response_request(served):
     client = make_client(served, timeout=1.0)
     with pytest.raises(openai.APITimeoutError):
-        client.completions.create(model=served.router.model_name, prompt="Hello", max_tokens=3000,
-                                  extra_body={"ignore_eos": True}, **GREEDY)  # fmt: skip
+        client.completions.create(
+            model=served.router.model_name, prompt="Hello", max_tokens=3000, extra_body={"ignore_eos": True}, **GREEDY
+        )
     assert_idle(served)

@@ -10,8 +10,8 @@ from types import SimpleNamespace
 import grpc
 import pytest
 
-from router.generate import WorkerLost, _start
-from router.workers import start_call
+from splitserve.router.generate import WorkerLost, _start
+from splitserve.router.workers import start_call
 from splitserve.rpc import workers_pb2 as wpb
 from splitserve.rpc import workers_pb2_grpc as wpb_grpc
 

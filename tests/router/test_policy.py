@@ -7,9 +7,9 @@ import sys
 
 import pytest
 
-from engine.block_hash import block_hashes
-from router.config import RouterConfig
-from router.policy import DecodeView, PrefillView, choose_decode, choose_prefill
+from splitserve.engine.block_hash import block_hashes
+from splitserve.router.config import RouterConfig
+from splitserve.router.policy import DecodeView, PrefillView, choose_decode, choose_prefill
 
 PROMPT = list(range(64))  # 4 full blocks of 16
 HASHES = block_hashes(PROMPT, 16)
@@ -59,17 +59,26 @@ def test_decode_choice_needs_room_then_prefers_fewer_requests():
     assert choose_decode([small], blocks_needed=5) is None
 
 
-@pytest.mark.parametrize(("kwargs", "field"), [({"routing_policy": "random"}, "routing_policy"),
-                                               ({"max_queue": 0}, "max_queue"), ({"lease_timeout_s": 0}, "lease_timeout_s"),
-                                               ({"overlap_weight": -1}, "overlap_weight")])  # fmt: skip
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"routing_policy": "random"}, "routing_policy"),
+        ({"max_queue": 0}, "max_queue"),
+        ({"lease_timeout_s": 0}, "lease_timeout_s"),
+        ({"overlap_weight": -1}, "overlap_weight"),
+    ],
+)
 def test_router_config_names_bad_fields(kwargs, field):
     with pytest.raises(ValueError, match=field):
         RouterConfig(model_dir="m", **kwargs)
 
 
 def test_router_never_imports_torch():
-    code = ("import sys, router.server, router.generate, router.dispatcher, router.openai.server; "
-            "assert 'torch' not in sys.modules")  # fmt: skip
+    code = (
+        "import sys, splitserve.router.server, splitserve.router.generate, splitserve.router.dispatcher, "
+        "splitserve.router.openai.server; "
+        "assert 'torch' not in sys.modules"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
@@ -77,7 +86,7 @@ def test_the_queue_is_bounded_and_first_in_first_out():
     import asyncio
     from types import SimpleNamespace
 
-    from router.dispatcher import Dispatcher, RouterError, Ticket
+    from splitserve.router.dispatcher import Dispatcher, RouterError, Ticket
 
     async def scenario():
         worker = SimpleNamespace(view=PrefillView("p", credit=0))

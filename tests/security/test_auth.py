@@ -98,10 +98,14 @@ def _echo_handlers(aio: bool) -> grpc.GenericRpcHandler:
         def both(requests, context):
             yield from requests
 
-    return grpc.method_handlers_generic_handler("test.Echo", {
-        "Unary": grpc.unary_unary_rpc_method_handler(unary), "Stream": grpc.unary_stream_rpc_method_handler(stream),
-        "Both": grpc.stream_stream_rpc_method_handler(both),
-    })  # fmt: skip
+    return grpc.method_handlers_generic_handler(
+        "test.Echo",
+        {
+            "Unary": grpc.unary_unary_rpc_method_handler(unary),
+            "Stream": grpc.unary_stream_rpc_method_handler(stream),
+            "Both": grpc.stream_stream_rpc_method_handler(both),
+        },
+    )
 
 
 class EchoServer:
@@ -116,7 +120,9 @@ class EchoServer:
             self.thread.start()
             self.port = self._run(self._start_aio(policy, credentials))
         else:
-            self.server = grpc.server(futures.ThreadPoolExecutor(4), interceptors=server_interceptors(policy, aio=False))
+            self.server = grpc.server(
+                futures.ThreadPoolExecutor(4), interceptors=server_interceptors(policy, aio=False)
+            )
             self.server.add_generic_rpc_handlers((_echo_handlers(False),))
             self.port = self._bind(credentials)
             self.server.start()
@@ -124,7 +130,11 @@ class EchoServer:
 
     def _bind(self, credentials) -> int:
         address = "127.0.0.1:0"
-        return self.server.add_insecure_port(address) if credentials is None else self.server.add_secure_port(address, credentials)
+        return (
+            self.server.add_insecure_port(address)
+            if credentials is None
+            else self.server.add_secure_port(address, credentials)
+        )
 
     async def _start_aio(self, policy, credentials) -> int:
         self.server = grpc.aio.server(interceptors=server_interceptors(policy, aio=True))
@@ -169,8 +179,11 @@ ECHOED = [b"hi", [b"hi", b"hi"], [b"a", b"b"]]
 def test_a_server_refuses_calls_without_the_token(aio):
     server = EchoServer(InternalSecurity(token="t0k3n").policy(), None, aio)
     try:
-        for token, expected in [(None, [grpc.StatusCode.UNAUTHENTICATED] * 3),
-                                ("wrong", [grpc.StatusCode.UNAUTHENTICATED] * 3), ("t0k3n", ECHOED)]:  # fmt: skip
+        for token, expected in [
+            (None, [grpc.StatusCode.UNAUTHENTICATED] * 3),
+            ("wrong", [grpc.StatusCode.UNAUTHENTICATED] * 3),
+            ("t0k3n", ECHOED),
+        ]:
             with open_channel(server.address, token=token) as channel:
                 assert call_each_kind(channel) == expected, token
         with open_channel(server.address) as channel, pytest.raises(grpc.RpcError) as e:
@@ -224,8 +237,12 @@ def test_internal_servers_require_a_client_certificate_of_the_cluster_ca(aio, ce
         with no_client_cert.channel(server.address) as channel:  # the handshake fails
             assert call_each_kind(channel) == unavailable
         foreign = internal(other_certs, token="t0k3n")  # a certificate from a CA the server does not trust
-        with open_channel(server.address, [("grpc.ssl_target_name_override", "splitserve-internal")],
-                          foreign.channel_credentials(), "t0k3n") as channel:  # fmt: skip
+        with open_channel(
+            server.address,
+            [("grpc.ssl_target_name_override", "splitserve-internal")],
+            foreign.channel_credentials(),
+            "t0k3n",
+        ) as channel:
             assert call_each_kind(channel) == unavailable
         with open_channel(server.address, token="t0k3n") as channel:  # plaintext
             assert call_each_kind(channel) == unavailable
@@ -251,8 +268,9 @@ def test_public_tls_with_and_without_client_certificates(certs):
     try:
         with ClientSecurity(api_key="key-1", tls_ca=ca).channel(server.address) as channel:
             assert call_each_kind(channel) == [grpc.StatusCode.UNAVAILABLE] * 3
-        client = ClientSecurity(api_key="key-1", tls_ca=ca, tls_cert=str(certs / "client.pem"),
-                                tls_key=str(certs / "client.key"))  # fmt: skip
+        client = ClientSecurity(
+            api_key="key-1", tls_ca=ca, tls_cert=str(certs / "client.pem"), tls_key=str(certs / "client.key")
+        )
         with client.channel(server.address) as channel:
             assert call_each_kind(channel) == ECHOED
         with replace(client, api_key=None).channel(server.address) as channel:  # a certificate is not a key
@@ -282,8 +300,11 @@ def test_serve_flags_and_variables_fill_the_security_section(monkeypatch, tmp_pa
 
 
 def test_make_certs_command(tmp_path):
-    run = lambda *a: subprocess.run([sys.executable, "-m", "splitserve.cli", "make-certs", *a],  # noqa: E731
-                                    capture_output=True, text=True, timeout=60)  # fmt: skip
+    def run(*a):
+        return subprocess.run(
+            [sys.executable, "-m", "splitserve.cli", "make-certs", *a], capture_output=True, text=True, timeout=60
+        )
+
     out = run("--out", str(tmp_path / "c"), "--host", "10.1.2.3", "--host", "head.example")
     assert out.returncode == 0, out.stderr
     names = {p.name for p in (tmp_path / "c").iterdir()}

@@ -11,7 +11,13 @@ import msgpack
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kv_transfer.descriptor import DTYPES, DescriptorError, PayloadDescriptor, decode_descriptor, encode_descriptor
+from splitserve.kv_transfer.descriptor import (
+    DTYPES,
+    DescriptorError,
+    PayloadDescriptor,
+    decode_descriptor,
+    encode_descriptor,
+)
 from tests.kv_transfer.test_units import make_descriptor
 
 # A fixed number of examples, each with a deadline: the whole file runs in a few seconds.
@@ -19,13 +25,22 @@ FUZZ = settings(max_examples=300, deadline=timedelta(milliseconds=500), suppress
 VALID = msgpack.unpackb(encode_descriptor(make_descriptor()))
 KEYS = sorted(VALID)
 
-scalars = (st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats() | st.text(max_size=40)
-           | st.binary(max_size=40) | st.builds(msgpack.ExtType, st.integers(0, 127), st.binary(max_size=8))
-           | st.builds(msgpack.Timestamp, st.integers(0, 2**32 - 1)))  # fmt: skip
+scalars = (
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**63), 2**64 - 1)
+    | st.floats()
+    | st.text(max_size=40)
+    | st.binary(max_size=40)
+    | st.builds(msgpack.ExtType, st.integers(0, 127), st.binary(max_size=8))
+    | st.builds(msgpack.Timestamp, st.integers(0, 2**32 - 1))
+)
 values = st.recursive(
     scalars,
-    lambda inner: st.lists(inner, max_size=6)
-    | st.dictionaries(st.text(max_size=12) | st.binary(max_size=4) | st.integers(-5, 5), inner, max_size=6),
+    lambda inner: (
+        st.lists(inner, max_size=6)
+        | st.dictionaries(st.text(max_size=12) | st.binary(max_size=4) | st.integers(-5, 5), inner, max_size=6)
+    ),
     max_leaves=20,
 )
 
@@ -37,8 +52,10 @@ def check(data: bytes) -> None:
     except DescriptorError:
         return
     assert isinstance(d, PayloadDescriptor)
-    assert all(isinstance(getattr(d, f), int) and not isinstance(getattr(d, f), bool)
-               for f in ("seq", "layer_start", "layer_end", "block_start", "block_end", "num_blocks", "num_tokens", "nbytes"))  # fmt: skip
+    assert all(
+        isinstance(getattr(d, f), int) and not isinstance(getattr(d, f), bool)
+        for f in ("seq", "layer_start", "layer_end", "block_start", "block_end", "num_blocks", "num_tokens", "nbytes")
+    )
     assert 0 <= d.layer_start < d.layer_end and 0 <= d.block_start < d.block_end <= d.num_blocks
     assert isinstance(d.transfer_id, str) and d.dtype in DTYPES and isinstance(d.last, bool) and d.nbytes >= 1
     assert d.commit is None or all(isinstance(k, str) and not isinstance(v, (dict, bytes)) for k, v in d.commit.items())
@@ -64,7 +81,9 @@ def test_random_maps_of_descriptor_keys(raw):
 
 
 @FUZZ
-@given(st.lists(st.tuples(st.sampled_from(["set", "drop", "add"]), st.sampled_from(KEYS), values), min_size=1, max_size=3))
+@given(
+    st.lists(st.tuples(st.sampled_from(["set", "drop", "add"]), st.sampled_from(KEYS), values), min_size=1, max_size=3)
+)
 def test_field_mutations_of_a_valid_descriptor(edits):
     raw = dict(VALID)
     for action, key, value in edits:
@@ -78,8 +97,15 @@ def test_field_mutations_of_a_valid_descriptor(edits):
 
 
 @FUZZ
-@given(st.lists(st.tuples(st.sampled_from(["flip", "insert", "delete", "truncate"]), st.integers(0, 10**6),
-                          st.integers(0, 255)), min_size=1, max_size=4))  # fmt: skip
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["flip", "insert", "delete", "truncate"]), st.integers(0, 10**6), st.integers(0, 255)
+        ),
+        min_size=1,
+        max_size=4,
+    )
+)
 def test_byte_mutations_of_a_valid_descriptor(edits):
     data = bytearray(encode_descriptor(make_descriptor()))
     for action, at, byte in edits:

@@ -10,13 +10,27 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("router", "prefill_worker", "decode_worker", "kv_transfer", "worker_common", "engine", "splitserve", "scripts")
+PACKAGES = (
+    "router",
+    "prefill_worker",
+    "decode_worker",
+    "kv_transfer",
+    "worker_common",
+    "engine",
+    "splitserve",
+    "scripts",
+)
 FORBIDDEN = {
-    "a pickle-family module": re.compile(r"^\s*(import|from)\s+(c?pickle|_pickle|cloudpickle|dill|marshal|shelve|joblib)\b"
-                                         r"|\b(c?pickle|cloudpickle|dill|marshal)\.\w+|\bUnpickler\b", re.M),  # fmt: skip
+    "a pickle-family module": re.compile(
+        r"^\s*(import|from)\s+(c?pickle|_pickle|cloudpickle|dill|marshal|shelve|joblib)\b"
+        r"|\b(c?pickle|cloudpickle|dill|marshal)\.\w+|\bUnpickler\b",
+        re.M,
+    ),
     "torch.load without weights_only=True": re.compile(r"\btorch\.load\((?![^)]*weights_only\s*=\s*True)"),
     "eval or exec": re.compile(r"(?<![\w.])(eval|exec)\s*\("),
-    "an unsafe YAML loader": re.compile(r"\byaml\.(load|load_all|unsafe_load|full_load)\s*\(|yaml\.(Unsafe|Full)?Loader\b"),
+    "an unsafe YAML loader": re.compile(
+        r"\byaml\.(load|load_all|unsafe_load|full_load)\s*\(|yaml\.(Unsafe|Full)?Loader\b"
+    ),
     "numpy.load with allow_pickle": re.compile(r"allow_pickle\s*=\s*True"),
 }
 
@@ -38,21 +52,42 @@ def test_the_scan_sees_our_code():
     assert not any(n.endswith("_pb2.py") for n in names)
 
 
-@pytest.mark.parametrize("bad", ["import pickle", "from cloudpickle import loads", "x = marshal.loads(b)",
-                                 "torch.load(path)", "torch.load(f, map_location='cpu')", "eval(text)",
-                                 "yaml.load(stream)", "np.load(f, allow_pickle=True)"])  # fmt: skip
+@pytest.mark.parametrize(
+    "bad",
+    [
+        "import pickle",
+        "from cloudpickle import loads",
+        "x = marshal.loads(b)",
+        "torch.load(path)",
+        "torch.load(f, map_location='cpu')",
+        "eval(text)",
+        "yaml.load(stream)",
+        "np.load(f, allow_pickle=True)",
+    ],
+)
 def test_the_patterns_catch_what_they_name(bad):
     assert any(p.search(bad) for p in FORBIDDEN.values())
 
 
-@pytest.mark.parametrize("fine", ["model.eval()", "yaml.safe_load(text)", "torch.load(f, weights_only=True)",
-                                  "msgpack.unpackb(data, raw=False)", "# never pickle on the wire"])  # fmt: skip
+@pytest.mark.parametrize(
+    "fine",
+    [
+        "model.eval()",
+        "yaml.safe_load(text)",
+        "torch.load(f, weights_only=True)",
+        "msgpack.unpackb(data, raw=False)",
+        "# never pickle on the wire",
+    ],
+)
 def test_the_patterns_leave_safe_code_alone(fine):
     assert not any(p.search(code_only(fine)) for p in FORBIDDEN.values())
 
 
 def test_nothing_unpickles_or_evaluates():
-    found = [f"{path.relative_to(ROOT)}: {what}: {match.group(0).strip()!r}"
-             for path in sources() for what, pattern in FORBIDDEN.items()
-             for match in pattern.finditer(code_only(path.read_text()))]  # fmt: skip
+    found = [
+        f"{path.relative_to(ROOT)}: {what}: {match.group(0).strip()!r}"
+        for path in sources()
+        for what, pattern in FORBIDDEN.items()
+        for match in pattern.finditer(code_only(path.read_text()))
+    ]
     assert not found, "\n".join(found)

@@ -7,12 +7,12 @@ import re
 
 import torch
 
-from engine.kv_cache import KVCache, KVCacheSpec
-from kv_transfer.config import TransferConfig
-from kv_transfer.control import LocalConnection, Welcome
-from kv_transfer.handles import TransferState
-from kv_transfer.receiver import KVReceiver
-from kv_transfer.sender import KVSender, PeerAddress
+from splitserve.engine.kv_cache import KVCache, KVCacheSpec
+from splitserve.kv_transfer.config import TransferConfig
+from splitserve.kv_transfer.control import LocalConnection, Welcome
+from splitserve.kv_transfer.handles import TransferState
+from splitserve.kv_transfer.receiver import KVReceiver
+from splitserve.kv_transfer.sender import KVSender, PeerAddress
 from tests.kv_transfer.test_units import BLOCK, FP, HEAD_DIM, HEADS, LAYERS
 
 SECRET = re.compile(r"^kv/(?P<sender>[^/]+)/[0-9a-f]{32}/[0-9a-f]{32}/(?P<generation>\d+)/(?P<secret>[0-9a-f]{32})/$")
@@ -39,8 +39,9 @@ def test_every_pair_and_generation_gets_its_own_unguessable_prefix():
     for name in ("p1", "p2"):
         cache = KVCache(spec, "cpu")
         cache.tensor.copy_(torch.randn(cache.tensor.shape))
-        senders.append(KVSender(cache, FP, name, connect=lambda peer: RecordingConnection(receiver.serve_pair),
-                                config=config))  # fmt: skip
+        senders.append(
+            KVSender(cache, FP, name, connect=lambda peer: RecordingConnection(receiver.serve_pair), config=config)
+        )
     peer = PeerAddress("d", receiver.incarnation, "local")
 
     def move(sender: KVSender, transfer_id: str, src: list[int], dst: list[int]) -> None:

@@ -39,18 +39,25 @@ def secrets_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def secure(ray_session, serving_model, certs, secrets_dir):
     pem = lambda name: str(certs / name)  # noqa: E731
-    deployment = start_deployment(serving_model, security={
-        "tls_cert": pem("server.pem"), "tls_key": pem("server.key"), "api_key_file": str(secrets_dir / "api-keys"),
-        "internal_tls_cert": pem("server.pem"), "internal_tls_key": pem("server.key"),
-        "internal_tls_ca": pem("ca.pem"), "cluster_token_file": str(secrets_dir / "cluster-token"),
-    })  # fmt: skip
+    deployment = start_deployment(
+        serving_model,
+        security={
+            "tls_cert": pem("server.pem"),
+            "tls_key": pem("server.key"),
+            "api_key_file": str(secrets_dir / "api-keys"),
+            "internal_tls_cert": pem("server.pem"),
+            "internal_tls_key": pem("server.key"),
+            "internal_tls_ca": pem("ca.pem"),
+            "cluster_token_file": str(secrets_dir / "cluster-token"),
+        },
+    )
     yield deployment
     deployment.stop()
 
 
 @pytest.fixture(scope="module")
 def reference(serving_model):
-    from engine import LLM
+    from splitserve.engine import LLM
 
     return LLM(serving_model, dtype="float32", num_blocks=64)
 
@@ -65,7 +72,7 @@ def cluster_member(certs, token: str | None = CLUSTER_TOKEN) -> InternalSecurity
 
 def test_greedy_generation_end_to_end(secure, certs, reference):
     """Workers registered over mTLS, the router reached them, and the KV moved (its pair formed)."""
-    from engine import SamplingParams
+    from splitserve.engine import SamplingParams
 
     prompts = [[5, 9, 14, 2, 7] * 7, [100, 200, 300]]
     with client(secure, certs) as c:
@@ -101,14 +108,16 @@ def test_health_is_open_and_plaintext_is_refused(secure, certs):
 
 def run_cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     environment = {k: v for k, v in os.environ.items() if not k.startswith("SPLITSERVE_")} | (env or {})
-    return subprocess.run([sys.executable, "-m", "splitserve.cli", *args], capture_output=True, text=True,
-                          timeout=120, env=environment)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "splitserve.cli", *args], capture_output=True, text=True, timeout=120, env=environment
+    )
 
 
 def test_cli_over_tls_with_keys_and_the_cluster_token(secure, certs, secrets_dir):
     tls = ("--addr", secure.address, "--tls-ca", str(certs / "ca.pem"))
-    out = run_cli("generate", *tls, "--token-ids", "4,5,6", "--max-tokens", "3", "--json",
-                  env={"SPLITSERVE_API_KEY": API_KEYS[0]})  # fmt: skip
+    out = run_cli(
+        "generate", *tls, "--token-ids", "4,5,6", "--max-tokens", "3", "--json", env={"SPLITSERVE_API_KEY": API_KEYS[0]}
+    )
     assert out.returncode == 0, out.stderr
     assert '"finish_reason": "length"' in out.stdout.splitlines()[-1]
     assert run_cli("status", *tls, "--api-key", API_KEYS[1], "--json").returncode == 0
@@ -127,26 +136,52 @@ def internal_calls(deployment):
     workers = {w["role"]: w["address"] for w in deployment.workers}
     hello = kpb.SenderMessage(hello=kpb.Hello(protocol_version=1, sender_id="intruder"))
     return [
-        ("decode worker", workers["decode"], lambda ch: wpb_grpc.DecodeWorkerStub(ch).Status(wpb.StatusRequest(), timeout=10)),
-        ("prefill worker", workers["prefill"], lambda ch: wpb_grpc.PrefillWorkerStub(ch).Status(wpb.StatusRequest(), timeout=10)),
-        ("KV transfer", workers["decode"], lambda ch: list(kpb_grpc.KVTransferStub(ch).Pair(iter([hello]), timeout=10))),
-        ("registry", deployment.internal_address, lambda ch: list(wpb_grpc.RegistryStub(ch).Register(
-            wpb.WorkerInfo(role="decode", worker_id="intruder", address="127.0.0.1:1"), timeout=10))),
-    ]  # fmt: skip
+        (
+            "decode worker",
+            workers["decode"],
+            lambda ch: wpb_grpc.DecodeWorkerStub(ch).Status(wpb.StatusRequest(), timeout=10),
+        ),
+        (
+            "prefill worker",
+            workers["prefill"],
+            lambda ch: wpb_grpc.PrefillWorkerStub(ch).Status(wpb.StatusRequest(), timeout=10),
+        ),
+        (
+            "KV transfer",
+            workers["decode"],
+            lambda ch: list(kpb_grpc.KVTransferStub(ch).Pair(iter([hello]), timeout=10)),
+        ),
+        (
+            "registry",
+            deployment.internal_address,
+            lambda ch: list(
+                wpb_grpc.RegistryStub(ch).Register(
+                    wpb.WorkerInfo(role="decode", worker_id="intruder", address="127.0.0.1:1"), timeout=10
+                )
+            ),
+        ),
+    ]
 
 
 def test_internal_services_refuse_callers_without_the_cluster_credentials(secure, certs, other_certs):
-    wrong_ca = InternalSecurity(str(other_certs / "server.pem"), str(other_certs / "server.key"),
-                                str(other_certs / "ca.pem"), token=CLUSTER_TOKEN)  # fmt: skip
+    wrong_ca = InternalSecurity(
+        str(other_certs / "server.pem"),
+        str(other_certs / "server.key"),
+        str(other_certs / "ca.pem"),
+        token=CLUSTER_TOKEN,
+    )
     callers = {
         "mTLS, no token": (cluster_member(certs, token=None).channel, grpc.StatusCode.UNAUTHENTICATED),
         "mTLS, wrong token": (cluster_member(certs, token="guess").channel, grpc.StatusCode.UNAUTHENTICATED),
         "TLS without a client certificate": (
             lambda a: ClientSecurity(api_key=CLUSTER_TOKEN, tls_ca=str(certs / "ca.pem")).channel(
-                a, [("grpc.ssl_target_name_override", "splitserve-internal")]), grpc.StatusCode.UNAVAILABLE),
+                a, [("grpc.ssl_target_name_override", "splitserve-internal")]
+            ),
+            grpc.StatusCode.UNAVAILABLE,
+        ),
         "a certificate of another CA": (wrong_ca.channel, grpc.StatusCode.UNAVAILABLE),
         "plaintext with the token": (lambda a: open_channel(a, token=CLUSTER_TOKEN), grpc.StatusCode.UNAVAILABLE),
-    }  # fmt: skip
+    }
     for name, address, call in internal_calls(secure):
         for caller, (channel_to, code) in callers.items():
             with channel_to(address) as channel, pytest.raises(grpc.RpcError) as e:

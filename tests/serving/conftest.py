@@ -12,8 +12,14 @@ def start_deployment(model_dir, **overrides):
     from splitserve.deploy_config import DeploymentConfig
     from splitserve.launch import Deployment
 
-    raw = {"model": str(model_dir), "dtype": "float32", "port": 0, "prefill": {"threads": 1},
-           "decode": {"threads": 1}, **overrides}  # fmt: skip
+    raw = {
+        "model": str(model_dir),
+        "dtype": "float32",
+        "port": 0,
+        "prefill": {"threads": 1},
+        "decode": {"threads": 1},
+        **overrides,
+    }
     deployment = Deployment(DeploymentConfig.from_dict(raw))
     deployment.start()
     return deployment

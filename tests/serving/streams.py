@@ -8,8 +8,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from splitserve.client import Client
 
 
-def stream_all(address: str, prompts: list[list[int]], sampling: dict, started: threading.Event | None = None,
-               min_tokens: int = 5) -> list[Future]:  # fmt: skip
+def stream_all(
+    address: str, prompts: list[list[int]], sampling: dict, started: threading.Event | None = None, min_tokens: int = 5
+) -> list[Future]:
     """Stream the prompts concurrently; set ``started`` once every stream has ``min_tokens`` tokens.
     Each future gives (tokens, finish_reason, reprefills)."""
     counts = [0] * len(prompts)

@@ -56,8 +56,9 @@ def call(address: str, message: pb.GenerateRequest) -> grpc.RpcError:
 @pytest.mark.parametrize("case, fields, field", CASES, ids=[c[0] for c in CASES])
 def test_bad_input_is_invalid_argument_naming_the_field(served, case, fields, field):
     fields = dict(fields)
-    message = make_request(fields.pop("prompt", None), fields.pop("token_ids", None), fields.pop("request_id", None),
-                           **fields)  # fmt: skip
+    message = make_request(
+        fields.pop("prompt", None), fields.pop("token_ids", None), fields.pop("request_id", None), **fields
+    )
     error = call(served.address, message)
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, (case, error.details())
     assert error.details().startswith(f"{field}:"), (case, error.details())
@@ -69,7 +70,9 @@ def test_a_request_over_the_size_limit_is_refused_without_harm(served):
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and error.details().startswith("prompt:"), error.details()
     assert str(limit) in error.details()
     error = call(served.address, make_request(token_ids=[300] * (limit // 2 + 10), max_tokens=2))  # 2 bytes an id
-    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and error.details().startswith("token_ids:"), error.details()
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and error.details().startswith("token_ids:"), (
+        error.details()
+    )
     # Far past it, the transport refuses it unread.
     error = call(served.address, make_request("a" * (3 * limit), max_tokens=2))
     assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, error.details()
@@ -77,8 +80,11 @@ def test_a_request_over_the_size_limit_is_refused_without_harm(served):
 
 def test_a_duplicate_in_flight_request_id_is_already_exists(served):
     with Client(served.address) as client:
+
         def first() -> int:
-            return len(client.generate(token_ids=[1, 2, 3], request_id="dup", max_tokens=200, ignore_eos=True).token_ids)
+            return len(
+                client.generate(token_ids=[1, 2, 3], request_id="dup", max_tokens=200, ignore_eos=True).token_ids
+            )
 
         running = Background(first)
         wait_for(lambda: "dup" in served.router.inflight, 20, 0.02)

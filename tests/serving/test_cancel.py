@@ -1,4 +1,5 @@
-"""Cancellation in every phase (queued, prefill, transfer, decode), the router's view of a prefill worker's cache, duplicate ids.
+"""Cancellation in every phase (queued, prefill, transfer, decode), the router's view of a prefill worker's cache,
+duplicate ids.
 
 The deployment here is slowed on purpose by its config-gated fault points: every prefill step waits
 1 s, the KV transfer of every request whose id starts with ``hold-`` pauses for 3 s after its first
@@ -29,10 +30,20 @@ def slow(ray_session, serving_model):
         engine={"num_blocks": 48},
         prefill={"threads": 1, "max_inflight": 1},  # one request at a time in prefill; see the credit test
         transfer={"whole_request_bytes": 0, "layer_group_size": 1},
-        faults={"prefill_delay_s": 1.0, "decode_step_delay_s": 0.02,
-                "transfer": [{"role": "sender", "action": "pause", "after_messages": 1, "seconds": HOLD_S,
-                              "request_id_prefix": "hold-"}]},
-    )  # fmt: skip
+        faults={
+            "prefill_delay_s": 1.0,
+            "decode_step_delay_s": 0.02,
+            "transfer": [
+                {
+                    "role": "sender",
+                    "action": "pause",
+                    "after_messages": 1,
+                    "seconds": HOLD_S,
+                    "request_id_prefix": "hold-",
+                }
+            ],
+        },
+    )
     yield deployment
     deployment.stop()
 
@@ -112,8 +123,9 @@ def test_cancel_during_transfer(slow):
 
 def test_cancel_during_prefill(slow):
     with Client(slow.address) as client:
-        call = client.stub.Generate(make_request(token_ids=list(range(1, 60)), max_tokens=50, temperature=0.0),
-                                    timeout=30)  # fmt: skip
+        call = client.stub.Generate(
+            make_request(token_ids=list(range(1, 60)), max_tokens=50, temperature=0.0), timeout=30
+        )
         reader = Background(drain_until_cancelled, call)
         # Scheduled on the prefill worker, inside its 1 s step: no token can be out yet.
         wait_for(lambda: worker_status(slow, "prefill").running == 1, 5, 0.02)
@@ -202,7 +214,7 @@ def test_router_view_of_prefix_cache_converges_after_evictions(slow):
 
 
 def _hashes(tokens: list[int]) -> list[int]:
-    from engine.block_hash import block_hashes
+    from splitserve.engine.block_hash import block_hashes
 
     return block_hashes(tokens, 16)
 

@@ -51,13 +51,20 @@ class Served:
     def __init__(self, *args: str, env: dict | None = None) -> None:
         self.tmp = tempfile.mkdtemp(prefix="ss")  # short: Ray's socket paths live under it
         env = {**os.environ, "TMPDIR": self.tmp, "PYTHONUNBUFFERED": "1", **(env or {})}
-        self.proc = subprocess.Popen([sys.executable, "-m", "splitserve.cli", "serve", *args], stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)  # fmt: skip
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "splitserve.cli", "serve", *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+            start_new_session=True,
+        )
         self.out: list[str] = []
         self.err: list[str] = []
         for stream, lines in ((self.proc.stdout, self.out), (self.proc.stderr, self.err)):
-            threading.Thread(target=lambda s=stream, ls=lines: ls.extend(line.rstrip("\n") for line in s),
-                             daemon=True).start()  # fmt: skip
+            threading.Thread(
+                target=lambda s=stream, ls=lines: ls.extend(line.rstrip("\n") for line in s), daemon=True
+            ).start()
         self.started: dict[int, str] = {}
         self.address = self.line("splitserve ready on ", READY_S).split()[-1]
 
@@ -139,8 +146,20 @@ def slow_decode_config(tmp_path) -> str:
 
 
 def test_serve_prints_ready_serves_and_stops_on_sigterm(serving_model):
-    served = Served("--model", str(serving_model), "--dtype", "float32", "--port", "0", "--openai-port", "0",
-                    "--metrics-port", "0", "--log-format", "json")  # fmt: skip
+    served = Served(
+        "--model",
+        str(serving_model),
+        "--dtype",
+        "float32",
+        "--port",
+        "0",
+        "--openai-port",
+        "0",
+        "--metrics-port",
+        "0",
+        "--log-format",
+        "json",
+    )
     try:
         openai_url = served.line("splitserve OpenAI API on ", 1).split()[-1]
         assert served.address.startswith("127.0.0.1:")
@@ -151,7 +170,10 @@ def test_serve_prints_ready_serves_and_stops_on_sigterm(serving_model):
             done = client.generate(token_ids=[1, 2, 3], max_tokens=4, request_id="cli-1")
             assert len(done.token_ids) == 4
         with urllib.request.urlopen(metrics[2], timeout=10) as response:
-            assert b'splitserve_requests_total{finish_reason="length",outcome="finished",status="OK"} 1.0' in response.read()
+            assert (
+                b'splitserve_requests_total{finish_reason="length",outcome="finished",status="OK"} 1.0'
+                in response.read()
+            )
         assert openai_url.startswith("http://127.0.0.1:") and openai_url.endswith("/v1")
         with urllib.request.urlopen(f"{openai_url}/models", timeout=10) as response:
             assert json.load(response)["data"][0]["id"] == serving_model.name
@@ -167,8 +189,11 @@ def test_serve_prints_ready_serves_and_stops_on_sigterm(serving_model):
         served.close()
 
 
-@pytest.mark.parametrize(("signum", "to"), [(signal.SIGINT, "pid"), (signal.SIGINT, "group"), (signal.SIGTERM, "group")],
-                         ids=["SIGINT-pid", "SIGINT-group", "SIGTERM-group"])  # SIGTERM to the pid: the test above
+@pytest.mark.parametrize(
+    ("signum", "to"),
+    [(signal.SIGINT, "pid"), (signal.SIGINT, "group"), (signal.SIGTERM, "group")],
+    ids=["SIGINT-pid", "SIGINT-group", "SIGTERM-group"],
+)  # SIGTERM to the pid: the test above
 def test_serve_stops_within_bound_however_the_signal_arrives(serving_model, signum, to):
     served = Served("--model", str(serving_model), "--dtype", "float32", "--port", "0")
     try:
@@ -184,8 +209,9 @@ def test_serve_stops_within_bound_however_the_signal_arrives(serving_model, sign
 
 
 def test_serve_ends_streams_in_flight_with_unavailable(serving_model, tmp_path):
-    served = Served("--model", str(serving_model), "--dtype", "float32", "--port", "0",
-                    "--config", slow_decode_config(tmp_path))  # fmt: skip
+    served = Served(
+        "--model", str(serving_model), "--dtype", "float32", "--port", "0", "--config", slow_decode_config(tmp_path)
+    )
     try:
         thread, _, end = make_stream(served.address)
         sent = served.signal(signal.SIGTERM, "group")
@@ -194,8 +220,10 @@ def test_serve_ends_streams_in_flight_with_unavailable(serving_model, tmp_path):
         assert end.get("code") == "UNAVAILABLE", end
         assert end["at"] - sent < EXIT_BOUND_S
         code, took = served.exited(sent)
-        print(f"SIGTERM to the group, a stream in flight: it ended {end['at'] - sent:.1f}s after, "
-              f"serve exited in {took:.1f}s")  # fmt: skip
+        print(
+            f"SIGTERM to the group, a stream in flight: it ended {end['at'] - sent:.1f}s after, "
+            f"serve exited in {took:.1f}s"
+        )
         assert code == 0 and took < EXIT_BOUND_S
         served.assert_clean()
         with pytest.raises(grpc.RpcError) as refused:  # nothing listens any more
@@ -207,16 +235,19 @@ def test_serve_ends_streams_in_flight_with_unavailable(serving_model, tmp_path):
 
 
 def test_second_signal_while_stopping_exits_at_once(serving_model, tmp_path):
-    served = Served("--model", str(serving_model), "--dtype", "float32", "--port", "0",
-                    "--config", slow_decode_config(tmp_path))  # fmt: skip
+    served = Served(
+        "--model", str(serving_model), "--dtype", "float32", "--port", "0", "--config", slow_decode_config(tmp_path)
+    )
     try:
         make_stream(served.address)  # the router's grace for it keeps the stop going for a while
         first = served.signal(signal.SIGTERM, "group")
         served.line("stopping on SIGTERM", EXIT_BOUND_S, "err")
         second = served.signal(signal.SIGINT, "pid")
         code, took = served.exited(second)
-        print(f"a second signal while stopping: serve exited {took:.2f}s after it, {time.monotonic() - first:.1f}s "
-              f"after the first")  # fmt: skip
+        print(
+            f"a second signal while stopping: serve exited {took:.2f}s after it, {time.monotonic() - first:.1f}s "
+            f"after the first"
+        )
         assert code == 128 + signal.SIGINT  # 130: cut short, unlike a completed stop (0)
         assert took < 3.0  # at once (3x a 1 s target): no step of the stop is waited for
         assert "second SIGINT while stopping: exiting at once" in "\n".join(served.err)
@@ -228,15 +259,17 @@ def test_second_signal_while_stopping_exits_at_once(serving_model, tmp_path):
 RAY_PROBE = """
 import json, ray
 ray.init(address={address!r}, log_to_driver=False)
-actors = [{{"class": a["ActorClassName"], "state": a["State"], "pid": a["Pid"]}} for a in ray._private.state.actors().values()]
+actors = [{{"class": a["ActorClassName"], "state": a["State"], "pid": a["Pid"]}}
+          for a in ray._private.state.actors().values()]
 print(json.dumps({{"actors": actors, "answer": ray.get(ray.remote(lambda: 42).remote(), timeout=60)}}))
 """
 
 
 def probe_cluster(address: str) -> dict:
     """The cluster's actors, and whether it still runs a task, from a driver of its own."""
-    done = subprocess.run([sys.executable, "-c", RAY_PROBE.format(address=address)], capture_output=True,
-                          text=True, timeout=120)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-c", RAY_PROBE.format(address=address)], capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -245,8 +278,9 @@ def test_serve_joined_to_a_cluster_stops_its_workers_and_leaves_the_cluster(serv
     from splitserve.sim_cluster import SimCluster
 
     with SimCluster([], head_cpus=2) as cluster:
-        served = Served("--model", str(serving_model), "--dtype", "float32", "--port", "0",
-                        "--ray-address", cluster.address)  # fmt: skip
+        served = Served(
+            "--model", str(serving_model), "--dtype", "float32", "--port", "0", "--ray-address", cluster.address
+        )
         try:
             with Client(served.address) as client:
                 assert len(client.generate(token_ids=[1, 2, 3], max_tokens=4).token_ids) == 4

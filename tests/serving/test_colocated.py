@@ -19,7 +19,7 @@ SAMPLING = dict(max_tokens=60, temperature=0.0, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def reference(serving_model):
-    from engine import LLM, SamplingParams
+    from splitserve.engine import LLM, SamplingParams
 
     llm = LLM(serving_model, dtype="float32", num_blocks=256)
     return [o.token_ids for o in llm.generate(PROMPTS, SamplingParams(**SAMPLING))]
@@ -28,10 +28,14 @@ def reference(serving_model):
 @pytest.fixture(scope="module")
 def colocated(ray_session, serving_model):
     # Small budget and chunks, so prompts are prefilled in several chunks mixed with other decodes.
-    deployment = start_deployment(serving_model, mode="colocated", colocated={"replicas": 2, "threads": 1},
-                                  engine={"max_num_batched_tokens": 32, "prefill_chunk_size": 16},
-                                  router={"routing_policy": "round_robin"},
-                                  faults={"decode_step_delay_s": 0.01})  # fmt: skip
+    deployment = start_deployment(
+        serving_model,
+        mode="colocated",
+        colocated={"replicas": 2, "threads": 1},
+        engine={"max_num_batched_tokens": 32, "prefill_chunk_size": 16},
+        router={"routing_policy": "round_robin"},
+        faults={"decode_step_delay_s": 0.01},
+    )
     yield deployment
     deployment.stop()
 
@@ -45,8 +49,10 @@ def assert_no_blocks_in_use(deployment) -> None:
 
 
 def test_only_colocated_workers_run_and_output_equals_the_offline_engine(colocated, reference):
-    assert sorted((w.role, w.worker_id) for w in workers(colocated)) == [("colocated", "colocated-0"),
-                                                                        ("colocated", "colocated-1")]  # fmt: skip
+    assert sorted((w.role, w.worker_id) for w in workers(colocated)) == [
+        ("colocated", "colocated-0"),
+        ("colocated", "colocated-1"),
+    ]
     results = [f.result(timeout=120) for f in stream_all(colocated.address, PROMPTS, SAMPLING)]
     assert [r[0] for r in results] == reference
     with Client(colocated.address) as client:

@@ -55,8 +55,11 @@ def test_metrics_match_the_timings_clients_received(served, router_json_lines):
         results = [client.generate(token_ids=shared, max_tokens=6, temperature=0.0, ignore_eos=True)]
         with ThreadPoolExecutor(6) as pool:
             jobs = [([7 * i + j for j in range(3 + 5 * i)], 1 if i < 2 else 8) for i in range(6)]
-            results += list(pool.map(lambda job: client.generate(token_ids=job[0], max_tokens=job[1],
-                                                                 ignore_eos=True, seed=1), jobs))  # fmt: skip
+            results += list(
+                pool.map(
+                    lambda job: client.generate(token_ids=job[0], max_tokens=job[1], ignore_eos=True, seed=1), jobs
+                )
+            )
         results.append(client.generate(token_ids=shared + [5], max_tokens=4, temperature=0.0, ignore_eos=True))
     n = len(results)
     assert results[-1].cached_tokens >= 32 and all(r.finish_reason == "length" for r in results)
@@ -66,9 +69,13 @@ def test_metrics_match_the_timings_clients_received(served, router_json_lines):
 
     wait_for(lambda: delta("splitserve_requests_total", outcome="finished", status="OK", finish_reason="length") == n)
     timings = [r.timing for r in results]
-    for metric, field in [("request_queue", "queue_ms"), ("time_to_first_token", "first_token_ms"),
-                          ("request_prefill", "prefill_ms"), ("e2e_request_latency", "total_ms"),
-                          ("request_decode", "decode_ms")]:  # fmt: skip
+    for metric, field in [
+        ("request_queue", "queue_ms"),
+        ("time_to_first_token", "first_token_ms"),
+        ("request_prefill", "prefill_ms"),
+        ("e2e_request_latency", "total_ms"),
+        ("request_decode", "decode_ms"),
+    ]:
         assert delta(f"splitserve_{metric}_seconds_count") == n, metric
         assert close(delta(f"splitserve_{metric}_seconds_sum"), sum(t[field] for t in timings) / 1e3), metric
     moved = [t for r, t in zip(results, timings) if r.completion_tokens > 1]  # one-token requests move no KV
@@ -88,19 +95,29 @@ def test_metrics_match_the_timings_clients_received(served, router_json_lines):
     def worker_delta(worker_id: str, name: str, **labels) -> float:
         return after[worker_id].value(name, **labels) - workers_before[worker_id].value(name, **labels)
 
-    assert worker_delta("prefill-0", "splitserve_engine_kv_transfers_total", direction="sent", result="done") == len(moved)
-    assert worker_delta("decode-0", "splitserve_engine_kv_transfers_total", direction="received", result="done") == len(moved)
+    assert worker_delta("prefill-0", "splitserve_engine_kv_transfers_total", direction="sent", result="done") == len(
+        moved
+    )
+    assert worker_delta("decode-0", "splitserve_engine_kv_transfers_total", direction="received", result="done") == len(
+        moved
+    )
     assert worker_delta("prefill-0", "splitserve_engine_kv_transfer_bytes_total", direction="sent") == kv_bytes
     assert worker_delta("decode-0", "splitserve_engine_kv_transfer_bytes_total", direction="received") == kv_bytes
-    assert worker_delta("prefill-0", "splitserve_engine_prefix_cache_hits_total") == sum(r.cached_tokens for r in results)
-    assert worker_delta("prefill-0", "splitserve_engine_prefix_cache_queries_total") == sum(r.prompt_tokens for r in results)
+    assert worker_delta("prefill-0", "splitserve_engine_prefix_cache_hits_total") == sum(
+        r.cached_tokens for r in results
+    )
+    assert worker_delta("prefill-0", "splitserve_engine_prefix_cache_queries_total") == sum(
+        r.prompt_tokens for r in results
+    )
     assert worker_delta("prefill-0", "splitserve_engine_steps_total", kind="prefill") >= 1
     assert worker_delta("decode-0", "splitserve_engine_steps_total", kind="decode") >= 1
     assert worker_delta("decode-0", "splitserve_engine_batch_requests_count") == worker_delta(
-        "decode-0", "splitserve_engine_steps_total")
+        "decode-0", "splitserve_engine_steps_total"
+    )
     for worker_id, scrape in after.items():
         assert scrape.label_sets("splitserve_engine_kv_blocks_capacity") == [
-            {"worker_id": worker_id, "role": worker_id.split("-")[0]}]
+            {"worker_id": worker_id, "role": worker_id.split("-")[0]}
+        ]
         assert scrape.value("splitserve_engine_kv_blocks_capacity") > 0
 
     # One log line per request, with the figures its client received.
@@ -110,7 +127,10 @@ def test_metrics_match_the_timings_clients_received(served, router_json_lines):
         line = by_id[r.request_id]
         assert line["outcome"] == "finished" and line["status"] == "OK" and line["finish_reason"] == "length"
         assert (line["prompt_tokens"], line["completion_tokens"], line["cached_tokens"]) == (
-            r.prompt_tokens, r.completion_tokens, r.cached_tokens)
+            r.prompt_tokens,
+            r.completion_tokens,
+            r.cached_tokens,
+        )
         for field in ("queue_ms", "prefill_ms", "transfer_ms", "first_token_ms", "decode_ms", "total_ms"):
             assert line[field] == round(r.timing[field], 3), field
         assert r.request_id in line["message"] and "total_ms=" in line["message"]
@@ -131,7 +151,8 @@ def test_errors_and_cancels_are_counted_by_status(served, router_json_lines):
 
     def delta(**labels) -> float:
         return router_metrics(served).value("splitserve_requests_total", **labels) - before.value(
-            "splitserve_requests_total", **labels)
+            "splitserve_requests_total", **labels
+        )
 
     wait_for(lambda: delta(outcome="cancelled", status="DEADLINE_EXCEEDED") == 1)
     assert delta(outcome="error", status="INVALID_ARGUMENT", finish_reason="") == 1
@@ -160,8 +181,21 @@ def test_status_table_and_json(served, capsys):
     table = capsys.readouterr().out.splitlines()
     assert table[0].startswith(f"router {served.address}  model ") and "workers 2/2 healthy" in table[0]
     assert f"metrics {served.router.metrics_address}" in table[0]
-    assert table[1].split() == ["WORKER", "ROLE", "NODE", "HEALTH", "RUN", "WAIT", "KV", "USED", "CACHED", "CPUS",
-                                "THREADS", "ADDRESS", "METRICS"]  # fmt: skip
+    assert table[1].split() == [
+        "WORKER",
+        "ROLE",
+        "NODE",
+        "HEALTH",
+        "RUN",
+        "WAIT",
+        "KV",
+        "USED",
+        "CACHED",
+        "CPUS",
+        "THREADS",
+        "ADDRESS",
+        "METRICS",
+    ]
     rows = {line.split()[0]: line.split() for line in table[2:]}
     assert set(rows) == {"prefill-0", "decode-0"}
     assert cli.main(["status", "--addr", served.address, "--json"]) == 0

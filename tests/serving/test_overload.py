@@ -20,9 +20,12 @@ DECODE_MAX_INFLIGHT = 4
 
 @pytest.fixture(scope="module")
 def small(ray_session, serving_model):
-    deployment = start_deployment(serving_model, router={"max_queue": MAX_QUEUE},
-                                  prefill={"threads": 1, "max_inflight": 2},
-                                  decode={"threads": 1, "max_inflight": DECODE_MAX_INFLIGHT})  # fmt: skip
+    deployment = start_deployment(
+        serving_model,
+        router={"max_queue": MAX_QUEUE},
+        prefill={"threads": 1, "max_inflight": 2},
+        decode={"threads": 1, "max_inflight": DECODE_MAX_INFLIGHT},
+    )
     yield deployment
     deployment.stop()
 
@@ -39,8 +42,12 @@ async def burst(address: str, count: int) -> list[dict]:
         async def one(i: int) -> dict:
             sent, tokens, code, details = time.monotonic(), 0, grpc.StatusCode.OK, ""
             try:
-                request = make_request(token_ids=[(7 * i + j) % 1000 + 1 for j in range(30)], max_tokens=8,
-                                       ignore_eos=True, temperature=0.0)  # fmt: skip
+                request = make_request(
+                    token_ids=[(7 * i + j) % 1000 + 1 for j in range(30)],
+                    max_tokens=8,
+                    ignore_eos=True,
+                    temperature=0.0,
+                )
                 async for message in stub.Generate(request, timeout=120):
                     tokens += len(message.token_ids)
             except grpc.aio.AioRpcError as e:
@@ -72,17 +79,21 @@ def test_a_burst_far_above_capacity_is_refused_quickly_and_leaves_the_server_hea
 def test_a_decode_worker_refuses_leases_past_its_max_inflight(small):
     """Raw leases on the decode worker: it grants max_inflight, refuses the next one by name, and frees
     every lease when its call ends."""
+    from splitserve.engine.sampling_params import SamplingParams
     from splitserve.rpc import workers_pb2 as wpb
     from splitserve.rpc import workers_pb2_grpc as wpb_grpc
     from splitserve.rpc.convert import sampling_to_pb
-    from engine.sampling_params import SamplingParams
 
     decode = next(w for w in small.workers if w["role"] == "decode")
     sampling = sampling_to_pb(SamplingParams(max_tokens=4, seed=1))
     with grpc.insecure_channel(decode["address"]) as channel:
         stub = wpb_grpc.DecodeWorkerStub(channel)
-        calls = [stub.Decode(wpb.DecodeRequest(request_id=f"lease-{i}", prompt_token_ids=[1, 2, 3], sampling=sampling),
-                             timeout=30) for i in range(DECODE_MAX_INFLIGHT + 1)]  # fmt: skip
+        calls = [
+            stub.Decode(
+                wpb.DecodeRequest(request_id=f"lease-{i}", prompt_token_ids=[1, 2, 3], sampling=sampling), timeout=30
+            )
+            for i in range(DECODE_MAX_INFLIGHT + 1)
+        ]
         try:
             firsts = [next(call) for call in calls]
             kinds = sorted(f.WhichOneof("kind") for f in firsts)  # the calls race: any one may be the refused

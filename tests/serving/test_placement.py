@@ -10,16 +10,31 @@ from splitserve.launch import Deployment
 
 
 def test_actor_options_follow_the_convention_unless_the_config_says_otherwise(ray_session):
-    deployment = Deployment(DeploymentConfig.from_dict({
-        "decode": {"resources": {"big_hbm": 2}, "label_selector": {"splitserve-role": "decode"}, "num_gpus": 1,
-                   "num_cpus": 2, "max_restarts": -1},
-    }))  # fmt: skip
+    deployment = Deployment(
+        DeploymentConfig.from_dict(
+            {
+                "decode": {
+                    "resources": {"big_hbm": 2},
+                    "label_selector": {"splitserve-role": "decode"},
+                    "num_gpus": 1,
+                    "num_cpus": 2,
+                    "max_restarts": -1,
+                },
+            }
+        )
+    )
     # The embedded Ray has no splitserve_prefill resource: nothing is required.
-    assert deployment.actor_options("prefill") == dict(num_cpus=0.0, num_gpus=0.0, resources={}, max_restarts=3,
-                                                       max_task_retries=0)  # fmt: skip
-    assert deployment.actor_options("decode") == dict(num_cpus=2, num_gpus=1, resources={"big_hbm": 2},
-                                                      max_restarts=-1, max_task_retries=0,
-                                                      label_selector={"splitserve-role": "decode"})  # fmt: skip
+    assert deployment.actor_options("prefill") == dict(
+        num_cpus=0.0, num_gpus=0.0, resources={}, max_restarts=3, max_task_retries=0
+    )
+    assert deployment.actor_options("decode") == dict(
+        num_cpus=2,
+        num_gpus=1,
+        resources={"big_hbm": 2},
+        max_restarts=-1,
+        max_task_retries=0,
+        label_selector={"splitserve-role": "decode"},
+    )
 
 
 def test_router_address_workers_dial(ray_session, monkeypatch):
@@ -67,8 +82,10 @@ def test_prefill_and_decode_on_cores_of_their_own(ray_session, serving_model):
             client.generate(token_ids=[1, 2, 3], max_tokens=4, temperature=0.0)  # the pinned pair serves
             status = wait_for(lambda: (s := client.status()) and all(w.threads for w in s.workers) and s)
         workers = {w["worker_id"]: w for w in status_json(status)["workers"]}
-        assert {w: (v["cpus"], v["threads"]) for w, v in workers.items()} == {"prefill-0": (str(a), 1),
-                                                                               "decode-0": (str(b), 1)}
+        assert {w: (v["cpus"], v["threads"]) for w, v in workers.items()} == {
+            "prefill-0": (str(a), 1),
+            "decode-0": (str(b), 1),
+        }
         table = format_status(status, deployment.address).splitlines()
         cpus_column = table[1].index("CPUS")
         assert sorted(line[cpus_column:].split()[0] for line in table[2:]) == sorted([str(a), str(b)])
@@ -81,9 +98,18 @@ def test_a_cpu_the_node_does_not_have_fails_the_start_naming_the_field(ray_sessi
     import time
 
     missing = max(os.sched_getaffinity(0)) + 1
-    deployment = Deployment(DeploymentConfig.from_dict({
-        "model": str(serving_model), "dtype": "float32", "port": 0, "ready_timeout_s": 60,
-        "prefill": {"cpus": [missing], "num_cpus": 0}, "decode": {"threads": 1}}))
+    deployment = Deployment(
+        DeploymentConfig.from_dict(
+            {
+                "model": str(serving_model),
+                "dtype": "float32",
+                "port": 0,
+                "ready_timeout_s": 60,
+                "prefill": {"cpus": [missing], "num_cpus": 0},
+                "decode": {"threads": 1},
+            }
+        )
+    )
     start = time.monotonic()
     try:
         with pytest.raises(RuntimeError, match=rf"worker prefill-0 did not start: .*cpus: {missing} not usable"):

@@ -22,7 +22,7 @@ SAMPLING = dict(max_tokens=120, temperature=0.0, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def reference(serving_model):
-    from engine import LLM, SamplingParams
+    from splitserve.engine import LLM, SamplingParams
 
     llm = LLM(serving_model, dtype="float32", num_blocks=256)
     return {tuple(p): o.token_ids for p, o in zip(PROMPTS, llm.generate(PROMPTS, SamplingParams(**SAMPLING)))}
@@ -31,8 +31,12 @@ def reference(serving_model):
 @pytest.fixture(scope="module")
 def cluster(ray_session, serving_model):
     # Decode steps take >= 20 ms so that streams are reliably mid-way when a worker dies.
-    deployment = start_deployment(serving_model, prefill={"replicas": 2, "threads": 1},
-                                  decode={"replicas": 2, "threads": 1}, faults={"decode_step_delay_s": 0.02})  # fmt: skip
+    deployment = start_deployment(
+        serving_model,
+        prefill={"replicas": 2, "threads": 1},
+        decode={"replicas": 2, "threads": 1},
+        faults={"decode_step_delay_s": 0.02},
+    )
     yield deployment
     deployment.stop()
 
@@ -43,8 +47,13 @@ def whole_cluster(cluster):
     whatever a test before left: a worker still restarting, or a scale-down."""
     if len(healthy(cluster, "prefill")) != 2 or len(cluster.router.pool.decode) != 2:
         _scale(cluster.address, prefill=2, decode=2)
-    wait_for(lambda: healthy(cluster, "decode") == ["decode-0", "decode-1"]
-             and healthy(cluster, "prefill") == ["prefill-0", "prefill-1"], 60)  # fmt: skip
+    wait_for(
+        lambda: (
+            healthy(cluster, "decode") == ["decode-0", "decode-1"]
+            and healthy(cluster, "prefill") == ["prefill-0", "prefill-1"]
+        ),
+        60,
+    )
     return cluster
 
 
@@ -63,6 +72,7 @@ def incarnations(deployment) -> dict[str, str]:
 
 def busiest_decode_worker(deployment) -> str:
     """The decode worker running the most streams, once the router's status shows any running."""
+
     def running():
         decode = [w for w in Client(deployment.address).status().workers if w.role == "decode"]
         return decode if any(w.running for w in decode) else None
@@ -123,8 +133,12 @@ def test_a_frozen_decode_worker_is_noticed_by_keepalive(whole_cluster, reference
 def test_prefill_worker_lost_mid_prefill_is_retried_elsewhere(ray_session, serving_model, reference):
     """prefill-0's kill point ends its process as its first prefill step starts (first incarnation
     only); round robin sends one of the two requests there, so it is lost mid-prefill, for certain."""
-    slow = start_deployment(serving_model, prefill={"replicas": 2, "threads": 1}, router={"routing_policy": "round_robin"},
-                            faults={"kill": [{"target": "prefill-0", "at": "prefill", "after": 0}]})  # fmt: skip
+    slow = start_deployment(
+        serving_model,
+        prefill={"replicas": 2, "threads": 1},
+        router={"routing_policy": "round_robin"},
+        faults={"kill": [{"target": "prefill-0", "at": "prefill", "after": 0}]},
+    )
     try:
         before = incarnations(slow)["prefill-0"]
         retries_before = router_count(slow, "splitserve_request_prefill_retries")
@@ -142,14 +156,21 @@ def test_prefill_worker_lost_mid_prefill_is_retried_elsewhere(ray_session, servi
         slow.stop()
 
 
-@pytest.mark.parametrize("max_migrations, reason, waits_s", [
-    (0, "gave up after 0 migrations", 0.0),  # past the limit: at once
-    (3, "no decode worker is in the pool", 2.0),  # may migrate, but none is left: after lease_timeout_s
-], ids=["migration_limit", "no_decode_worker_left"])  # fmt: skip
+@pytest.mark.parametrize(
+    "max_migrations, reason, waits_s",
+    [
+        (0, "gave up after 0 migrations", 0.0),  # past the limit: at once
+        (3, "no decode worker is in the pool", 2.0),  # may migrate, but none is left: after lease_timeout_s
+    ],
+    ids=["migration_limit", "no_decode_worker_left"],
+)
 def test_a_request_that_cannot_migrate_fails_clearly(ray_session, serving_model, max_migrations, reason, waits_s):
-    alone = start_deployment(serving_model, decode={"replicas": 1, "threads": 1, "max_restarts": 0},
-                             router={"max_migrations": max_migrations, "lease_timeout_s": 2.0},
-                             faults={"decode_step_delay_s": 0.02})  # fmt: skip
+    alone = start_deployment(
+        serving_model,
+        decode={"replicas": 1, "threads": 1, "max_restarts": 0},
+        router={"max_migrations": max_migrations, "lease_timeout_s": 2.0},
+        faults={"decode_step_delay_s": 0.02},
+    )
     try:
         with Client(alone.address) as client:
             stream = client.stream(token_ids=PROMPTS[0], **SAMPLING)

@@ -19,7 +19,7 @@ from tests.serving.netstat import assert_listens_on_loopback_only
 
 @pytest.fixture(scope="module")
 def reference(serving_model):
-    from engine import LLM
+    from splitserve.engine import LLM
 
     return LLM(serving_model, dtype="float32", num_blocks=256)
 
@@ -33,8 +33,12 @@ def one_one(ray_session, serving_model):
 
 @pytest.fixture(scope="module")
 def two_two(ray_session, serving_model, one_one):
-    deployment = start_deployment(serving_model, prefill={"replicas": 2, "threads": 1},
-                                  decode={"replicas": 2, "threads": 1}, router={"routing_policy": "round_robin"})  # fmt: skip
+    deployment = start_deployment(
+        serving_model,
+        prefill={"replicas": 2, "threads": 1},
+        decode={"replicas": 2, "threads": 1},
+        router={"routing_policy": "round_robin"},
+    )
     yield deployment
     deployment.stop()
 
@@ -62,7 +66,7 @@ def test_greedy_equals_offline_engine_under_concurrency(layout, request, referen
     deployment = request.getfixturevalue(layout)
     prompts = mixed_prompts(10, seed=1)
     results = run_concurrently(deployment.address, prompts, max_tokens=24, temperature=0.0, ignore_eos=True)
-    from engine import SamplingParams
+    from splitserve.engine import SamplingParams
 
     expected = reference.generate(prompts, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))
     for got, want in zip(results, expected):
@@ -91,7 +95,7 @@ def test_greedy_equals_transformers(one_one, serving_model):
 
 
 def test_text_prompt_and_streaming_messages(one_one, reference):
-    from engine import SamplingParams
+    from splitserve.engine import SamplingParams
 
     with Client(one_one.address) as client:
         messages = list(client.stream("The engine runs", max_tokens=12, temperature=0.0, ignore_eos=True))
@@ -108,7 +112,7 @@ def test_text_prompt_and_streaming_messages(one_one, reference):
 
 
 def test_seeded_sampling_is_reproducible(one_one, reference):
-    from engine import SamplingParams
+    from splitserve.engine import SamplingParams
 
     sampling = dict(max_tokens=20, temperature=0.9, top_p=0.95, seed=1234, ignore_eos=True)
     with Client(one_one.address) as client:
@@ -121,21 +125,24 @@ def test_seeded_sampling_is_reproducible(one_one, reference):
 
 
 def test_stop_strings_eos_and_stop_ids_finish_right(one_one, reference):
-    from engine import SamplingParams
+    from splitserve.engine import SamplingParams
 
     full = reference.generate([[3, 1, 4, 1, 5]], SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))[0]
     start = len(full.text) // 2
     stop = full.text[start : start + 3]
     assert stop.strip()
     with Client(one_one.address) as client:
-        stopped = client.generate(token_ids=[3, 1, 4, 1, 5], max_tokens=30, temperature=0.0, ignore_eos=True, stop=[stop])
+        stopped = client.generate(
+            token_ids=[3, 1, 4, 1, 5], max_tokens=30, temperature=0.0, ignore_eos=True, stop=[stop]
+        )
         assert stopped.finish_reason == "stop" and stopped.stop_reason == stop
         assert stopped.text == full.text[: full.text.find(stop)]
         eos = client.generate(token_ids=EOS_PROMPT, max_tokens=30, temperature=0.0)
         assert eos.finish_reason == "stop" and len(eos.token_ids) == 4 and eos.stop_reason == ""
         stop_id = full.token_ids[6]
-        by_id = client.generate(token_ids=[3, 1, 4, 1, 5], max_tokens=30, temperature=0.0, ignore_eos=True,
-                                stop_token_ids=[stop_id])  # fmt: skip
+        by_id = client.generate(
+            token_ids=[3, 1, 4, 1, 5], max_tokens=30, temperature=0.0, ignore_eos=True, stop_token_ids=[stop_id]
+        )
         assert by_id.finish_reason == "stop" and by_id.stop_reason == str(stop_id)
         assert by_id.token_ids == full.token_ids[: full.token_ids.index(stop_id) + 1]
     assert_no_blocks_in_use(one_one)
@@ -174,12 +181,18 @@ def test_health_reflection_and_status_cli(one_one):
             reply = health.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
             assert reply.status == health_pb2.HealthCheckResponse.SERVING
         reflect = reflection_pb2_grpc.ServerReflectionStub(channel)
-        answers = list(reflect.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]),
-                                                    timeout=5))  # fmt: skip
+        answers = list(
+            reflect.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5)
+        )
         names = {s.name for s in answers[0].list_services_response.service}
         assert "splitserve.v1.SplitServe" in names
-    out = subprocess.run([sys.executable, "-m", "splitserve.cli", "status", "--addr", one_one.address, "--json"],
-                         capture_output=True, text=True, timeout=60, check=True)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-m", "splitserve.cli", "status", "--addr", one_one.address, "--json"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
     import json
 
     status = json.loads(out.stdout.splitlines()[-1])
@@ -192,9 +205,27 @@ def test_health_reflection_and_status_cli(one_one):
 def test_generate_cli_json(one_one):
     import json
 
-    out = subprocess.run([sys.executable, "-m", "splitserve.cli", "generate", "--addr", one_one.address,
-                          "--token-ids", "4,5,6", "--max-tokens", "5", "--temperature", "0", "--json"],
-                         capture_output=True, text=True, timeout=60, check=True)  # fmt: skip
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "splitserve.cli",
+            "generate",
+            "--addr",
+            one_one.address,
+            "--token-ids",
+            "4,5,6",
+            "--max-tokens",
+            "5",
+            "--temperature",
+            "0",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
     result = json.loads(out.stdout.splitlines()[-1])
     assert len(result["token_ids"]) == 5 and result["finish_reason"] == "length"
     assert result["prompt_tokens"] == 3 and "cached_tokens" in result and result["ttft_ms"] > 0
@@ -211,7 +242,7 @@ def test_nothing_listens_beyond_loopback(ray_session, one_one, two_two):
 def test_decode_worker_out_of_blocks_hands_back_and_output_is_unchanged(ray_session, serving_model, reference):
     """A decode worker with room for ~1.3 requests: one is handed back, re-prefilled (prompt plus
     output so far) and finishes elsewhere in time; greedy output equals the offline engine."""
-    from engine import SamplingParams
+    from splitserve.engine import SamplingParams
 
     tight = start_deployment(serving_model, decode={"num_blocks": 13, "threads": 1})
     try:
