@@ -25,6 +25,7 @@ import grpc
 
 from splitserve.engine.request import FinishReason, Request
 from splitserve.engine.sampling_params import SamplingParams, SamplingParamsError
+from splitserve.engine.wire import FINISH_TO_PB, sampling_from_pb, stop_reason_text
 from splitserve.kv_transfer.handles import TransferHandle, TransferState
 from splitserve.kv_transfer.receiver import KVReceiver
 from splitserve.kv_transfer.service import KVTransferServicer
@@ -32,7 +33,6 @@ from splitserve.observability.logs import request_context
 from splitserve.rpc import kv_transfer_pb2_grpc
 from splitserve.rpc import workers_pb2 as wpb
 from splitserve.rpc import workers_pb2_grpc as wpb_grpc
-from splitserve.rpc.convert import FINISH_TO_PB, sampling_from_pb, stop_reason_text
 from splitserve.worker_common.base import END, WorkerBase, WorkerError, ms_since
 from splitserve.worker_common.config import WorkerConfig
 

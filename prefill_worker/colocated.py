@@ -21,9 +21,9 @@ from __future__ import annotations
 import time
 
 from splitserve.engine.request import FinishReason, Request
+from splitserve.engine.wire import FINISH_TO_PB, stop_reason_text
 from splitserve.prefill_worker.worker import PrefillJob, PrefillWorker
 from splitserve.rpc import workers_pb2 as wpb
-from splitserve.rpc.convert import FINISH_TO_PB, stop_reason_text
 from splitserve.worker_common.base import END, WorkerError
 from splitserve.worker_common.config import WorkerConfig
 

@@ -24,13 +24,13 @@ import grpc
 
 from splitserve.engine.request import FinishReason, Request
 from splitserve.engine.sampling_params import SamplingParamsError
+from splitserve.engine.wire import FINISH_TO_PB, sampling_from_pb, stop_reason_text
 from splitserve.kv_transfer.handles import TransferHandle, TransferState
 from splitserve.kv_transfer.sender import KVSender, PeerAddress, SendHandle
 from splitserve.kv_transfer.service import GrpcConnection
 from splitserve.observability.logs import request_context
 from splitserve.rpc import workers_pb2 as wpb
 from splitserve.rpc import workers_pb2_grpc as wpb_grpc
-from splitserve.rpc.convert import FINISH_TO_PB, sampling_from_pb, stop_reason_text
 from splitserve.worker_common.base import END, WorkerBase, WorkerError, stream_events
 from splitserve.worker_common.config import WorkerConfig
 

@@ -28,12 +28,12 @@ from splitserve.engine.detokenizer import IncrementalDetokenizer
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.engine.stop_strings import StopStringMatcher
 from splitserve.engine.tokenizer import Tokenizer
+from splitserve.engine.wire import sampling_to_pb
 from splitserve.router.config import RouterConfig
 from splitserve.router.dispatcher import Dispatcher, RouterError, Ticket
 from splitserve.router.metrics import FINISH_REASON_LABELS, Outcome, RequestSummary, RouterMetrics
 from splitserve.router.workers import read_call, start_call
 from splitserve.rpc import workers_pb2 as wpb
-from splitserve.rpc.convert import sampling_to_pb
 from splitserve.v1 import splitserve_pb2 as pb
 
 log = logging.getLogger("splitserve.router")

@@ -21,6 +21,7 @@ from grpc_reflection.v1alpha import reflection
 from splitserve.engine.model_config import ModelConfig
 from splitserve.engine.sampling_params import SamplingParamsError
 from splitserve.engine.tokenizer import Tokenizer
+from splitserve.engine.wire import sampling_from_pb
 from splitserve.observability.exporter import MetricsServer
 from splitserve.observability.logs import request_context
 from splitserve.router.config import RouterConfig
@@ -31,7 +32,6 @@ from splitserve.router.workers import WorkerAddress, WorkerPool
 from splitserve.rpc import workers_pb2 as wpb
 from splitserve.rpc import workers_pb2_grpc as wpb_grpc
 from splitserve.rpc.auth import server_interceptors
-from splitserve.rpc.convert import sampling_from_pb
 from splitserve.rpc.options import SERVER_OPTIONS
 from splitserve.v1 import splitserve_pb2 as pb
 from splitserve.v1 import splitserve_pb2_grpc as pb_grpc
