@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from splitserve.common.errors import ServingError
 from splitserve.engine.request import FinishReason, Request
 from splitserve.engine.sampling_params import SamplingParams, SamplingParamsError
 from splitserve.engine.wire import FINISH_TO_PB, sampling_from_pb, stop_reason_text
@@ -33,6 +34,7 @@ from splitserve.observability.logs import request_context
 from splitserve.rpc import kv_transfer_pb2_grpc
 from splitserve.rpc import workers_pb2 as wpb
 from splitserve.rpc import workers_pb2_grpc as wpb_grpc
+from splitserve.rpc.status import abort
 from splitserve.worker_common.base import END, WorkerBase, WorkerError, ms_since
 from splitserve.worker_common.config import WorkerConfig
 
@@ -253,8 +255,8 @@ class _Servicer(wpb_grpc.DecodeWorkerServicer):
     def _decode(self, request, context):
         try:
             job, first = self.worker.lease(request)
-        except WorkerError as e:
-            context.abort(getattr(grpc.StatusCode, e.code), e.message)
+        except ServingError as e:
+            abort(context, e)
         # Before the first yield: the code after a yield runs only if the caller reads on, and a
         # caller that cancels right after the grant must still free the lease. add_callback is
         # False when the call has ended already.
@@ -268,8 +270,8 @@ class _Servicer(wpb_grpc.DecodeWorkerServicer):
             event = job.events.get()
             if event is END:
                 return
-            if isinstance(event, WorkerError):
-                context.abort(getattr(grpc.StatusCode, event.code), event.message)
+            if isinstance(event, ServingError):
+                abort(context, event)
             if event.WhichOneof("kind") == "tokens":
                 event = _coalesce(event, job.events)
             yield event

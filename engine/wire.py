@@ -23,11 +23,20 @@ _OPTIONAL_SCALARS = (
     "include_stop_str_in_output",
 )
 
+# The one finish-reason table: engine FinishReason <-> protobuf enum; the text label ("stop", "length")
+# is the FinishReason's value, which OpenAI's finish_reason, the router's metrics and the client all show.
+# ABORT and PREEMPTED are never sent as a finish reason, so they have no protobuf value.
 FINISH_TO_PB = {
     FinishReason.STOP: pb.FINISH_REASON_STOP,
     FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
 }
 FINISH_FROM_PB = {v: k for k, v in FINISH_TO_PB.items()}
+
+
+def finish_label(finish_reason: int) -> str:
+    """A message's protobuf finish reason as text: "stop", "length", or "" when it carries none."""
+    reason = FINISH_FROM_PB.get(finish_reason)
+    return reason.value if reason is not None else ""
 
 
 def sampling_from_pb(message: pb.SamplingParams, draw_seed: bool = True) -> SamplingParams:

@@ -14,6 +14,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
+from splitserve.common.errors import ServingError
 from splitserve.kv_transfer.descriptor import LayoutFingerprint
 
 
@@ -72,18 +73,10 @@ SenderMessage = Hello | DescriptorBytes | Cancel
 ReceiverMessage = Welcome | Ack
 
 
-class PairRefused(Exception):
-    """The receiver will not form this pair; ``code`` is a gRPC status name, ``message`` says why."""
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(message)
-        self.code, self.message = code, message
-
-
 class PairClosed(Exception):
     """The control stream ended (peer gone, cancelled, or refused: then ``refusal`` says why)."""
 
-    def __init__(self, message: str, refusal: PairRefused | None = None) -> None:
+    def __init__(self, message: str, refusal: ServingError | None = None) -> None:
         super().__init__(message)
         self.refusal = refusal
 
@@ -119,7 +112,7 @@ class LocalConnection(ControlConnection):
             try:
                 serve_pair(self._iterate(), self._outbound.put)
                 self._outbound.put(PairClosed("receiver ended the pair"))
-            except PairRefused as e:
+            except ServingError as e:  # the receiver refused the pair, or ended it with an error
                 self._outbound.put(PairClosed(f"{e.code}: {e.message}", e))
 
         threading.Thread(target=run, name="kv-local-pair", daemon=True).start()

@@ -23,6 +23,8 @@ from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
+from splitserve.common.arith import ceil_div
+from splitserve.common.errors import ServingError
 from splitserve.engine.kv_cache import KVCache
 from splitserve.kv_transfer.comm import (
     Communicator,
@@ -40,7 +42,6 @@ from splitserve.kv_transfer.control import (
     DescriptorBytes,
     Hello,
     PairClosed,
-    PairRefused,
     ReceiverMessage,
     SenderMessage,
     Welcome,
@@ -144,13 +145,13 @@ class KVReceiver(Endpoint):
     def serve_pair(
         self, inbound: Iterator[SenderMessage], send: Callable[[ReceiverMessage | PairClosed], None]
     ) -> None:
-        """Run a sender's control stream until it ends; raises PairRefused to refuse or end it with an error.
+        """Run a sender's control stream until it ends; raises ServingError to refuse or end it with an error.
 
         ``send`` delivers a message to the sender; ``send(PairClosed(reason))`` ends the stream.
         """
         first = next(inbound, None)
         if not isinstance(first, Hello):
-            raise PairRefused("INVALID_ARGUMENT", "the first message of a pair must be hello")
+            raise ServingError("INVALID_ARGUMENT", "the first message of a pair must be hello")
         self._check_hello(first)
         generation = next(self._generations)
         # The store is unauthenticated: whoever reaches its port may read and write any key they can
@@ -183,34 +184,36 @@ class KVReceiver(Endpoint):
                     if handle is not None and handle.pair in (None, pair):
                         handle._end(TransferState.FAILED, f"sender gave up: {message.reason}")
                 else:
-                    raise PairRefused("INVALID_ARGUMENT", f"unexpected {type(message).__name__} on an open pair")
+                    raise ServingError("INVALID_ARGUMENT", f"unexpected {type(message).__name__} on an open pair")
                 if pair.broken.is_set():
                     break
-        except PairRefused as e:
+        except ServingError as e:
             self._break(pair, e.message, end_stream=False)  # the refusal itself ends the stream
             raise
         self._break(pair, "control stream ended")
 
     def _check_hello(self, hello: Hello) -> None:
         if hello.protocol_version != PROTOCOL_VERSION:
-            raise PairRefused("FAILED_PRECONDITION", f"protocol_version {hello.protocol_version} != {PROTOCOL_VERSION}")
+            raise ServingError(
+                "FAILED_PRECONDITION", f"protocol_version {hello.protocol_version} != {PROTOCOL_VERSION}"
+            )
         if hello.receiver_incarnation and hello.receiver_incarnation != self.incarnation:
-            raise PairRefused(
+            raise ServingError(
                 "FAILED_PRECONDITION", "receiver_incarnation: this receiver restarted; fetch its endpoint again"
             )
         diff = hello.fingerprint.mismatches(self.fingerprint)
         if diff:
-            raise PairRefused("FAILED_PRECONDITION", f"layout fingerprint mismatch: {'; '.join(diff)}")
+            raise ServingError("FAILED_PRECONDITION", f"layout fingerprint mismatch: {'; '.join(diff)}")
 
     def _on_descriptor(self, pair: _ReceiverPair, data: bytes) -> None:
         try:
             desc = decode_descriptor(data, self.config.max_descriptor_bytes)
         except DescriptorError as e:
-            raise PairRefused("INVALID_ARGUMENT", f"malformed descriptor: {e}") from None
+            raise ServingError("INVALID_ARGUMENT", f"malformed descriptor: {e}") from None
         if desc.seq != pair.next_seq:
-            raise PairRefused("INVALID_ARGUMENT", f"seq: expected {pair.next_seq}, got {desc.seq}")
+            raise ServingError("INVALID_ARGUMENT", f"seq: expected {pair.next_seq}, got {desc.seq}")
         if desc.nbytes > self.config.max_message_bytes:
-            raise PairRefused("INVALID_ARGUMENT", f"nbytes: {desc.nbytes} exceeds max_message_bytes")
+            raise ServingError("INVALID_ARGUMENT", f"nbytes: {desc.nbytes} exceeds max_message_bytes")
         pair.next_seq += 1
         handle = self._transfers.get(desc.transfer_id)
         if handle is not None:
@@ -308,7 +311,7 @@ class KVReceiver(Endpoint):
             return f"layers [{desc.layer_start}, {desc.layer_end}) exceed the model's {fp.num_layers}"
         if desc.num_blocks > len(handle.block_ids):
             return f"{desc.num_blocks} blocks do not fit the {len(handle.block_ids)} leased"
-        if -(-desc.num_tokens // fp.block_size) != desc.num_blocks:
+        if ceil_div(desc.num_tokens, fp.block_size) != desc.num_blocks:
             return f"{desc.num_tokens} tokens do not fill {desc.num_blocks} blocks of {fp.block_size}"
         if handle.num_blocks is None:
             handle.num_blocks = desc.num_blocks

@@ -14,6 +14,7 @@ from concurrent import futures
 
 import grpc
 
+from splitserve.common.errors import ServingError
 from splitserve.kv_transfer.control import (
     Ack,
     AckStatus,
@@ -22,7 +23,6 @@ from splitserve.kv_transfer.control import (
     DescriptorBytes,
     Hello,
     PairClosed,
-    PairRefused,
     ReceiverMessage,
     SenderMessage,
     Welcome,
@@ -34,6 +34,7 @@ from splitserve.rpc import kv_transfer_pb2_grpc as pb_grpc
 from splitserve.rpc.auth import server_interceptors
 from splitserve.rpc.options import CLIENT_OPTIONS, SERVER_OPTIONS
 from splitserve.rpc.security import InternalSecurity
+from splitserve.rpc.status import abort, from_status
 
 # ---- protobuf at the edge ------------------------------------------------------------------------
 
@@ -79,7 +80,7 @@ def sender_from_pb(message: pb.SenderMessage) -> SenderMessage:
         return DescriptorBytes(message.descriptor)
     if kind == "cancel":
         return Cancel(message.cancel.transfer_id, message.cancel.reason)
-    raise PairRefused("INVALID_ARGUMENT", "sender message: no kind set")
+    raise ServingError("INVALID_ARGUMENT", "sender message: no kind set")
 
 
 def receiver_to_pb(message: ReceiverMessage) -> pb.ReceiverMessage:
@@ -143,16 +144,16 @@ class KVTransferServicer(pb_grpc.KVTransferServicer):
             try:
                 self.receiver.serve_pair(inbound(), outbox.put)
                 outbox.put(PairClosed("sender closed the pair"))
-            except PairRefused as e:
+            except ServingError as e:
                 outbox.put(e)
             except Exception as e:  # a bug must end this pair, never the server
-                outbox.put(PairRefused("INTERNAL", f"{type(e).__name__}: {e}"))
+                outbox.put(ServingError("INTERNAL", f"{type(e).__name__}: {e}"))
 
         threading.Thread(target=run, name="kv-pair-session", daemon=True).start()
         while True:
             item = outbox.get()
-            if isinstance(item, PairRefused):
-                context.abort(getattr(grpc.StatusCode, item.code), item.message)
+            if isinstance(item, ServingError):
+                abort(context, item)
             if isinstance(item, PairClosed):
                 if str(item) != "sender closed the pair":
                     context.abort(grpc.StatusCode.UNAVAILABLE, f"pair closed: {item}")
@@ -210,7 +211,7 @@ class GrpcConnection(ControlConnection):
             self._inbox.put(PairClosed("receiver ended the pair"))
         except grpc.RpcError as e:
             code = e.code()
-            refusal = PairRefused(code.name, e.details() or "") if code != grpc.StatusCode.CANCELLED else None
+            refusal = from_status(code, e.details()) if code != grpc.StatusCode.CANCELLED else None
             self._inbox.put(PairClosed(f"{code.name}: {e.details()}", refusal))
         except PairClosed as e:
             self._inbox.put(e)

@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from splitserve.common.arith import ceil_div
+from splitserve.common.errors import ServingError
 from splitserve.engine.request import FinishReason, Request
 from splitserve.engine.sampling_params import SamplingParamsError
 from splitserve.engine.wire import FINISH_TO_PB, sampling_from_pb, stop_reason_text
@@ -31,6 +33,7 @@ from splitserve.kv_transfer.service import GrpcConnection
 from splitserve.observability.logs import request_context
 from splitserve.rpc import workers_pb2 as wpb
 from splitserve.rpc import workers_pb2_grpc as wpb_grpc
+from splitserve.rpc.status import abort
 from splitserve.worker_common.base import END, WorkerBase, WorkerError, stream_events
 from splitserve.worker_common.config import WorkerConfig
 
@@ -174,7 +177,7 @@ class PrefillWorker(WorkerBase):
             if item.samples and job.destination is not None and job.transfer is None:
                 request = item.request
                 blocks = self.core.blocks.block_table(request.request_id)[
-                    : -(-request.num_tokens // self.core.config.block_size)
+                    : ceil_div(request.num_tokens, self.core.config.block_size)
                 ]
                 job.transfer = self.sender.start(request.request_id, job.destination, blocks, request.num_tokens)
                 streaming.append(job.transfer)
@@ -309,8 +312,8 @@ class _Servicer(wpb_grpc.PrefillWorkerServicer):
         with request_context(request.request_id):
             try:
                 job = self.worker.accept(request)
-            except WorkerError as e:
-                context.abort(getattr(grpc.StatusCode, e.code), e.message)
+            except ServingError as e:
+                abort(context, e)
             if not context.add_callback(lambda: self.worker.cancel(job)):  # the call ended already
                 self.worker.cancel(job)
                 return

@@ -17,20 +17,15 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from splitserve.common.arith import ceil_div
+from splitserve.common.errors import ServingError
 from splitserve.router.config import RouterConfig
 from splitserve.router.policy import choose_decode, choose_prefill
 from splitserve.router.workers import DecodeHandle, PrefillHandle, WorkerPool, read_call, start_call
 from splitserve.rpc import workers_pb2 as wpb
+from splitserve.rpc.status import from_status
 
 log = logging.getLogger("splitserve.router")
-
-
-class RouterError(Exception):
-    """Ends a client's call with ``code`` (a gRPC status name) and ``message``."""
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(message)
-        self.code, self.message = code, message
 
 
 @dataclass(eq=False)
@@ -75,9 +70,9 @@ class Dispatcher:
     # ---- prefill credit -------------------------------------------------------------------------
 
     async def dispatch(self, ticket: Ticket) -> PrefillHandle:
-        """Wait in the queue for a prefill worker with room; raises RouterError when the queue is full."""
+        """Wait in the queue for a prefill worker with room; raises ServingError when the queue is full."""
         if len(self.waiting) >= self.config.max_queue:
-            raise RouterError("RESOURCE_EXHAUSTED", f"the router's queue is full ({self.config.max_queue} requests)")
+            raise ServingError("RESOURCE_EXHAUSTED", f"the router's queue is full ({self.config.max_queue} requests)")
         self.waiting.append(ticket)
         self._place()
         try:
@@ -132,18 +127,18 @@ class Dispatcher:
     async def lease(self, request: wpb.DecodeRequest, num_tokens: int, deadline: float):
         """Open ``Decode`` on a decode worker with room; returns (worker, call, grant). Workers that
         refuse are skipped, then all are retried until ``deadline`` (monotonic), then UNAVAILABLE."""
-        needed = -(-(num_tokens + 1) // self.block_size)
+        needed = ceil_div(num_tokens + 1, self.block_size)
         refused: set[str] = set()
         while True:
             view = choose_decode([d.view for d in self.pool.decode], needed, exclude=refused)
             if view is None:
                 if time.monotonic() > deadline:
                     if not self.pool.decode:
-                        raise RouterError(
+                        raise ServingError(
                             "UNAVAILABLE",
                             "no decode worker is in the pool (lost or not started) within lease_timeout_s",
                         )
-                    raise RouterError(
+                    raise ServingError(
                         "UNAVAILABLE", f"no decode worker had room for {needed} KV blocks within lease_timeout_s"
                     )
                 refused.clear()
@@ -166,7 +161,7 @@ class Dispatcher:
                 refused.add(view.worker_id)
             except (TimeoutError, grpc.aio.AioRpcError) as e:
                 if isinstance(e, grpc.aio.AioRpcError) and e.code() == grpc.StatusCode.INVALID_ARGUMENT:
-                    raise RouterError("INVALID_ARGUMENT", e.details()) from None
+                    raise from_status(e.code(), e.details()) from None
                 view.healthy = False
                 refused.add(view.worker_id)
             finally:

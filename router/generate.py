@@ -23,17 +23,19 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from splitserve.common.errors import ServingError
 from splitserve.engine.block_hash import block_hashes
 from splitserve.engine.detokenizer import IncrementalDetokenizer
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.engine.stop_strings import StopStringMatcher
 from splitserve.engine.tokenizer import Tokenizer
-from splitserve.engine.wire import sampling_to_pb
+from splitserve.engine.wire import finish_label, sampling_to_pb
 from splitserve.router.config import RouterConfig
-from splitserve.router.dispatcher import Dispatcher, RouterError, Ticket
-from splitserve.router.metrics import FINISH_REASON_LABELS, Outcome, RequestSummary, RouterMetrics
+from splitserve.router.dispatcher import Dispatcher, Ticket
+from splitserve.router.metrics import Outcome, RequestSummary, RouterMetrics
 from splitserve.router.workers import read_call, start_call
 from splitserve.rpc import workers_pb2 as wpb
+from splitserve.rpc.status import from_status
 from splitserve.v1 import splitserve_pb2 as pb
 
 log = logging.getLogger("splitserve.router")
@@ -136,7 +138,7 @@ class RequestRun:
                     self.prefill_retries += 1
                     self.metrics.prefill_retries.inc()
                     if self.prefill_retries > self.config.max_prefill_retries:
-                        raise RouterError(
+                        raise ServingError(
                             "UNAVAILABLE", f"{lost.message}; gave up after {self.prefill_retries - 1} retries"
                         ) from None
                 else:
@@ -144,7 +146,7 @@ class RequestRun:
                     self.clock.reprefills += 1
                     self.metrics.migrations.inc()
                     if self.migrations > self.config.max_migrations:
-                        raise RouterError(
+                        raise ServingError(
                             "UNAVAILABLE", f"{lost.message}; gave up after {self.migrations - 1} migrations"
                         ) from None
         yield self._final()
@@ -205,7 +207,7 @@ class RequestRun:
             try:
                 async for message in self._decode(call, decode, leg=leg):
                     yield message
-            except (WorkerLost, RouterError):
+            except (WorkerLost, ServingError):
                 if self.transfer_failure is not None:  # the decode call was ended for it, not by its worker
                     raise self.transfer_failure from None
                 raise
@@ -358,7 +360,7 @@ class RequestRun:
         timing = self.timing
         if not finished or timing is None:
             timing = self.clock.timing(self.prefill_worker, self.decode_worker)
-        finish_reason = FINISH_REASON_LABELS.get(self.finish_reason, "") if finished else ""
+        finish_reason = finish_label(self.finish_reason) if finished else ""
         return RequestSummary(
             self.request_id,
             outcome,
@@ -376,11 +378,11 @@ _FATAL = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED, 
 
 
 def _call_failed(e: grpc.aio.AioRpcError, role: str, worker) -> Exception:
-    """What a failed worker call means: a request error ends the client's call (RouterError); a
+    """What a failed worker call means: a request error ends the client's call (ServingError); a
     transport failure (the worker or its node lost) is WorkerLost, which retries or migrates."""
     code = e.code()
     if code in _FATAL:
-        return RouterError(code.name, e.details())
+        return from_status(code, e.details())
     if code == grpc.StatusCode.ABORTED:
         return WorkerLost(role, worker, f"{role} worker {worker.worker_id}: {e.details()}", worker_failed=False)
     return WorkerLost(role, worker, f"{role} worker {worker.worker_id} failed: {code.name}: {e.details()}")

@@ -29,7 +29,6 @@ from splitserve.v1 import splitserve_pb2 as pb
 requests_log = logging.getLogger("splitserve.requests")
 
 Outcome = Literal["finished", "error", "cancelled"]
-FINISH_REASON_LABELS = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length"}
 
 
 @dataclass(frozen=True)

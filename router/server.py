@@ -18,6 +18,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from splitserve.common.errors import ServingError
 from splitserve.engine.model_config import ModelConfig
 from splitserve.engine.sampling_params import SamplingParamsError
 from splitserve.engine.tokenizer import Tokenizer
@@ -25,7 +26,7 @@ from splitserve.engine.wire import sampling_from_pb
 from splitserve.observability.exporter import MetricsServer
 from splitserve.observability.logs import request_context
 from splitserve.router.config import RouterConfig
-from splitserve.router.dispatcher import Dispatcher, RouterError
+from splitserve.router.dispatcher import Dispatcher
 from splitserve.router.generate import RequestRun
 from splitserve.router.metrics import RequestSummary, RouterMetrics, log_request
 from splitserve.router.workers import WorkerAddress, WorkerPool
@@ -33,6 +34,7 @@ from splitserve.rpc import workers_pb2 as wpb
 from splitserve.rpc import workers_pb2_grpc as wpb_grpc
 from splitserve.rpc.auth import server_interceptors
 from splitserve.rpc.options import SERVER_OPTIONS
+from splitserve.rpc.status import abort_async
 from splitserve.v1 import splitserve_pb2 as pb
 from splitserve.v1 import splitserve_pb2_grpc as pb_grpc
 
@@ -158,17 +160,17 @@ class Router(pb_grpc.SplitServeServicer):
                 async with contextlib.aclosing(self.observed(run, context.time_remaining)) as messages:
                     async for message in messages:
                         yield message
-        except RouterError as e:
-            await context.abort(getattr(grpc.StatusCode, e.code), e.message)
+        except ServingError as e:
+            await abort_async(context, e)
 
     @contextlib.contextmanager
     def admitted(self, request: pb.GenerateRequest) -> Iterator[RequestRun]:
         """The request validated, tokenized and in flight (its id taken) until the block ends; raises
-        RouterError naming the bad field (and counts the refusal). Every front end admits requests
+        ServingError naming the bad field (and counts the refusal). Every front end admits requests
         this way, then runs them through ``observed``."""
         try:
             run = self._admit(request)
-        except RouterError as e:
+        except ServingError as e:
             self._ended(RequestSummary(request.request_id or "-", "error", e.code, e.message, "", 0, 0, 0, None))
             raise
         try:
@@ -178,7 +180,7 @@ class Router(pb_grpc.SplitServeServicer):
 
     async def observed(self, run: RequestRun, time_remaining=lambda: None) -> AsyncIterator[pb.GenerateResponse]:
         """An admitted request's messages; however it ends, it is counted in the metrics and logged
-        (its line carries the timeline). Raises RouterError as ``RequestRun.run`` does.
+        (its line carries the timeline). Raises ServingError as ``RequestRun.run`` does.
         ``time_remaining``: the caller's deadline, to tell a deadline from a cancel."""
         # Unless it finishes or fails, the call was cancelled (the client's cancel, or its deadline).
         outcome, status, message = "cancelled", "CANCELLED", ""
@@ -188,7 +190,7 @@ class Router(pb_grpc.SplitServeServicer):
                 async for response in responses:
                     yield response
                 outcome, status = "finished", "OK"
-            except RouterError as e:
+            except ServingError as e:
                 outcome, status, message = "error", e.code, e.message
                 raise
             except Exception as e:  # a bug: the call ends UNKNOWN
@@ -212,42 +214,42 @@ class Router(pb_grpc.SplitServeServicer):
         return self.config.model_name or Path(self.config.model_dir).name
 
     def _admit(self, request: pb.GenerateRequest) -> RequestRun:
-        """Validate and tokenize; raises RouterError naming the bad field."""
+        """Validate and tokenize; raises ServingError naming the bad field."""
         cfg = self.config
         has_prompt, has_ids = request.HasField("prompt"), len(request.token_ids) > 0
         size = request.ByteSize()
         if size > cfg.max_message_bytes:
-            raise RouterError(
+            raise ServingError(
                 "INVALID_ARGUMENT",
                 f"{'prompt' if has_prompt else 'token_ids'}: the request is {size} "
                 f"bytes, over the limit of {cfg.max_message_bytes}",
             )
         if has_prompt == has_ids:
-            raise RouterError("INVALID_ARGUMENT", "prompt, token_ids: give exactly one of them")
+            raise ServingError("INVALID_ARGUMENT", "prompt, token_ids: give exactly one of them")
         if has_prompt:
             if not request.prompt:
-                raise RouterError("INVALID_ARGUMENT", "prompt: must not be empty")
+                raise ServingError("INVALID_ARGUMENT", "prompt: must not be empty")
             try:
                 tokens = self.tokenizer.encode(request.prompt)
             except ValueError as e:
-                raise RouterError("INVALID_ARGUMENT", f"prompt: {e}") from None
+                raise ServingError("INVALID_ARGUMENT", f"prompt: {e}") from None
             if not tokens:
-                raise RouterError("INVALID_ARGUMENT", "prompt: encodes to no tokens")
+                raise ServingError("INVALID_ARGUMENT", "prompt: encodes to no tokens")
         else:
             tokens = list(request.token_ids)
             vocab = self.model_config.vocab_size
             bad = next((t for t in tokens if t >= vocab), None)
             if bad is not None:
-                raise RouterError("INVALID_ARGUMENT", f"token_ids: {bad} is outside the vocabulary [0, {vocab})")
+                raise ServingError("INVALID_ARGUMENT", f"token_ids: {bad} is outside the vocabulary [0, {vocab})")
         try:
             sampling = sampling_from_pb(request.sampling)
             sampling.validate(self.model_config.vocab_size)
         except SamplingParamsError as e:
             field = e.field if e.field.startswith("sampling.") else f"sampling.{e.field}"
-            raise RouterError("INVALID_ARGUMENT", f"{field}: {str(e).split(': ', 1)[1]}") from None
+            raise ServingError("INVALID_ARGUMENT", f"{field}: {str(e).split(': ', 1)[1]}") from None
         max_len = self.model_config.max_position_embeddings
         if len(tokens) + sampling.max_tokens > max_len:
-            raise RouterError(
+            raise ServingError(
                 "INVALID_ARGUMENT",
                 f"sampling.max_tokens: prompt ({len(tokens)} tokens) + max_tokens "
                 f"({sampling.max_tokens}) exceeds the context length {max_len}",
@@ -255,13 +257,13 @@ class Router(pb_grpc.SplitServeServicer):
         if request.HasField("request_id"):
             request_id = request.request_id
             if not 0 < len(request_id) <= cfg.max_request_id_chars or not request_id.isprintable():
-                raise RouterError(
+                raise ServingError(
                     "INVALID_ARGUMENT", f"request_id: must be 1 to {cfg.max_request_id_chars} printable characters"
                 )
         else:
             request_id = f"{self._prefix}-{next(self._ids)}"
         if request_id in self.inflight:
-            raise RouterError("ALREADY_EXISTS", f"request_id: {request_id!r} is already in flight")
+            raise ServingError("ALREADY_EXISTS", f"request_id: {request_id!r} is already in flight")
         self.inflight.add(request_id)
         return RequestRun(request_id, tokens, sampling, self.tokenizer, self.dispatcher, cfg, self.metrics)
 

@@ -151,7 +151,8 @@ def _generate(args: argparse.Namespace) -> int:
         return _generate_offline(args, token_ids)
     import grpc
 
-    from splitserve.client import FINISH_REASONS, Client
+    from splitserve.client import Client
+    from splitserve.engine.wire import finish_label
 
     if bool(args.prompt) == bool(token_ids) or (args.prompt and len(args.prompt) > 1):
         raise ValueError("give exactly one --prompt or --token-ids")
@@ -172,7 +173,7 @@ def _generate(args: argparse.Namespace) -> int:
                 if message.finish_reason:
                     u = message.usage
                     print(
-                        f"\n[{FINISH_REASONS[message.finish_reason]}; {u.prompt_tokens} prompt, {u.completion_tokens} "
+                        f"\n[{finish_label(message.finish_reason)}; {u.prompt_tokens} prompt, {u.completion_tokens} "
                         f"completion, {u.cached_tokens} cached tokens; {time.monotonic() - start:.2f}s]",
                         file=sys.stderr,
                     )

@@ -19,11 +19,10 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
+from splitserve.engine.wire import finish_label
 from splitserve.rpc.security import API_KEY_ENV, ClientSecurity
 from splitserve.v1 import splitserve_pb2 as pb
 from splitserve.v1 import splitserve_pb2_grpc as pb_grpc
-
-FINISH_REASONS = {pb.FINISH_REASON_UNSPECIFIED: "", pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length"}
 
 
 @dataclass
@@ -123,7 +122,7 @@ class Client:
             result.token_ids.extend(message.token_ids)
             result.text += message.text
             if message.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
-                result.finish_reason = FINISH_REASONS[message.finish_reason]
+                result.finish_reason = finish_label(message.finish_reason)
                 result.stop_reason = message.stop_reason
                 u = message.usage
                 result.prompt_tokens, result.completion_tokens, result.cached_tokens = (

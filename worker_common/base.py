@@ -27,12 +27,14 @@ from pathlib import Path
 import grpc
 import torch
 
+from splitserve.common.errors import ServingError
 from splitserve.engine.core import EngineCore
 from splitserve.kv_transfer.descriptor import LayoutFingerprint
 from splitserve.observability.exporter import MetricsServer
 from splitserve.rpc import workers_pb2 as wpb
 from splitserve.rpc.auth import server_interceptors
 from splitserve.rpc.options import SERVER_OPTIONS
+from splitserve.rpc.status import abort
 from splitserve.v1 import splitserve_pb2 as pb
 from splitserve.worker_common.affinity import format_cpu_list, pin, usable_cpus
 from splitserve.worker_common.config import WorkerConfig
@@ -44,12 +46,8 @@ log = logging.getLogger("splitserve.worker")
 END = object()  # closes a request's event queue
 
 
-class WorkerError(Exception):
-    """A request cannot proceed; ``code`` is the gRPC status name to end its call with."""
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(message)
-        self.code, self.message = code, message
+# The old name of the one request error, still raised by the worker modules; catch ServingError.
+WorkerError = ServingError
 
 
 class WorkerBase:
@@ -272,13 +270,13 @@ class WorkerBase:
 
 
 def stream_events(events: queue.Queue, context: grpc.ServicerContext, convert):
-    """Yield a request's events to its gRPC call until END; WorkerError ends the call with its status."""
+    """Yield a request's events to its gRPC call until END; ServingError ends the call with its status."""
     while True:
         item = events.get()
         if item is END:
             return
-        if isinstance(item, WorkerError):
-            context.abort(getattr(grpc.StatusCode, item.code), item.message)
+        if isinstance(item, ServingError):
+            abort(context, item)
         yield convert(item)
 
 

@@ -1,4 +1,4 @@
-"""Errors in OpenAI's shape, and the router's gRPC status codes mapped to HTTP statuses.
+"""Errors in OpenAI's shape, and the router's ServingErrors (gRPC status names) mapped to HTTP statuses.
 
 {"error": {"message": "temperature: must be >= 0.0, got -1.0", "type": "invalid_request_error",
            "param": "temperature", "code": "invalid_value"}}
@@ -10,8 +10,10 @@ import json
 
 from aiohttp import web
 
-# The router's status codes (splitserve.router.dispatcher.RouterError, gRPC names) -> HTTP status, error type, code.
-_FROM_STATUS = {
+from splitserve.common.errors import ServingError, StatusName
+
+# A ServingError's code (a gRPC status name) -> HTTP status, error type, code; any other code is a 500.
+_FROM_STATUS: dict[StatusName, tuple[int, str, str]] = {
     "INVALID_ARGUMENT": (400, "invalid_request_error", "invalid_value"),
     "UNAUTHENTICATED": (401, "invalid_request_error", "invalid_api_key"),
     "NOT_FOUND": (404, "invalid_request_error", "not_found"),
@@ -42,9 +44,10 @@ class OpenAIError(Exception):
         self.type = type_ or _TYPES.get(status, "server_error")
 
     @classmethod
-    def from_status(cls, status_name: str, message: str, param: str | None = None) -> OpenAIError:
-        status, type_, code = _FROM_STATUS.get(status_name, _INTERNAL)
-        return cls(status, message, param, code, type_)
+    def from_error(cls, error: ServingError, message: str | None = None, param: str | None = None) -> OpenAIError:
+        """The HTTP error for the router's ``error``; ``message`` replaces its message when given."""
+        status, type_, code = _FROM_STATUS.get(error.code, _INTERNAL)
+        return cls(status, error.message if message is None else message, param, code, type_)
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}

@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from splitserve.common.errors import ServingError
 from splitserve.engine.tokenizer import Tokenizer
-from splitserve.router.dispatcher import RouterError
 from splitserve.router.openai.chat_template import ChatTemplate, ChatTemplateError
 from splitserve.router.openai.errors import OpenAIError, invalid, unsupported
 from splitserve.v1 import splitserve_pb2 as pb
@@ -77,13 +77,13 @@ class Job:
     # The router's field names -> this request's parameter names, to point errors at what was sent.
     params: dict[str, str] = field(default_factory=dict)
 
-    def error(self, e: RouterError) -> OpenAIError:
+    def error(self, e: ServingError) -> OpenAIError:
         """The router's error, its field renamed to the OpenAI parameter it came from."""
         name, sep, rest = e.message.partition(": ")
         if e.code not in ("INVALID_ARGUMENT", "ALREADY_EXISTS") or not sep:
-            return OpenAIError.from_status(e.code, e.message)
+            return OpenAIError.from_error(e)
         param = self.params.get(name, name.removeprefix("sampling."))
-        error = OpenAIError.from_status(e.code, f"{param}: {rest}", param)
+        error = OpenAIError.from_error(e, f"{param}: {rest}", param)
         if "exceeds the context length" in rest:
             error.code = "context_length_exceeded"
         return error

@@ -11,10 +11,9 @@ from __future__ import annotations
 
 import time
 
+from splitserve.engine.wire import finish_label
 from splitserve.router.openai.parse import Job
 from splitserve.v1 import splitserve_pb2 as pb
-
-FINISH_REASONS = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length"}
 
 
 def usage(finals: list[pb.GenerateResponse]) -> dict:
@@ -57,7 +56,7 @@ class Responder:
 
     def _finished(self, index: int, final: pb.GenerateResponse) -> dict:
         return {
-            "finish_reason": FINISH_REASONS.get(final.finish_reason, "stop"),
+            "finish_reason": finish_label(final.finish_reason) or "stop",  # OpenAI always names one
             "stop_reason": self._stop_reason(index, final.stop_reason),
             "timing": timing(final.timing),
         }

@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
+from splitserve.common.errors import ServingError
 from splitserve.engine.tokenizer import Tokenizer
-from splitserve.router.dispatcher import RouterError
 from splitserve.router.openai.chat_template import ChatTemplate, ChatTemplateError
 from splitserve.router.openai.errors import OpenAIError, dumps
 from splitserve.router.openai.parse import Job, ServedModel, parse_chat, parse_completion
@@ -167,7 +167,7 @@ class OpenAIServer:
                             finals[index] = message
                     body = responder.response(["".join(t) for t in texts], finals)
                     return web.json_response(body, dumps=dumps, headers={REQUEST_ID_HEADER: request_id})
-        except RouterError as e:
+        except ServingError as e:
             raise job.error(e) from None
 
     async def _stream(
@@ -200,7 +200,7 @@ class OpenAIServer:
                 item = await anext(messages, None)
             if job.include_usage:
                 await send(responder.usage_chunk(finals))
-        except RouterError as e:
+        except ServingError as e:
             await send(job.error(e).body())
         await send("[DONE]")
         await response.write_eof()

@@ -18,8 +18,8 @@ import openai
 import pytest
 
 from splitserve.certs import make_certs
+from splitserve.common.errors import ServingError
 from splitserve.router.config import RouterConfig
-from splitserve.router.dispatcher import RouterError
 from splitserve.router.openai.parse import Job
 from splitserve.router.openai.server import OpenAIServer
 from splitserve.router.server import Router
@@ -194,7 +194,7 @@ def test_no_chat_template_refuses_chat_naming_it(untemplated_model_dir):
         served.stop()
 
 
-def fail_after(monkeypatch, router, messages: list[pb.GenerateResponse], error: RouterError) -> None:
+def fail_after(monkeypatch, router, messages: list[pb.GenerateResponse], error: ServingError) -> None:
     """Stand-ins for Router.admitted and Router.observed: every request yields these messages, then fails."""
 
     async def observed(run, time_remaining=None):
@@ -212,7 +212,7 @@ def fail_after(monkeypatch, router, messages: list[pb.GenerateResponse], error: 
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_failure_before_any_output_keeps_its_http_status(plain, monkeypatch, stream):
-    queue_full = RouterError("RESOURCE_EXHAUSTED", "the router's queue is full (1024 requests)")
+    queue_full = ServingError("RESOURCE_EXHAUSTED", "the router's queue is full (1024 requests)")
     fail_after(monkeypatch, plain.router, [], queue_full)
     with pytest.raises(openai.RateLimitError) as e:
         client_of(plain).completions.create(model=plain.router.model_name, prompt="Hi", stream=stream)
@@ -220,7 +220,7 @@ def test_a_failure_before_any_output_keeps_its_http_status(plain, monkeypatch, s
 
 
 def test_a_failure_mid_stream_is_sent_as_an_error_event(plain, monkeypatch):
-    lost = RouterError("UNAVAILABLE", "decode worker decode-0 failed; gave up after 3 migrations")
+    lost = ServingError("UNAVAILABLE", "decode worker decode-0 failed; gave up after 3 migrations")
     fail_after(monkeypatch, plain.router, [pb.GenerateResponse(token_ids=[7], text="Hel")], lost)
     stream = client_of(plain).completions.create(model=plain.router.model_name, prompt="Hi", stream=True)
     assert next(stream).choices[0].text == "Hel"
@@ -241,7 +241,7 @@ def test_a_failure_mid_stream_is_sent_as_an_error_event(plain, monkeypatch):
 )
 def test_router_status_codes_map_to_http(status_name, http, error_type):
     job = Job("chat", [], params={"sampling.max_tokens": "max_completion_tokens"})
-    error = job.error(RouterError(status_name, "sampling.max_tokens: something about it"))
+    error = job.error(ServingError(status_name, "sampling.max_tokens: something about it"))
     assert (error.status, error.type) == (http, error_type)
     if status_name in ("INVALID_ARGUMENT", "ALREADY_EXISTS"):
         assert (error.param, error.message) == ("max_completion_tokens", "max_completion_tokens: something about it")

@@ -86,7 +86,8 @@ def test_the_queue_is_bounded_and_first_in_first_out():
     import asyncio
     from types import SimpleNamespace
 
-    from splitserve.router.dispatcher import Dispatcher, RouterError, Ticket
+    from splitserve.common.errors import ServingError
+    from splitserve.router.dispatcher import Dispatcher, Ticket
 
     async def scenario():
         worker = SimpleNamespace(view=PrefillView("p", credit=0))
@@ -95,7 +96,7 @@ def test_the_queue_is_bounded_and_first_in_first_out():
         first, second = Ticket("a", 10, []), Ticket("b", 10, [])
         waiting = [asyncio.create_task(dispatcher.dispatch(t)) for t in (first, second)]
         await asyncio.sleep(0)
-        with pytest.raises(RouterError) as e:
+        with pytest.raises(ServingError) as e:
             await dispatcher.dispatch(Ticket("c", 10, []))
         assert e.value.code == "RESOURCE_EXHAUSTED"
         worker.view.credit = 1  # room for one: the head of the queue goes first
