@@ -28,6 +28,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+from splitserve.common.arith import ceil_div
 from splitserve.engine.block_hash import ROOT_HASH, hash_block
 
 
@@ -105,7 +106,7 @@ class BlockManager:
         return self.num_used_blocks / self.num_blocks
 
     def num_blocks_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
+        return ceil_div(num_tokens, self.block_size)
 
     def has_request(self, request_id: str) -> bool:
         return request_id in self._tables

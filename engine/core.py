@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from splitserve.common.arith import ceil_div
 from splitserve.engine.block_manager import BlockManager
 from splitserve.engine.cuda_graphs import CaptureStats, CudaGraphBackend
 from splitserve.engine.kv_cache import KVCache, KVCacheSpec
@@ -123,7 +124,7 @@ class EngineCore:
         backend = select_backend(self.device, self.dtype)
         self.decode_backend = f"paged_decode {backend.name}"
         buckets = batch_buckets(cfg.max_num_seqs)
-        max_blocks_per_seq = -(-self.max_model_len // cfg.block_size)
+        max_blocks_per_seq = ceil_div(self.max_model_len, cfg.block_size)
         log.info(
             "static decode path: buckets %s, %d blocks per sequence, paged decode backend %r",
             buckets,

@@ -20,6 +20,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from splitserve.common.arith import ceil_div
 from splitserve.engine.attention import AttentionMetadata, PrefillChunk
 from splitserve.engine.block_manager import BlockManager
 from splitserve.engine.cuda_graphs import CaptureStats, DecodeGraphs, GraphBackend
@@ -160,7 +161,7 @@ class ModelRunner:
         counts = np.fromiter((s.num_new_tokens for s in items), np.int64, num_items)
         ends = starts + counts
         offsets = np.cumsum(counts) - counts  # first row of each item in the flattened batch
-        num_blocks = -(-ends // bs)  # blocks covering each request's context after this step
+        num_blocks = ceil_div(ends, bs)  # blocks covering each request's context after this step
         tables = np.zeros((num_items, int(num_blocks.max())), dtype=np.int64)
         for i, item in enumerate(items):
             tables[i, : num_blocks[i]] = self.blocks.block_table(item.request.request_id)[: num_blocks[i]]

@@ -30,6 +30,8 @@ import tempfile
 import threading
 import time
 
+from splitserve.common.arith import ceil_div
+
 PRESET_SPEC = {"num_layers": 24, "num_kv_heads": 2, "head_dim": 64, "block_size": 16}
 # A KV-heavy shape: full multi-head attention, 32 KiB of KV per token.
 KV_HEAVY = {
@@ -243,7 +245,7 @@ class _Proc:
 
 def measure_sizes(sizes: list[int], repeats: int, config) -> list[dict]:
     bs = PRESET_SPEC["block_size"]
-    num_blocks = 2 * -(-max(sizes) // bs) + 64
+    num_blocks = 2 * ceil_div(max(sizes), bs) + 64
     spec = {**PRESET_SPEC, "num_blocks": num_blocks}
     d, p = _Proc("receiver", spec, None, config), _Proc("sender", spec, None, config)
     try:
@@ -256,7 +258,7 @@ def measure_sizes(sizes: list[int], repeats: int, config) -> list[dict]:
         results = []
         per_token = PRESET_SPEC["num_layers"] * 2 * PRESET_SPEC["num_kv_heads"] * PRESET_SPEC["head_dim"] * 2
         for tokens in sizes:
-            n = -(-tokens // bs)
+            n = ceil_div(tokens, bs)
             nbytes = n * bs * per_token
             best, best_raw = float("inf"), float("inf")
             for r in range(repeats + 1):  # the first round warms up both paths
@@ -308,7 +310,7 @@ def measure_layer_groups(prompt_len: int, repeats: int, config) -> dict:
     with tempfile.TemporaryDirectory(prefix="ss-kvheavy") as tmp:
         model_dir = str(write_random_checkpoint(tmp + "/model", KV_HEAVY, dtype="bfloat16", seed=0))
         bs = 16
-        n = -(-prompt_len // bs)
+        n = ceil_div(prompt_len, bs)
         spec = {
             "num_layers": KV_HEAVY["num_hidden_layers"],
             "num_kv_heads": KV_HEAVY["num_key_value_heads"],

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from splitserve.common.arith import ceil_div
 from splitserve.engine.kv_cache import KVCache
 from splitserve.kv_transfer.comm import (
     Communicator,
@@ -136,7 +137,7 @@ class KVSender(Endpoint):
     ) -> SendHandle:
         """Begin pushing a request's KV (its blocks in token order) to ``peer``; returns at once."""
         fp = self.fingerprint
-        if -(-num_tokens // fp.block_size) != len(block_ids):
+        if ceil_div(num_tokens, fp.block_size) != len(block_ids):
             raise ValueError(
                 f"block_ids: {len(block_ids)} blocks for {num_tokens} tokens of block size {fp.block_size}"
             )

@@ -56,6 +56,7 @@ use_loopback_ray()  # before Ray is imported; every child inherits it
 import grpc  # noqa: E402
 
 from splitserve.client import Client, make_request  # noqa: E402
+from splitserve.common.arith import ceil_div  # noqa: E402
 from splitserve.deploy_config import RouterSettings  # noqa: E402
 from splitserve.make_model import make_model  # noqa: E402
 from splitserve.rpc.options import CLIENT_OPTIONS  # noqa: E402
@@ -315,7 +316,7 @@ def offline_reference(model: str, cases: list[tuple[list[int], int]]) -> list[li
     """The offline engine's greedy outputs for the cases, with the soak's max_tokens and ignore_eos."""
     from splitserve.engine import LLM, SamplingParams
 
-    blocks = sum(-(-(len(prompt) + max_tokens + 1) // 16) for prompt, max_tokens in cases) + 16  # 16-token blocks
+    blocks = sum(ceil_div(len(prompt) + max_tokens + 1, 16) for prompt, max_tokens in cases) + 16  # 16-token blocks
     llm = LLM(model, dtype="float32", num_blocks=blocks, num_threads=1)
     params = [SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True) for _, max_tokens in cases]
     return [o.token_ids for o in llm.generate([prompt for prompt, _ in cases], params)]

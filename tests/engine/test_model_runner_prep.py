@@ -8,6 +8,7 @@ import random
 
 import torch
 
+from splitserve.common.arith import ceil_div
 from splitserve.engine.attention import AttentionMetadata, PrefillChunk
 from splitserve.engine.block_manager import BlockManager
 from splitserve.engine.kv_cache import KVCache, KVCacheSpec, context_rows
@@ -40,10 +41,12 @@ def reference_prepare(runner: ModelRunner, items: list[ScheduledRequest]):
         slot_blocks.extend(table[p // bs] for p in range(start, end))
         slot_offsets.extend(p % bs for p in range(start, end))
         if n == 1:
-            decode_tables.append(table[: -(-end // bs)])
+            decode_tables.append(table[: ceil_div(end, bs)])
             decode_lens.append(end)
         else:
-            prefills.append(PrefillChunk(offset, offset + n, start, rows(table[: -(-end // bs)]) if start else None))
+            prefills.append(
+                PrefillChunk(offset, offset + n, start, rows(table[: ceil_div(end, bs)]) if start else None)
+            )
         if item.samples:
             sample_rows.append((offset + n - 1, item))
     meta = AttentionMetadata(

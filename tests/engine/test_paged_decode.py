@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from splitserve.common.arith import ceil_div
 from splitserve.engine.paged_decode import REGISTRY, BackendRegistry, paged_decode_torch, select_backend
 
 KV_HEADS, HEADS, HEAD_DIM, BLOCK_SIZE, NUM_BLOCKS, MAX_BLOCKS = 2, 6, 16, 4, 40, 6
@@ -38,7 +39,7 @@ def make_case(seed: int, lens: list[int], dtype=torch.float32):
     blocks = torch.randperm(NUM_BLOCKS - 1, generator=gen).tolist()  # block NUM_BLOCKS - 1 is the dummy
     tables = []
     for n in lens:
-        used = -(-n // BLOCK_SIZE)
+        used = ceil_div(n, BLOCK_SIZE)
         tables.append(blocks[:used])
         blocks = blocks[used:]
     return q, cache, tables

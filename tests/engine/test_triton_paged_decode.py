@@ -13,6 +13,7 @@ import importlib
 import pytest
 import torch
 
+from splitserve.common.arith import ceil_div
 from splitserve.engine import triton_paged_decode
 
 BLOCK = 4
@@ -45,7 +46,7 @@ def make_batch(
 ):
     """q, a cache whose blocks are scattered, block tables padded with a poisoned block, and lengths."""
     gen = torch.Generator().manual_seed(seed)
-    blocks_per_req = [-(-n // block) for n in lens]
+    blocks_per_req = [ceil_div(n, block) for n in lens]
     max_blocks = max(blocks_per_req) + 1  # at least one padding column
     num_blocks = sum(blocks_per_req) + 2
     cache = torch.randn(num_blocks, 2, KV_HEADS, block, head_dim, generator=gen)

@@ -8,6 +8,7 @@ import time
 import grpc
 import pytest
 
+from splitserve.common.arith import ceil_div
 from splitserve.kv_transfer.config import FaultPoint, TransferConfig
 from tests.kv_transfer.harness import SPEC, Worker, make_fingerprint
 
@@ -31,7 +32,7 @@ def finish_transfer(p: Worker, d: Worker, tid: str, tokens: int) -> None:
     assert received["state"] == "done", received
     assert sent["state"] == "done", sent
     assert received["commit"] == {"first_token": 42, "id": tid}
-    n = -(-tokens // BLOCK)
+    n = ceil_div(tokens, BLOCK)
     assert d.call("checksums", tid, n) == p.call("checksums", tid, n), f"{tid}: KV differs after transfer"
     d.call("release", tid)
     p.call("release", tid)
@@ -75,7 +76,7 @@ def test_bf16_and_another_layout():
             d.call("expect", f"bf{i}", tokens)
             p.call("send", f"bf{i}", d.peer, tokens, stream=True, commit=None)
             assert d.call("wait", f"bf{i}")["state"] == "done"
-            n = -(-tokens // 16)
+            n = ceil_div(tokens, 16)
             assert d.call("checksums", f"bf{i}", n) == p.call("checksums", f"bf{i}", n)
             d.call("release", f"bf{i}")
             p.call("release", f"bf{i}")

@@ -12,6 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from splitserve.common.arith import ceil_div
 from splitserve.engine.kv_cache import KVCache, KVCacheSpec
 from splitserve.kv_transfer.comm import choose_backend
 from splitserve.kv_transfer.config import FaultPoint, TransferConfig
@@ -137,7 +138,7 @@ def run_transfers(sender, receiver, peer, sizes, stream=True, seed=0):
     src_pool, dst_pool = rng.sample(range(num_blocks), num_blocks), rng.sample(range(num_blocks), num_blocks)
     jobs = []
     for i, tokens in enumerate(sizes):
-        n = -(-tokens // BLOCK)
+        n = ceil_div(tokens, BLOCK)
         src, dst = [src_pool.pop() for _ in range(n)], [dst_pool.pop() for _ in range(n + 1)]
         rh = receiver.expect(f"s{seed}-t{i}", dst)
         sh = sender.start(f"s{seed}-t{i}", peer, src, tokens)
