@@ -60,7 +60,12 @@ class DecodeWorker(WorkerBase):
         super().__init__(config)
         self.scheduler = self.core.make_scheduler(preemption="hand_back")
         self.receiver = KVReceiver(
-            self.core.kv_cache, self.fingerprint, config.worker_id, host=config.host, config=config.transfer
+            self.core.kv_cache,
+            self.fingerprint,
+            config.worker_id,
+            host=config.host,
+            config=config.transfer,
+            faults=self.faults,
         )
         self.jobs: dict[str, DecodeJob] = {}
 
@@ -190,7 +195,7 @@ class DecodeWorker(WorkerBase):
             self._hand_back(self.jobs[victim.request_id], victim.output_token_ids)
         if output.is_empty:
             return False
-        self.fault_point("decode")
+        self.faults.step("decode")
         sampled = self.run_model(output, "decode")
         with self.lock:
             advanced = self.scheduler.update(output, sampled)
@@ -206,8 +211,7 @@ class DecodeWorker(WorkerBase):
                     finish_reason=FINISH_TO_PB[request.finish_reason], stop_reason=stop_reason_text(request.stop_reason)
                 )
                 self._end(job, wpb.DecodeEvent(finished=finished))
-        if self.config.faults.decode_step_delay_s:
-            time.sleep(self.config.faults.decode_step_delay_s)
+        self.faults.step_done()
         return True
 
     def _hand_back(self, job: DecodeJob, output: list[int]) -> None:

@@ -7,11 +7,12 @@ only in how they schedule and where tokens go.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from splitserve.common.arith import ceil_div
+from splitserve.common.validate import check_choice, check_ranges
 from splitserve.engine.block_manager import BlockManager
 from splitserve.engine.cuda_graphs import CaptureStats, CudaGraphBackend
 from splitserve.engine.kv_cache import KVCache, KVCacheSpec
@@ -32,24 +33,19 @@ DECODE_PATHS = ("auto", "dynamic", "static")
 
 
 @dataclass(frozen=True)
-class EngineConfig:
-    model_dir: str
-    dtype: str = "auto"  # bfloat16 | float16 | float32 | auto (the checkpoint's)
-    device: str = "cpu"  # cpu | cuda | cuda:N
-    block_size: int = 16
+class EngineSettings:
+    """The engine's knobs a deployment sets once for every role (the deployment config's ``engine:``)."""
+
+    block_size: int = 16  # tokens per KV block: the unit of paging, prefix caching and transfer
     num_blocks: int | None = None  # default: as many as kv_cache_bytes holds
     kv_cache_bytes: int = 512 << 20
-    enable_prefix_caching: bool = True
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
-    prefill_chunk_size: int | None = None
-    max_model_len: int | None = None  # default: the model's max_position_embeddings
-    num_threads: int | None = None  # torch intra-op threads (CPU); None leaves torch's default
+    prefill_chunk_size: int | None = None  # default: max_num_batched_tokens
     # Which kernel the linear layers run (CPU; CUDA always runs cuBLAS): auto (timed per weight shape at load,
     # cached: engine/linear_tuner.py) | plain (F.linear) | packed (oneDNN prepacked) | split (both, by rows)
     linear_kernel: str = "auto"
     linear_split_allowed: bool | None = None  # auto may pick split (2x memory); None: when linear weights <= RAM/4
-    pack_weights: bool = True  # False: linear_kernel plain (the older switch, kept for compatibility)
     # Decode-only steps: "static" pads the batch to a bucket in persistent buffers (engine/static_decode.py),
     # "dynamic" runs them as every other step; "auto": static on CUDA, dynamic on CPU (measured faster
     # there: docs/performance.md).
@@ -57,16 +53,26 @@ class EngineConfig:
     cuda_graphs: bool = True  # CUDA with the static path: capture each bucket's decode step at start-up
 
     def __post_init__(self) -> None:
-        if self.decode_path not in DECODE_PATHS:
-            raise ValueError(f"decode_path: must be one of {', '.join(DECODE_PATHS)}, got {self.decode_path!r}")
-        if self.block_size < 1:
-            raise ValueError(f"block_size: must be >= 1, got {self.block_size}")
-        if self.num_blocks is not None and self.num_blocks < 1:
-            raise ValueError(f"num_blocks: must be >= 1, got {self.num_blocks}")
-        if self.kv_cache_bytes < 1:
-            raise ValueError(f"kv_cache_bytes: must be >= 1, got {self.kv_cache_bytes}")
-        if self.linear_kernel not in LINEAR_KERNELS:
-            raise ValueError(f"linear_kernel: must be one of {', '.join(LINEAR_KERNELS)}, got {self.linear_kernel!r}")
+        check_choice(self, "decode_path", DECODE_PATHS)
+        check_ranges(self, ("block_size", "num_blocks", "kv_cache_bytes"), min=1)
+        check_choice(self, "linear_kernel", LINEAR_KERNELS)
+
+
+@dataclass(frozen=True)
+class EngineConfig(EngineSettings):
+    """Everything an ``EngineCore`` is built from: the settings, and what each process adds (the model,
+    its dtype and device, threads, prefix caching)."""
+
+    model_dir: str = field(kw_only=True)
+    dtype: str = "auto"  # bfloat16 | float16 | float32 | auto (the checkpoint's)
+    device: str = "cpu"  # cpu | cuda | cuda:N
+    enable_prefix_caching: bool = True
+    max_model_len: int | None = None  # default: the model's max_position_embeddings
+    num_threads: int | None = None  # torch intra-op threads (CPU); None leaves torch's default
+    pack_weights: bool = True  # False: linear_kernel plain (the older switch, kept for compatibility)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
         if not self.pack_weights and self.linear_kernel not in ("auto", "plain"):
             raise ValueError(f"linear_kernel: {self.linear_kernel!r} contradicts pack_weights=False (plain)")
         if self.device.startswith("cuda") and self.linear_kernel in ("packed", "split"):

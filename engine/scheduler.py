@@ -15,6 +15,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal
 
+from splitserve.common.validate import check_ranges
 from splitserve.engine.block_manager import NO_HIT, BlockManager
 from splitserve.engine.request import FinishReason, Request, RequestStatus
 
@@ -33,11 +34,7 @@ class SchedulerConfig:
     preemption: Literal["recompute", "hand_back"] = "recompute"
 
     def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
-        if self.prefill_chunk_size is not None and self.prefill_chunk_size < 1:
-            raise ValueError(f"prefill_chunk_size: must be >= 1, got {self.prefill_chunk_size}")
+        check_ranges(self, ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "prefill_chunk_size"), min=1)
 
 
 @dataclass(frozen=True)

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 
+from splitserve.common.faults import NO_FAULTS, FaultHooks
 from splitserve.kv_transfer.config import Role, TransferConfig
 from splitserve.kv_transfer.handles import TransferHandle, TransferState
 
@@ -16,8 +16,9 @@ log = logging.getLogger("splitserve.kv_transfer")
 class Endpoint:
     role: Role
 
-    def __init__(self, config: TransferConfig | None) -> None:
+    def __init__(self, config: TransferConfig | None, faults: FaultHooks | None = None) -> None:
         self.config = config or TransferConfig()
+        self.faults = faults if faults is not None else NO_FAULTS  # the process's fault hooks (tests)
         self._lock = threading.RLock()
         self._transfers: dict[str, TransferHandle] = {}
         self._pairs: dict = {}
@@ -44,27 +45,11 @@ class Endpoint:
         raise NotImplementedError
 
     def _fault_point(self, handle: TransferHandle | None, messages_done: int) -> None:
-        """Trigger the fault point that fires for this transfer at ``messages_done`` of its messages,
-        if any. The sender checks before it posts the next message (so a pause holds the rest of the
-        transfer back), the receiver once a message has arrived. ``None``: a message for a transfer
-        this endpoint does not know (refused anyway)."""
-        if handle is None or not self.config.faults:
-            return
-        fault = self.config.fault(self.role, handle.transfer_id, messages_done)
-        if fault is None:
-            return
-        log.warning(
-            "kv %s fault point: %s after %d messages of transfer %s",
-            self.role,
-            fault.action,
-            messages_done,
-            handle.transfer_id,
-        )
-        if fault.action == "die":
-            os._exit(17)
-        if fault.action == "pause":
-            time.sleep(fault.seconds)
-        elif fault.action == "drop":
+        """Apply the fault point that fires for this transfer at ``messages_done`` of its messages, if
+        any: pause or die in the hook, drop here. The sender checks before it posts the next message (so
+        a pause holds the rest of the transfer back), the receiver once a message has arrived. ``None``:
+        a message for a transfer this endpoint does not know (refused anyway)."""
+        if handle is not None and self.faults.transfer(self.role, handle.transfer_id, messages_done):
             for pair in list(self._pairs.values()):
                 self._break(pair, "fault point: connection dropped")
 

@@ -25,6 +25,7 @@ import torch
 
 from splitserve.common.arith import ceil_div
 from splitserve.common.errors import ServingError
+from splitserve.common.faults import FaultHooks
 from splitserve.engine.kv_cache import KVCache
 from splitserve.kv_transfer.comm import (
     Communicator,
@@ -102,8 +103,9 @@ class KVReceiver(Endpoint):
         config: TransferConfig | None = None,
         store_port: int = 0,
         communicator_factory: CommunicatorFactory = open_communicator,
+        faults: FaultHooks | None = None,  # the process's fault hooks (tests); None: none
     ) -> None:
-        super().__init__(config)
+        super().__init__(config, faults)
         self.cache, self.fingerprint, self.receiver_id, self.host = cache, fingerprint, receiver_id, host
         self.incarnation = uuid.uuid4().hex
         self.backend = choose_backend(cache.device, self.config.backend)

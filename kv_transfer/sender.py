@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from splitserve.common.arith import ceil_div
+from splitserve.common.faults import FaultHooks
 from splitserve.engine.kv_cache import KVCache
 from splitserve.kv_transfer.comm import (
     Communicator,
@@ -116,8 +117,9 @@ class KVSender(Endpoint):
         host: str = "127.0.0.1",
         config: TransferConfig | None = None,
         communicator_factory: CommunicatorFactory = open_communicator,
+        faults: FaultHooks | None = None,  # the process's fault hooks (tests); None: none
     ) -> None:
-        super().__init__(config)
+        super().__init__(config, faults)
         self.cache, self.fingerprint, self.sender_id, self.host = cache, fingerprint, sender_id, host
         self.incarnation = uuid.uuid4().hex
         self.backend = choose_backend(cache.device, self.config.backend)

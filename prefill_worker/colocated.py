@@ -61,7 +61,7 @@ class ColocatedWorker(PrefillWorker):
         if output is None:
             return False
         prompt_work = any(i.request.num_tokens - i.request.num_computed_tokens > 1 for i in output.scheduled)
-        self.fault_point("prefill" if prompt_work else "decode")
+        self.faults.step("prefill" if prompt_work else "decode")
         now = time.monotonic()
         for item in output.scheduled:
             job = self.jobs[item.request.request_id]
@@ -73,8 +73,7 @@ class ColocatedWorker(PrefillWorker):
         for request in advanced:
             self._advanced(self.jobs[request.request_id], request)
         self._publish_cache_events()
-        if self.config.faults.decode_step_delay_s:
-            time.sleep(self.config.faults.decode_step_delay_s)
+        self.faults.step_done()
         return True
 
     def _advanced(self, job: PrefillJob, request: Request) -> None:

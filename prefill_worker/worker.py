@@ -63,6 +63,7 @@ class PrefillWorker(WorkerBase):
             connect=lambda peer: GrpcConnection(peer.control, config.security),
             host=config.host,
             config=config.transfer,
+            faults=self.faults,
         )
         self.jobs: dict[str, PrefillJob] = {}
         self._subscribers: list[queue.Queue] = []
@@ -165,9 +166,7 @@ class PrefillWorker(WorkerBase):
         output = self._schedule()
         if output is None:
             return False
-        self.fault_point("prefill")
-        if self.config.faults.prefill_delay_s:
-            time.sleep(self.config.faults.prefill_delay_s)
+        self.faults.step("prefill")  # the kill point, then the delay (tests)
         now = time.monotonic()
         streaming: list[TransferHandle] = []
         for item in output.scheduled:

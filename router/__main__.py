@@ -8,7 +8,7 @@ import signal
 import sys
 
 from splitserve.observability.logs import configure_logging
-from splitserve.router.config import RouterConfig
+from splitserve.router.config import POLICIES, RouterConfig
 from splitserve.router.server import Router
 from splitserve.router.workers import WorkerAddress
 
@@ -44,11 +44,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", required=True, help="the workers' model folder (for its tokenizer and config)")
     p.add_argument("--prefill", action="append", required=True, help="a prefill worker's host:port (repeatable)")
     p.add_argument("--decode", action="append", required=True, help="a decode worker's host:port (repeatable)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=50051)
+    p.add_argument("--host", default=RouterConfig.host)
+    p.add_argument("--port", type=int, default=RouterConfig.port)
     p.add_argument("--openai-port", type=int, default=None, help="also serve the OpenAI API here (0: any free port)")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--policy", default="prefix_aware", choices=["prefix_aware", "least_loaded", "round_robin"])
+    p.add_argument("--block-size", type=int, default=RouterConfig.block_size)
+    p.add_argument("--policy", default=RouterConfig.routing_policy, choices=POLICIES)
     p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics here (0: any free port)")
     p.add_argument("--log-format", choices=["text", "json"], default="text")
     args = p.parse_args(argv)

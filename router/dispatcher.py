@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -44,14 +43,12 @@ class Dispatcher:
         self._turn = 0
         self._watcher: asyncio.Task | None = None
         self.tokens_relayed = 0
+        self.faults = config.faults.arm("router")  # the router's kill point (tests)
 
     def relayed(self, count: int) -> None:
         """Tokens go to clients; the router's kill point (tests) fires instead of token ``after + 1``."""
         self.tokens_relayed += count
-        if 0 <= self.config.die_after_tokens < self.tokens_relayed:
-            log.error("router: dying after %d tokens relayed (fault point)", self.tokens_relayed)
-            logging.shutdown()
-            os._exit(1)
+        self.faults.tokens_relayed(self.tokens_relayed)
 
     def start(self) -> None:
         self._watcher = asyncio.create_task(self._watch())

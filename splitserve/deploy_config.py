@@ -8,20 +8,33 @@ default: loading it gives ``DeploymentConfig()``); ``cluster_configs/gpu-cluster
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields, replace
+import sys
+from dataclasses import MISSING, dataclass, field, fields, is_dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, get_origin
 
 import yaml
 
-from splitserve.engine.core import DECODE_PATHS
-from splitserve.engine.linear_tuner import LINEAR_KERNELS
-from splitserve.kv_transfer.config import FaultPoint, TransferConfig
+from splitserve.common.faults import FaultPlan, FaultPoint, KillPoint
+from splitserve.common.validate import check_choice, check_range, check_ranges
+from splitserve.engine.core import EngineConfig, EngineSettings
+from splitserve.kv_transfer.config import TransferConfig
 from splitserve.observability.logs import LOG_FORMATS
-from splitserve.router.config import RouterConfig
+from splitserve.router.config import RouterConfig, RouterSettings
 from splitserve.rpc.security import InternalSecurity, PublicSecurity
 from splitserve.worker_common.affinity import CpuSet, format_cpu_list, parse_cpu_sets, thread_count
-from splitserve.worker_common.config import WorkerFaults, check_threads_fit
+from splitserve.worker_common.config import WorkerConfig, check_threads_fit
+
+__all__ = [
+    "ConfigError",
+    "DeploymentConfig",
+    "EngineSettings",
+    "FaultPlan",
+    "KillPoint",
+    "RoleConfig",
+    "RouterSettings",
+    "SecuritySettings",
+]
 
 
 class ConfigError(ValueError):
@@ -52,17 +65,8 @@ class RoleConfig:
     max_restarts: int = 3  # times Ray restarts a lost worker (-1: forever); it re-registers when back
 
     def __post_init__(self) -> None:
-        if self.replicas < 1:
-            raise ValueError(f"replicas: must be >= 1, got {self.replicas}")
-        if self.threads is not None and self.threads < 1:
-            raise ValueError(f"threads: must be >= 1, got {self.threads}")
-        if self.max_inflight < 1:
-            raise ValueError(f"max_inflight: must be >= 1, got {self.max_inflight}")
-        if self.num_blocks is not None and self.num_blocks < 1:
-            raise ValueError(f"num_blocks: must be >= 1, got {self.num_blocks}")
-        for name in ("num_cpus", "num_gpus"):
-            if (getattr(self, name) or 0) < 0:
-                raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)}")
+        check_ranges(self, ("replicas", "threads", "max_inflight", "num_blocks"), min=1)
+        check_ranges(self, ("num_cpus", "num_gpus"), min=0)
         if self.cpus is not None:
             try:
                 object.__setattr__(self, "cpus", parse_cpu_sets(self.cpus))
@@ -83,8 +87,7 @@ class RoleConfig:
             isinstance(k, str) and isinstance(v, str) for k, v in self.label_selector.items()
         ):
             raise ValueError(f"label_selector: must map label names to strings, got {self.label_selector!r}")
-        if self.max_restarts < -1:
-            raise ValueError(f"max_restarts: must be >= -1, got {self.max_restarts}")
+        check_range(self, "max_restarts", min=-1)
 
     @property
     def max_pinned_replicas(self) -> int | None:
@@ -110,76 +113,6 @@ class RoleConfig:
     def describe_cpus(self) -> str:
         """``cpus`` as written in vLLM's form, "0-1|2-3"; "" when not pinned."""
         return "|".join(format_cpu_list(c) for c in self.cpus) if self.cpus else ""
-
-
-@dataclass(frozen=True)
-class EngineSettings:
-    block_size: int = 16
-    num_blocks: int | None = None
-    kv_cache_bytes: int = 512 << 20
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    prefill_chunk_size: int | None = None
-    linear_kernel: str = "auto"  # auto (timed per weight shape at load, cached) | plain | packed | split
-    linear_split_allowed: bool | None = None  # None: split allowed when a worker's linear weights <= RAM / 4
-    decode_path: str = "auto"  # splitserve.engine.core.DECODE_PATHS
-    cuda_graphs: bool = True
-
-    def __post_init__(self) -> None:
-        if self.linear_kernel not in LINEAR_KERNELS:
-            raise ValueError(f"linear_kernel: must be one of {', '.join(LINEAR_KERNELS)}, got {self.linear_kernel!r}")
-        if self.decode_path not in DECODE_PATHS:
-            raise ValueError(f"decode_path: must be one of {', '.join(DECODE_PATHS)}, got {self.decode_path!r}")
-
-
-@dataclass(frozen=True)
-class RouterSettings:
-    routing_policy: str = "prefix_aware"
-    overlap_weight: float = 16.0
-    max_queue: int = 1024
-    lease_timeout_s: float = 30.0
-    max_migrations: int = 3
-    max_prefill_retries: int = 3
-
-
-_KILL_PHASES = {
-    "prefill": ("prefill", "transfer"),
-    "decode": ("transfer", "decode"),
-    "colocated": ("prefill", "decode"),
-    "router": ("decode",),
-}
-
-
-@dataclass(frozen=True)
-class KillPoint:
-    """End one process at once (``os._exit``, as a crash would) at a chosen point, to reach each fault
-    deterministically. ``target``: a worker id (``prefill-0``, ``decode-1``, ``colocated-0``) or
-    ``router`` (the ``serve`` process). ``at``/``after``: a worker dies as its step number ``after + 1``
-    of that phase starts (``prefill``, ``decode``), or after ``after`` KV payload messages of a transfer
-    (``transfer``: the prefill worker as sender, the decode worker as receiver); the router dies instead of relaying
-    more than ``after`` tokens in all (``decode``). A worker's kill point fires in its first incarnation only:
-    the process Ray restarts runs clean."""
-
-    target: str
-    at: str
-    after: int = 0
-
-    def __post_init__(self) -> None:
-        role = "router" if self.target == "router" else self.target.rpartition("-")[0]
-        if role not in _KILL_PHASES or (role != "router" and not self.target.rpartition("-")[2].isdigit()):
-            raise ValueError(f"target: {self.target!r} is not 'router' or a worker id such as 'decode-0'")
-        if self.at not in _KILL_PHASES[role]:
-            raise ValueError(f"at: a {role} dies at {' or '.join(_KILL_PHASES[role])}, not {self.at!r}")
-        if self.after < 0:
-            raise ValueError(f"after: must be >= 0, got {self.after}")
-
-
-@dataclass(frozen=True)
-class Faults:
-    prefill_delay_s: float = 0.0
-    decode_step_delay_s: float = 0.0
-    transfer: tuple[FaultPoint, ...] = ()
-    kill: tuple[KillPoint, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -221,25 +154,43 @@ class SecuritySettings:
         )
 
 
+def _default(cls: type, name: str) -> Any:
+    """The default of a field of a runtime config, so that the deployment config does not repeat it."""
+    default = next(f.default for f in fields(cls) if f.name == name)
+    assert default is not MISSING, f"{cls.__name__}.{name} has no default"
+    return default
+
+
+def _values(settings: Any) -> dict[str, Any]:
+    """A settings dataclass's fields, to build the runtime config that extends it (shallow: nested
+    values stay the objects they are)."""
+    return {f.name: getattr(settings, f.name) for f in fields(settings)}
+
+
 @dataclass(frozen=True)
 class DeploymentConfig:
+    """One deployment: the top-level settings, one section per role, and the engine's, router's,
+    transfer's, faults' and security settings, each the dataclass of that layer. Top-level settings
+    that a runtime config holds take their defaults from it."""
+
     model: str | None = None
-    model_name: str = ""
-    dtype: str = "auto"
-    device: str = "cpu"
-    host: str = "127.0.0.1"
-    port: int = 50051
-    internal_port: int = 0  # the router's port for workers (registration); 0: any free port
-    openai_port: int | None = None  # the OpenAI-compatible HTTP API on `host`; None: off, 0: any free port
+    model_name: str = _default(WorkerConfig, "model_name")
+    dtype: str = _default(EngineConfig, "dtype")
+    device: str = _default(EngineConfig, "device")
+    host: str = _default(RouterConfig, "host")
+    port: int = _default(RouterConfig, "port")
+    internal_port: int = _default(RouterConfig, "internal_port")  # the router's port for workers; 0: any free port
+    openai_port: int | None = _default(RouterConfig, "openai_port")  # the OpenAI-compatible HTTP API on `host`;
+    # None: off, 0: any free port
     ray_address: str | None = None
     worker_host: str | None = None  # address workers bind and advertise; None: 127.0.0.1 on an embedded
     # Ray, else each node's IP as Ray knows it
     ready_timeout_s: float = 300.0  # workers must have registered by then
     # Prometheus /metrics over HTTP (docs/metrics.md). None: off; otherwise the router serves it on this
     # port (0: any free port) and every worker on a free port of its own address.
-    metrics_port: int | None = None
-    metrics_host: str | None = None  # the address the router's /metrics binds; None: host
-    log_format: str = "text"  # text | json (one JSON object a line, with request_id), router and workers
+    metrics_port: int | None = _default(RouterConfig, "metrics_port")
+    metrics_host: str | None = _default(RouterConfig, "metrics_host")  # the router's /metrics address; None: host
+    log_format: str = _default(WorkerConfig, "log_format")  # text | json (one JSON object a line, with request_id)
     # disaggregated: prefill and decode workers; colocated: workers that run both phases in one
     # continuous batch (the baseline disaggregation is measured against)
     mode: str = "disaggregated"
@@ -249,17 +200,15 @@ class DeploymentConfig:
     engine: EngineSettings = field(default_factory=EngineSettings)
     router: RouterSettings = field(default_factory=RouterSettings)
     transfer: TransferConfig = field(default_factory=TransferConfig)
-    faults: Faults = field(default_factory=Faults)
+    faults: FaultPlan = field(default_factory=FaultPlan)
     security: SecuritySettings = field(default_factory=SecuritySettings)
 
     def __post_init__(self) -> None:
         from splitserve.engine.loader import canonical_dtype
 
         object.__setattr__(self, "dtype", canonical_dtype(self.dtype))  # vLLM's names; the canonical one kept
-        if self.mode not in MODES:
-            raise ValueError(f"mode: {self.mode!r} is not {' or '.join(MODES)}")
-        if self.log_format not in LOG_FORMATS:
-            raise ValueError(f"log_format: {self.log_format!r} is not {' or '.join(LOG_FORMATS)}")
+        check_choice(self, "mode", MODES)
+        check_choice(self, "log_format", LOG_FORMATS)
 
     @property
     def roles(self) -> tuple[str, ...]:
@@ -279,7 +228,7 @@ class DeploymentConfig:
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> DeploymentConfig:
         config = _build(cls, raw, "")
-        try:
+        try:  # the router's checks of the top-level settings it takes (metrics_port, ...)
             config.router_config(model_dir="")
         except ValueError as e:
             raise ConfigError(f"router.{e}") from None
@@ -303,56 +252,38 @@ class DeploymentConfig:
         return replace(self, **values, **roles)
 
     def router_config(self, model_dir: str) -> RouterConfig:
-        r = self.router
+        """The router's runtime config: its ``router:`` settings, and what it takes from the rest."""
         return RouterConfig(
+            **_values(self.router),
             model_dir=model_dir,
             host=self.host,
             port=self.port,
             model_name=self.model_name,
             block_size=self.engine.block_size,
-            routing_policy=r.routing_policy,
-            overlap_weight=r.overlap_weight,
             prefill_credit=getattr(self, self.roles[0]).max_inflight,
-            max_queue=r.max_queue,
-            lease_timeout_s=r.lease_timeout_s,
-            max_migrations=r.max_migrations,
-            max_prefill_retries=r.max_prefill_retries,
-            die_after_tokens=self.router_die_after_tokens,
             internal_port=self.internal_port,
             metrics_port=self.metrics_port,
             metrics_host=self.metrics_host,
             openai_port=self.openai_port,
             public_security=self.security.public(),
             internal_security=self.security.internal(),
+            faults=self.faults.for_router(),
         )
 
-    def worker_faults(self, worker_id: str) -> tuple[WorkerFaults, tuple[FaultPoint, ...]]:
-        """This worker's step faults, and the KV-transfer fault points it runs with."""
-        f = self.faults
-        kills = [k for k in f.kill if k.target == worker_id]
-        step = next((k for k in kills if k.at != "transfer"), None)
-        role = "sender" if worker_id.startswith("prefill") else "receiver"
-        transfer = f.transfer + tuple(FaultPoint(role, "die", k.after) for k in kills if k.at == "transfer")
-        return WorkerFaults(
-            f.prefill_delay_s, f.decode_step_delay_s, step.at if step else "", step.after if step else 0
-        ), transfer
-
-    @property
-    def router_die_after_tokens(self) -> int:
-        return next((k.after for k in self.faults.kill if k.target == "router"), -1)
+    def engine_config(self, model_dir: str, role: str, slot: int = 0) -> EngineConfig:
+        """The engine config of the worker of this role in this replica slot."""
+        role_config = getattr(self, role)
+        return EngineConfig(
+            **{**_values(self.engine), "num_blocks": role_config.num_blocks or self.engine.num_blocks},
+            model_dir=model_dir,
+            dtype=self.dtype,
+            device=self.device,
+            num_threads=role_config.worker_threads(slot),
+            enable_prefix_caching=role != "decode",  # decode requests arrive with their KV: nothing to reuse
+        )
 
 
 MODES = {"disaggregated": ("prefill", "decode"), "colocated": ("colocated",)}
-_NESTED = {
-    "prefill": RoleConfig,
-    "decode": RoleConfig,
-    "colocated": RoleConfig,
-    "engine": EngineSettings,
-    "router": RouterSettings,
-    "transfer": TransferConfig,
-    "faults": Faults,
-    "security": SecuritySettings,
-}
 
 
 def _build(cls, raw: dict[str, Any], prefix: str):
@@ -362,13 +293,14 @@ def _build(cls, raw: dict[str, Any], prefix: str):
         name = f"{prefix}{key}"
         if key not in known:
             raise ConfigError(f"{name}: unknown setting (known: {', '.join(sorted(known))})")
-        if key in _NESTED and cls in (DeploymentConfig,):
+        section = _section(known[key]) if cls is DeploymentConfig else None
+        if section is not None:
             if not isinstance(value, dict):
                 raise ConfigError(f"{name}: must be a mapping")
-            values[key] = _build(_NESTED[key], value, f"{name}.")
+            values[key] = _build(section, value, f"{name}.")
         elif cls is RoleConfig and key == "cpus":
             values[key] = value  # RoleConfig parses its forms (worker_common/affinity.py)
-        elif cls is Faults and key in ("transfer", "kill"):
+        elif cls is FaultPlan and key in ("transfer", "kill"):
             if not isinstance(value, list) or not all(isinstance(point, dict) for point in value):
                 raise ConfigError(f"{name}: must be a list of fault points (mappings)")
             point_cls = FaultPoint if key == "transfer" else KillPoint
@@ -377,14 +309,22 @@ def _build(cls, raw: dict[str, Any], prefix: str):
             except (TypeError, ValueError) as e:
                 raise ConfigError(f"{name}: {e}") from None
         else:
-            values[key] = _check_type(name, value, known[key].type)
+            values[key] = _check_type(name, value, known[key].type, cls)
     try:
         return cls(**values)
     except ValueError as e:
         raise ConfigError(f"{prefix}{e}") from None
 
 
-def _check_type(name: str, value: Any, annotation: str) -> Any:
+def _section(f) -> type | None:
+    """The dataclass of a section of the deployment config (``engine:``, ``prefill:``, ...), else None."""
+    if f.default_factory is MISSING:
+        return None
+    default = f.default_factory()
+    return type(default) if is_dataclass(default) else None
+
+
+def _check_type(name: str, value: Any, annotation: str, cls: type) -> Any:
     allowed = {"int": (int,), "float": (int, float), "str": (str,), "bool": (bool,), "dict": (dict,)}
     if str(annotation) == "tuple[str, ...]":
         if isinstance(value, list) and all(isinstance(v, str) for v in value):
@@ -399,6 +339,14 @@ def _check_type(name: str, value: Any, annotation: str) -> Any:
         kinds = allowed.get(part)
         if kinds and isinstance(value, kinds) and not (part != "bool" and isinstance(value, bool)):
             return float(value) if part == "float" else value
-    if any(p.startswith("Literal") for p in parts) and isinstance(value, str):
+    # A Literal, written out or by an alias of its module (router.config's Policy): the dataclass checks the value.
+    if isinstance(value, str) and any(_is_literal(part, cls) for part in parts):
         return value
     raise ConfigError(f"{name}: expected {annotation}, got {value!r}")
+
+
+def _is_literal(part: str, cls: type) -> bool:
+    if part.startswith("Literal"):
+        return True
+    aliases = (vars(sys.modules[c.__module__]).get(part) for c in cls.__mro__)
+    return any(get_origin(alias) is Literal for alias in aliases)

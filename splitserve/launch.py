@@ -21,7 +21,6 @@ from pathlib import Path
 
 from splitserve.deploy_config import DeploymentConfig
 from splitserve.embedded_ray import TASK_EVENTS_FLUSH_ENV, EmbeddedRay, use_loopback_ray
-from splitserve.engine.core import EngineConfig
 from splitserve.router.server import Router
 from splitserve.worker_common.config import WorkerConfig
 
@@ -89,11 +88,7 @@ class WorkerActor:
         context = ray.get_runtime_context()
         self.node = context.get_node_id()
         if context.was_current_actor_reconstructed:  # fault points that end the process fire once
-            config = replace(
-                config,
-                faults=replace(config.faults, die_at=""),
-                transfer=replace(config.transfer, faults=tuple(f for f in config.transfer.faults if f.action != "die")),
-            )
+            config = replace(config, faults=config.faults.restarted())
         host = config.host or ray.util.get_node_ip_address()
         self.worker = cls(replace(config, node=self.node, host=host))
         self.address = self.worker.start()
@@ -280,38 +275,19 @@ class Deployment:
         return options
 
     def _worker_config(self, role: str, worker_id: str, slot: int = 0) -> WorkerConfig:
-        c, e = self.config, self.config.engine
+        c = self.config
         role_config = getattr(c, role)
-        engine = EngineConfig(
-            model_dir=self.model_dir,
-            dtype=c.dtype,
-            device=c.device,
-            block_size=e.block_size,
-            num_blocks=role_config.num_blocks or e.num_blocks,
-            kv_cache_bytes=e.kv_cache_bytes,
-            max_num_seqs=e.max_num_seqs,
-            max_num_batched_tokens=e.max_num_batched_tokens,
-            prefill_chunk_size=e.prefill_chunk_size,
-            num_threads=role_config.worker_threads(slot),
-            linear_kernel=e.linear_kernel,
-            linear_split_allowed=e.linear_split_allowed,
-            decode_path=e.decode_path,
-            cuda_graphs=e.cuda_graphs,
-            enable_prefix_caching=role != "decode",  # decode requests arrive with their KV: nothing to reuse
-        )
-        host = c.worker_host if c.worker_host is not None else ("" if c.ray_address else "127.0.0.1")
-        faults, transfer_faults = c.worker_faults(worker_id)
         return WorkerConfig(
             role=role,
             worker_id=worker_id,
-            engine=engine,
-            host=host,
+            engine=c.engine_config(self.model_dir, role, slot),
+            host=c.worker_host if c.worker_host is not None else ("" if c.ray_address else "127.0.0.1"),
             port=0,
             router_address=self.internal_address,
             model_name=c.model_name,
-            transfer=replace(c.transfer, faults=transfer_faults),
+            transfer=c.transfer,
             max_inflight=role_config.max_inflight,
-            faults=faults,
+            faults=c.faults.for_worker(worker_id),
             security=c.security.internal(),
             log_format=c.log_format,
             metrics_port=None if c.metrics_port is None else 0,

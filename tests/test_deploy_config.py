@@ -6,7 +6,10 @@ from pathlib import Path
 import pytest
 import yaml
 
+from splitserve.common.faults import NO_FAULTS
 from splitserve.deploy_config import ConfigError, DeploymentConfig
+from splitserve.engine.core import EngineSettings
+from splitserve.router.config import RouterConfig, RouterSettings
 
 
 def test_defaults_and_overrides():
@@ -47,14 +50,61 @@ def test_kill_points_go_to_their_worker_only():
             }
         }
     )
-    step, transfer = config.worker_faults("prefill-0")
-    assert (step.die_at, step.die_after, transfer) == ("prefill", 3, ())
-    step, transfer = config.worker_faults("decode-1")
-    assert step.die_at == "" and [(f.role, f.action, f.after_messages) for f in transfer] == [("receiver", "die", 2)]
-    step, transfer = config.worker_faults("decode-0")
-    assert (step.die_at, transfer) == ("", ())
-    assert config.router_config("m").die_after_tokens == 50
-    assert DeploymentConfig().router_config("m").die_after_tokens == -1
+    prefill = config.faults.for_worker("prefill-0")
+    assert (prefill.die_at, prefill.die_after, prefill.transfer) == ("prefill", 3, ())
+    decode = config.faults.for_worker("decode-1")
+    assert decode.die_at == "" and [(f.role, f.action, f.after_messages) for f in decode.transfer] == [
+        ("receiver", "die", 2)
+    ]
+    assert config.faults.for_worker("decode-0").arm("decode worker decode-0") is NO_FAULTS
+    assert config.router_config("m").faults.die_after_tokens == 50
+    assert DeploymentConfig().router_config("m").faults.arm("router") is NO_FAULTS
+
+
+def test_each_worker_config_carries_its_own_faults():
+    from splitserve.launch import Deployment
+
+    faults = {
+        "prefill_delay_s": 0.5,
+        "decode_step_delay_s": 0.25,
+        "transfer": [{"role": "sender", "action": "pause", "after_messages": 1, "seconds": 2}],
+        "kill": [{"target": "decode-0", "at": "decode", "after": 4}],
+    }
+    deployment = Deployment(DeploymentConfig.from_dict({"model": "m", "faults": faults}))
+    prefill, decode = (deployment._worker_config(role, f"{role}-0").faults for role in ("prefill", "decode"))
+    assert (prefill.prefill_delay_s, prefill.decode_step_delay_s, prefill.die_at) == (0.5, 0.0, "")
+    assert (decode.prefill_delay_s, decode.decode_step_delay_s, decode.die_at, decode.die_after) == (
+        0.0,
+        0.25,
+        "decode",
+        4,
+    )
+    assert prefill.transfer == decode.transfer and prefill.transfer[0].seconds == 2
+    assert decode.restarted().die_at == "" and decode.restarted().decode_step_delay_s == 0.25
+
+
+def test_engine_and_router_settings_are_the_runtime_configs_own():
+    from splitserve.launch import Deployment
+
+    config = DeploymentConfig.from_dict(
+        {
+            "model": "m",
+            "engine": {"block_size": 32, "max_num_seqs": 8},
+            "router": {"max_queue": 7},
+            "decode": {"num_blocks": 99},
+        }
+    )
+    router = config.router_config("m")
+    assert isinstance(router, RouterSettings) and (router.max_queue, router.block_size) == (7, 32)
+    engine = Deployment(config)._worker_config("decode", "decode-0").engine
+    assert isinstance(engine, EngineSettings)
+    assert (engine.block_size, engine.max_num_seqs, engine.num_blocks, engine.enable_prefix_caching) == (
+        32,
+        8,
+        99,
+        False,
+    )
+    assert DeploymentConfig().port == RouterConfig(model_dir="m").port  # the default is the router's own
 
 
 def test_from_file(tmp_path):
@@ -112,6 +162,9 @@ def test_from_file(tmp_path):
         ({"decode": {"num_cpus": -1}}, "decode.num_cpus"),
         ({"engine": {"decode_path": "fast"}}, "engine.decode_path"),
         ({"engine": {"cuda_graphs": "yes"}}, "engine.cuda_graphs"),
+        ({"engine": {"block_size": 0}}, "engine.block_size: must be >= 1, got 0"),
+        ({"router": {"routing_policy": 3}}, "router.routing_policy: expected Policy"),
+        ({"faults": {"decode_step_delay_s": -1}}, "faults.decode_step_delay_s: must be >= 0"),
     ],
 )
 def test_errors_name_the_field(raw, field):
@@ -128,8 +181,6 @@ def test_local_yaml_is_the_embedded_default_and_names_every_setting():
 
     def names(cls, prefix=""):
         for f in fields(cls):
-            if (prefix, f.name) == ("transfer.", "faults"):  # set as faults.transfer
-                continue
             default = getattr(cls(), f.name)
             yield from names(type(default), f"{prefix}{f.name}.") if is_dataclass(default) else [f"{prefix}{f.name}"]
 

@@ -15,7 +15,6 @@ that could call back into code taking it.
 from __future__ import annotations
 
 import logging
-import os
 import queue
 import socket
 import threading
@@ -76,7 +75,7 @@ class WorkerBase:
         self._thread: threading.Thread | None = None
         self.registration: Registration | None = None
         self.draining = False
-        self._steps = {"prefill": 0, "decode": 0}
+        self.faults = config.faults.arm(f"{config.role} worker {config.worker_id}")  # fault hooks (tests)
         self.metrics = WorkerMetrics(config.worker_id, config.role)
         self.metrics.watch(self)
         self.metrics_server = MetricsServer(self.metrics.registry)
@@ -209,22 +208,6 @@ class WorkerBase:
     def kv_pairs(self) -> int:
         """Open KV-transfer pair groups (metrics)."""
         return 0
-
-    def fault_point(self, kind: str) -> None:
-        """A step of this kind ("prefill" or "decode") starts: die here if the config says so."""
-        faults = self.config.faults
-        if faults.die_at == kind:
-            if self._steps[kind] == faults.die_after:
-                log.error(
-                    "%s worker %s: dying at %s step %d (fault point)",
-                    self.config.role,
-                    self.config.worker_id,
-                    kind,
-                    faults.die_after + 1,
-                )
-                logging.shutdown()
-                os._exit(1)
-            self._steps[kind] += 1
 
     # ---- shared helpers -------------------------------------------------------------------------
 

@@ -5,29 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from splitserve.common.faults import Faults
+from splitserve.common.validate import check_choice, check_range
 from splitserve.engine.core import EngineConfig
 from splitserve.kv_transfer.config import TransferConfig
 from splitserve.rpc.security import InternalSecurity
 from splitserve.worker_common.affinity import check_cpu_set
-
-
-@dataclass(frozen=True)
-class WorkerFaults:
-    """Config-gated delays that hold requests in a phase, so tests can act on them there."""
-
-    prefill_delay_s: float = 0.0  # prefill worker: sleep before every step that computes prompt tokens
-    decode_step_delay_s: float = 0.0  # decode worker: sleep after every decode step
-    # This worker's process exits at once (os._exit, as a crash would) at the start of its step number
-    # ``die_after + 1`` of this kind: "prefill" (a step computing prompt tokens) or "decode". "": never.
-    die_at: str = ""
-    die_after: int = 0
-
-    def __post_init__(self) -> None:
-        for name in ("prefill_delay_s", "decode_step_delay_s", "die_after"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"faults.{name}: must be >= 0, got {getattr(self, name)}")
-        if self.die_at not in ("", "prefill", "decode"):
-            raise ValueError(f"faults.die_at: {self.die_at!r} is not '', 'prefill' or 'decode'")
 
 
 @dataclass(frozen=True)
@@ -42,7 +25,7 @@ class WorkerConfig:
     transfer: TransferConfig = field(default_factory=TransferConfig)
     max_inflight: int = 16  # requests held at once: prefill, colocated: the router's credit; decode: leases
     node: str = ""  # where the worker runs (a Ray node id), for status
-    faults: WorkerFaults = field(default_factory=WorkerFaults)
+    faults: Faults = field(default_factory=Faults)  # this process's share of the deployment's fault plan (tests)
     security: InternalSecurity = field(default_factory=InternalSecurity)  # mTLS and the cluster token
     metrics_port: int | None = None  # Prometheus /metrics over HTTP on ``host``; None: off, 0: any free port
     log_format: Literal["text", "json"] = "text"  # the process's log lines (splitserve.observability.logs)
@@ -51,16 +34,12 @@ class WorkerConfig:
     cpus: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
-        if self.role not in ("prefill", "decode", "colocated"):
-            raise ValueError(f"role: {self.role!r} is not 'prefill', 'decode' or 'colocated'")
+        check_choice(self, "role", ("prefill", "decode", "colocated"))
         if not self.worker_id:
             raise ValueError("worker_id: must not be empty")
-        if self.max_inflight < 1:
-            raise ValueError(f"max_inflight: must be >= 1, got {self.max_inflight}")
-        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
-            raise ValueError(f"metrics_port: must be null or 0 to 65535, got {self.metrics_port}")
-        if self.log_format not in ("text", "json"):
-            raise ValueError(f"log_format: {self.log_format!r} is not text or json")
+        check_range(self, "max_inflight", min=1)
+        check_range(self, "metrics_port", min=0, max=65535)
+        check_choice(self, "log_format", ("text", "json"))
         if self.cpus is not None:
             try:
                 object.__setattr__(self, "cpus", check_cpu_set(self.cpus))

@@ -26,7 +26,7 @@ def make_fingerprint(dtype: str, spec: dict, checksum: str = "weights-v1"):
     )
 
 
-def _worker_main(conn, role: str, name: str, spec: dict, dtype: str, config, checksum: str) -> None:
+def _worker_main(conn, role: str, name: str, spec: dict, dtype: str, config, checksum: str, faults=None) -> None:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     import torch
 
@@ -51,8 +51,9 @@ def _worker_main(conn, role: str, name: str, spec: dict, dtype: str, config, che
         blocks.free(f"dummy{i}")
     fp = make_fingerprint(dtype, spec, checksum)
     info: dict = {"pid": os.getpid(), "name": name}
+    hooks = faults.arm(name) if faults is not None else None
     if role == "receiver":
-        endpoint = KVReceiver(cache, fp, name, config=config)
+        endpoint = KVReceiver(cache, fp, name, config=config, faults=hooks)
         server, port = serve(endpoint)
         info.update(
             receiver_id=name,
@@ -61,7 +62,9 @@ def _worker_main(conn, role: str, name: str, spec: dict, dtype: str, config, che
             store_port=endpoint.store_port,
         )
     else:
-        endpoint = KVSender(cache, fp, name, connect=lambda peer: GrpcConnection(peer.control), config=config)
+        endpoint = KVSender(
+            cache, fp, name, connect=lambda peer: GrpcConnection(peer.control), config=config, faults=hooks
+        )
         info.update(incarnation=endpoint.incarnation)
     handles = {}
 
@@ -157,6 +160,7 @@ class Worker:
         dtype: str = "float32",
         spec: dict | None = None,
         checksum: str = "weights-v1",
+        faults=None,
     ) -> Worker:
         from splitserve.kv_transfer.config import TransferConfig
 
@@ -164,7 +168,7 @@ class Worker:
         parent, child = ctx.Pipe()
         process = ctx.Process(
             target=_worker_main,
-            args=(child, role, name, spec or SPEC, dtype, config or TransferConfig(), checksum),
+            args=(child, role, name, spec or SPEC, dtype, config or TransferConfig(), checksum, faults),
             daemon=True,
         )
         process.start()

@@ -7,6 +7,7 @@ import time
 
 import pytest
 
+from splitserve.common.faults import Faults
 from splitserve.kv_transfer.config import FaultPoint, TransferConfig
 from splitserve.kv_transfer.handles import TransferState
 from tests.kv_transfer.fakes import FakeFabric
@@ -21,9 +22,10 @@ def test_a_fault_point_matches_role_count_and_request_id_prefix():
     assert not hold.fires("sender", "hold-1", 2), "once per transfer, at its own count"
     assert not hold.fires("receiver", "hold-1", 1) and not hold.fires("sender", "other", 1)
     every = FaultPoint("receiver", "drop", after_messages=2)
-    config = TransferConfig(faults=(hold, every))
-    assert config.fault("sender", "hold-x", 1) is hold and config.fault("receiver", "anything", 2) is every
-    assert config.fault("sender", "free", 1) is None
+    faults = Faults(transfer=(hold, every))
+    assert [f for f in faults.transfer if f.fires("sender", "hold-x", 1)] == [hold]
+    assert [f for f in faults.transfer if f.fires("receiver", "anything", 2)] == [every]
+    assert not any(f.fires("sender", "free", 1) for f in faults.transfer)
 
 
 @pytest.mark.parametrize(
@@ -58,10 +60,9 @@ def timed_transfer(sender, receiver, peer, transfer_id: str, src: list[int], dst
 
 def test_a_pause_holds_every_matching_transfer_and_no_other():
     hold = FaultPoint("sender", "pause", after_messages=1, seconds=PAUSE_S, request_id_prefix="hold-")
-    config = TransferConfig(
-        max_message_bytes=1024, whole_request_bytes=0, layer_group_size=1, op_timeout_s=5.0, faults=(hold,)
-    )
-    sender, receiver, peer = make_endpoints("cpu", config, FakeFabric().factory)
+    config = TransferConfig(max_message_bytes=1024, whole_request_bytes=0, layer_group_size=1, op_timeout_s=5.0)
+    faults = Faults(transfer=(hold,)).arm("prefill worker p")
+    sender, receiver, peer = make_endpoints("cpu", config, FakeFabric().factory, faults=faults)
     try:
         first = timed_transfer(sender, receiver, peer, "hold-first", [1, 2], [10, 11])
         second = timed_transfer(sender, receiver, peer, "hold-second", [3, 4], [12, 13])

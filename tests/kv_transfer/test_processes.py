@@ -9,6 +9,7 @@ import grpc
 import pytest
 
 from splitserve.common.arith import ceil_div
+from splitserve.common.faults import Faults
 from splitserve.kv_transfer.config import FaultPoint, TransferConfig
 from tests.kv_transfer.harness import SPEC, Worker, make_fingerprint
 
@@ -18,8 +19,8 @@ FAST = {"op_timeout_s": 2.0, "pair_setup_timeout_s": 5.0, "transfer_timeout_s": 
 SMALL = {"max_message_bytes": 8 << 10, "whole_request_bytes": 16 << 10, "layer_group_size": 2}
 
 
-def make_config(*faults: FaultPoint, **overrides) -> TransferConfig:
-    return TransferConfig(**{**FAST, **SMALL, **overrides}, faults=tuple(faults))
+def make_config(**overrides) -> TransferConfig:
+    return TransferConfig(**{**FAST, **SMALL, **overrides})
 
 
 def start_transfer(p: Worker, d: Worker, tid: str, tokens: int, stream: bool = False) -> None:
@@ -169,8 +170,8 @@ def test_stores_and_services_listen_on_the_advertised_address_only(quad):
 
 
 def pair_of(sender_faults=(), receiver_faults=()):
-    p = Worker.start("sender", "pf", make_config(*sender_faults))
-    d = Worker.start("receiver", "df", make_config(*receiver_faults))
+    p = Worker.start("sender", "pf", make_config(), faults=Faults(transfer=tuple(sender_faults)))
+    d = Worker.start("receiver", "df", make_config(), faults=Faults(transfer=tuple(receiver_faults)))
     return p, d
 
 

@@ -122,11 +122,11 @@ def test_config_and_backend_choice():
 # ---- in-process pairs -----------------------------------------------------------------------------
 
 
-def make_endpoints(device, config: TransferConfig, factory=None, num_blocks: int = 256):
+def make_endpoints(device, config: TransferConfig, factory=None, num_blocks: int = 256, faults=None):
     spec = KVCacheSpec(LAYERS, HEADS, HEAD_DIM, num_blocks, BLOCK, torch.float32)
     src, dst = KVCache(spec, device), KVCache(spec, device)
     src.tensor.copy_(torch.randn(src.tensor.shape))
-    kw = {} if factory is None else {"communicator_factory": factory}
+    kw = {"faults": faults} if factory is None else {"communicator_factory": factory, "faults": faults}
     receiver = KVReceiver(dst, FP, "d", config=config, **kw)
     sender = KVSender(src, FP, "p", connect=lambda peer: LocalConnection(receiver.serve_pair), config=config, **kw)
     return sender, receiver, PeerAddress("d", receiver.incarnation, "local")
