@@ -167,11 +167,11 @@ class DecodeWorker(WorkerBase):
         if job.ended or job.cancelled:
             self._end(job, END)  # frees the lease
             return
-        commit = job.transfer.commit or {}
-        first = commit.get("first_token")
-        if not isinstance(first, int) or not 0 <= first < self.core.model_config.vocab_size:
+        commit = job.transfer.commit  # its types and version were checked as it was decoded
+        if commit is None or not 0 <= commit.first_token < self.core.model_config.vocab_size:
             self._end(job, WorkerError("INTERNAL", f"KV commit carries no valid first token: {commit!r}"))
             return
+        first = commit.first_token
         if self.draining:  # the KV arrived at a draining worker: hand the request back right away
             self._hand_back(job, job.output + [first])
             return

@@ -25,6 +25,7 @@ import grpc
 from splitserve.engine.request import FinishReason, Request
 from splitserve.engine.sampling_params import SamplingParamsError
 from splitserve.engine.wire import FINISH_TO_PB, sampling_from_pb, stop_reason_text
+from splitserve.kv_transfer.descriptor import Commit
 from splitserve.kv_transfer.handles import TransferHandle, TransferState
 from splitserve.kv_transfer.sender import KVSender, PeerAddress, SendHandle
 from splitserve.kv_transfer.service import GrpcConnection
@@ -209,7 +210,7 @@ class PrefillWorker(WorkerBase):
             self.sender.cancel(request.request_id, "finished at its first token")
             job.transfer.on_terminal(lambda h: self._transfer_ended(job, h, report=False))
         else:
-            self.sender.finish(job.transfer, commit={"first_token": token})
+            self.sender.finish(job.transfer, commit=Commit(first_token=token))
             job.transfer.on_terminal(lambda h: self._transfer_ended(job, h, report=True))
 
     def _transfer_ended(self, job: PrefillJob, handle: TransferHandle, report: bool) -> None:
