@@ -10,7 +10,9 @@ A request's life here (it exists exactly as long as the router's ``Prefill`` cal
                                            group while later layers compute) ─▶ TransferResult; blocks
                                            freed (full blocks stay in the prefix cache)
 
-A cancelled call frees the request in whatever phase it is.
+A cancelled call frees the request in whatever phase it is. Each step of the loop: schedule ▸ start the
+transfers of the requests on their final chunk ▸ run the model (layer groups go out as they finish) ▸
+send the first tokens and commit the transfers.
 """
 
 from __future__ import annotations

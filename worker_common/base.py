@@ -283,6 +283,7 @@ def stream_events(
                 return
             case Fail(error):
                 context.abort(getattr(grpc.StatusCode, error.code), error.message)
+                return  # abort raises; nothing is read past a Fail
             case other:
                 raise unknown_event(other)
 
