@@ -35,8 +35,21 @@ from splitserve.rpc import kv_transfer_pb2_grpc
 from splitserve.rpc import workers_pb2 as wpb
 from splitserve.rpc import workers_pb2_grpc as wpb_grpc
 from splitserve.rpc.status import abort
-from splitserve.worker_common.base import END, WorkerBase, WorkerError, ms_since
+from splitserve.worker_common.base import WorkerBase, ms_since, stream_events
+from splitserve.worker_common.batch import Batch
 from splitserve.worker_common.config import WorkerConfig
+from splitserve.worker_common.messages import (
+    Admit,
+    Cancel,
+    Command,
+    Drain,
+    Emit,
+    End,
+    Event,
+    Fail,
+    make_event_queue,
+    unknown_command,
+)
 
 log = logging.getLogger("splitserve.decode")
 
@@ -47,7 +60,7 @@ class DecodeJob:
     prompt: list[int]
     output: list[int]  # generated before this leg
     sampling: SamplingParams
-    events: queue.Queue = field(default_factory=queue.Queue)
+    events: queue.Queue[Event] = field(default_factory=make_event_queue)
     leased_at: float = field(default_factory=time.monotonic)
     transfer: TransferHandle | None = None
     request: Request | None = None  # set once admitted into the batch
@@ -59,6 +72,7 @@ class DecodeWorker(WorkerBase):
     def __init__(self, config: WorkerConfig) -> None:
         super().__init__(config)
         self.scheduler = self.core.make_scheduler(preemption="hand_back")
+        self.batch = Batch(self.core, self.scheduler, self.lock, self.metrics)
         self.receiver = KVReceiver(
             self.core.kv_cache,
             self.fingerprint,
@@ -94,7 +108,7 @@ class DecodeWorker(WorkerBase):
         try:
             sampling = sampling_from_pb(message.sampling, draw_seed=False)
         except SamplingParamsError as e:
-            raise WorkerError("INVALID_ARGUMENT", str(e)) from None
+            raise ServingError("INVALID_ARGUMENT", str(e)) from None
         prompt, output = list(message.prompt_token_ids), list(message.output_token_ids)
         self.check_request(prompt + output, sampling)
         if self.draining:
@@ -102,7 +116,7 @@ class DecodeWorker(WorkerBase):
         blocks = self.core.blocks
         with self.lock:
             if message.request_id in self.jobs or self.receiver.has_transfer(message.request_id):
-                raise WorkerError("ALREADY_EXISTS", f"request_id: {message.request_id!r} is already here")
+                raise ServingError("ALREADY_EXISTS", f"request_id: {message.request_id!r} is already here")
             if len(self.jobs) >= self.config.max_inflight:
                 refusal = wpb.LeaseRefused(
                     reason=f"at capacity ({self.config.max_inflight} requests, its max_inflight)",
@@ -121,7 +135,9 @@ class DecodeWorker(WorkerBase):
             with self.lock:
                 blocks.free(message.request_id)
                 del self.jobs[message.request_id]
-            raise WorkerError("ALREADY_EXISTS", f"request_id: {message.request_id!r} is still being released") from None
+            raise ServingError(
+                "ALREADY_EXISTS", f"request_id: {message.request_id!r} is still being released"
+            ) from None
         job.transfer.on_terminal(lambda handle: self._kv_ended(job, handle))
         destination = wpb.KVDestination(
             receiver_id=self.config.worker_id, incarnation=self.receiver.incarnation, control_address=self.address
@@ -136,49 +152,52 @@ class DecodeWorker(WorkerBase):
                 "KV transfer of %s failed: %s", job.request_id, handle.error, extra={"request_id": job.request_id}
             )
         if handle.state is TransferState.DONE:
-            self.submit(("admit", job))
+            self.submit(Admit(job))
             return
         # ABORTED, not UNAVAILABLE: this worker is fine (the sender may be the one lost); the router
         # runs the leg again without counting this worker out.
-        self._end(job, WorkerError("ABORTED", f"KV transfer {handle.state.value}: {handle.error}"))
+        self._end(job, Fail(ServingError("ABORTED", f"KV transfer {handle.state.value}: {handle.error}")))
 
     def cancel(self, job: DecodeJob) -> None:
         """The router's call ended (any reason): drop the job if it is still here (by job, not by id)."""
-        self.submit(("cancel", job))
+        self.submit(Cancel(job))
 
     # ---- the loop -------------------------------------------------------------------------------
 
-    def handle_command(self, command: tuple) -> None:
-        kind, arg = command
-        if kind == "admit":
-            self._admit(arg)
-            return
-        if kind == "drain":  # hand every running request back to the router (it re-prefills elsewhere)
-            for job in [j for j in self.jobs.values() if j.request is not None]:
-                with self.lock:
-                    self.scheduler.finish(job.request_id, FinishReason.PREEMPTED)
-                self._hand_back(job, job.request.output_token_ids)
-            return
-        job = arg
+    def handle_command(self, command: Command) -> None:
+        match command:
+            case Admit(job):
+                self._admit(job)
+            case Cancel(job):
+                self._cancel(job)
+            case Drain():  # hand every running request back to the router (it re-prefills elsewhere)
+                for job in [j for j in self.jobs.values() if j.request is not None]:
+                    with self.lock:
+                        self.scheduler.finish(job.request_id, FinishReason.PREEMPTED)
+                    self._hand_back(job, job.request.output_token_ids)
+            case _:
+                raise unknown_command(command)
+
+    def _cancel(self, job: DecodeJob) -> None:
         if job.ended or self.jobs.get(job.request_id) is not job:
             return
         job.cancelled = True
         if job.request is not None:
             with self.lock:
                 self.scheduler.finish(job.request_id, FinishReason.ABORT)  # frees its blocks
-            self._end(job, END)
+            self._end(job, End())
         else:  # still waiting for its KV: _kv_ended frees the lease (or _admit, if the KV just landed)
             self.receiver.cancel(job.request_id, "cancelled by the router")
 
     def _admit(self, job: DecodeJob) -> None:
         if job.ended or job.cancelled:
-            self._end(job, END)  # frees the lease
+            self._end(job, End())  # frees the lease
             return
-        commit = job.transfer.commit or {}
-        first = commit.get("first_token")
-        if not isinstance(first, int) or not 0 <= first < self.core.model_config.vocab_size:
-            self._end(job, WorkerError("INTERNAL", f"KV commit carries no valid first token: {commit!r}"))
+        commit = job.transfer.commit  # its types and version were checked as it was decoded
+        if commit is None or not 0 <= commit.first_token < self.core.model_config.vocab_size:
+            self._end(job, Fail(ServingError("INTERNAL", f"KV commit carries no valid first token: {commit!r}")))
             return
+        first = commit.first_token
         if self.draining:  # the KV arrived at a draining worker: hand the request back right away
             self._hand_back(job, job.output + [first])
             return
@@ -186,41 +205,39 @@ class DecodeWorker(WorkerBase):
         with self.lock:
             self.scheduler.add_running(request)
             job.request = request
-        job.events.put(wpb.DecodeEvent(landed=wpb.KVLanded(wait_ms=ms_since(job.leased_at), bytes=job.transfer.nbytes)))
+        landed = wpb.KVLanded(wait_ms=ms_since(job.leased_at), bytes=job.transfer.nbytes)
+        job.events.put(Emit(wpb.DecodeEvent(landed=landed)))
 
     def step(self) -> bool:
-        with self.lock:
-            output = self.scheduler.schedule()
+        output = self.batch.schedule()
         for victim in output.preempted:  # handed back: blocks already freed
             self._hand_back(self.jobs[victim.request_id], victim.output_token_ids)
         if output.is_empty:
             return False
         self.faults.step("decode")
-        sampled = self.run_model(output, "decode")
-        with self.lock:
-            advanced = self.scheduler.update(output, sampled)
-        for request in advanced:
-            job = self.jobs[request.request_id]
-            job.events.put(
-                wpb.DecodeEvent(
-                    tokens=wpb.Tokens(token_ids=[request.token_ids[-1]], index=request.num_output_tokens - 1)
-                )
-            )
-            if request.is_finished:
-                finished = wpb.Finished(
-                    finish_reason=FINISH_TO_PB[request.finish_reason], stop_reason=stop_reason_text(request.stop_reason)
-                )
-                self._end(job, wpb.DecodeEvent(finished=finished))
+        for request in self.batch.run(output, "decode"):
+            self._advanced(self.jobs[request.request_id], request)
         self.faults.step_done()
         return True
 
-    def _hand_back(self, job: DecodeJob, output: list[int]) -> None:
-        self._end(job, wpb.DecodeEvent(preempted=wpb.Preempted(output_token_ids=output)))
+    def _advanced(self, job: DecodeJob, request: Request) -> None:
+        """The request got a token: stream it; a finished request ends here (the scheduler freed its blocks)."""
+        tokens = wpb.Tokens(token_ids=[request.token_ids[-1]], index=request.num_output_tokens - 1)
+        job.events.put(Emit(wpb.DecodeEvent(tokens=tokens)))
+        if request.is_finished:
+            finished = wpb.Finished(
+                finish_reason=FINISH_TO_PB[request.finish_reason], stop_reason=stop_reason_text(request.stop_reason)
+            )
+            self._end(job, Emit(wpb.DecodeEvent(finished=finished)))
 
-    def _end(self, job: DecodeJob, last) -> None:
+    def _hand_back(self, job: DecodeJob, output: list[int]) -> None:
+        self._end(job, Emit(wpb.DecodeEvent(preempted=wpb.Preempted(output_token_ids=output))))
+
+    def _end(self, job: DecodeJob, last: Event) -> None:
         """End a job once: free its lease if it never joined the batch (a joined request's blocks are
         the scheduler's, freed by finish), release its transfer, then forget it. The job stays in
-        ``jobs`` until then, so a new request with the same id cannot lease in between."""
+        ``jobs`` until then, so a new request with the same id cannot lease in between. ``last`` closes
+        its call's queue (a last message is followed by End)."""
         with self.lock:
             if job.ended:
                 return
@@ -232,14 +249,14 @@ class DecodeWorker(WorkerBase):
             if self.jobs.get(job.request_id) is job:
                 del self.jobs[job.request_id]
         job.events.put(last)
-        if last is not END:
-            job.events.put(END)
+        if isinstance(last, Emit):
+            job.events.put(End())
 
     def fail_all(self, message: str) -> None:
         for job in list(self.jobs.values()):
             with self.lock:
                 self.scheduler.finish(job.request_id, FinishReason.ABORT)
-            self._end(job, WorkerError("INTERNAL", message))
+            self._end(job, Fail(ServingError("INTERNAL", message)))
 
     def status_message(self):
         with self.lock:
@@ -270,23 +287,17 @@ class _Servicer(wpb_grpc.DecodeWorkerServicer):
         yield first
         if job is None:
             return
-        while True:
-            event = job.events.get()
-            if event is END:
-                return
-            if isinstance(event, ServingError):
-                abort(context, event)
-            if event.WhichOneof("kind") == "tokens":
-                event = _coalesce(event, job.events)
-            yield event
+        yield from stream_events(job.events, context, merge=_coalesce)
 
     def Status(self, request, context):  # noqa: N802
         return self.worker.status_message()
 
 
-def _coalesce(event, events: queue.Queue):
+def _coalesce(event: wpb.DecodeEvent, events: queue.Queue[Event]) -> wpb.DecodeEvent:
     """Merge the token events already queued behind ``event`` into one message: a slow reader gets
     fewer, larger messages, and the queue holds at most one request's output, never more."""
+    if event.WhichOneof("kind") != "tokens":
+        return event
     merged = list(event.tokens.token_ids)
     index = event.tokens.index
     while True:
@@ -294,9 +305,10 @@ def _coalesce(event, events: queue.Queue):
             following = events.get_nowait()
         except queue.Empty:
             break
-        if following is not END and not isinstance(following, WorkerError) and following.WhichOneof("kind") == "tokens":
-            merged.extend(following.tokens.token_ids)
-            continue
+        match following:
+            case Emit(message) if message.WhichOneof("kind") == "tokens":
+                merged.extend(message.tokens.token_ids)
+                continue
         # Not a token: send the merged tokens now and this one next (put it back at the front).
         with events.mutex:
             events.queue.appendleft(following)

@@ -1,10 +1,12 @@
 """Layout fingerprints and payload descriptors, and their strict msgpack encoding. Torch-free.
 
 A descriptor announces one payload message on a pair's FIFO: which transfer, which layers and which
-of the transfer's blocks it carries, and exactly how many bytes follow on the process group.
+of the transfer's blocks it carries, and exactly how many bytes follow on the process group. The
+transfer's last message also carries its ``Commit``: what the receiver needs, besides the KV, to go on
+with the request (the first token, sampled by the sender).
 Decoding trusts nothing: a size limit (and limits on every string, bytes, array and map inside), an
-exact key set, a type and range check per field (``commit`` included: a flat map of scalars), and no
-msgpack extension types (nothing is ever unpickled or constructed from the wire).
+exact key set, a type and range check per field (``commit`` included: a versioned record with its own
+exact key set), and no msgpack extension types (nothing is ever unpickled or constructed from the wire).
 """
 
 from __future__ import annotations
@@ -16,12 +18,12 @@ from typing import Any
 import msgpack
 
 PROTOCOL_VERSION = 1
+COMMIT_VERSION = 1
 DTYPES = ("bfloat16", "float16", "float32")
 _MAX_ID_CHARS = 256
 _MAX_SHAPE_DIMS = 8
-_MAX_COMMIT_BYTES = 16 << 10
-_MAX_COMMIT_KEYS = 16
-_MAX_KEY_CHARS = 64
+_MAX_STRING_BYTES = 16 << 10
+_MAX_TOKEN_ID = 2**31  # token ids are int32 on the wire (workers.proto); the vocabulary check is the receiver's
 
 
 class DescriptorError(ValueError):
@@ -54,6 +56,16 @@ class LayoutFingerprint:
 
 
 @dataclass(frozen=True)
+class Commit:
+    """What the receiver needs, besides the KV, to go on with the request: the first token the sender
+    sampled. ``version`` changes when a field is added or changes meaning; a receiver refuses a version
+    it does not know rather than guess."""
+
+    first_token: int
+    version: int = COMMIT_VERSION
+
+
+@dataclass(frozen=True)
 class PayloadDescriptor:
     seq: int  # position in the pair's FIFO
     transfer_id: str
@@ -67,7 +79,7 @@ class PayloadDescriptor:
     shape: tuple[int, ...]  # [layers, blocks, 2, kv_heads, block_size, head_dim]
     nbytes: int
     last: bool  # the transfer's final message
-    commit: dict | None = None  # opaque to kv_transfer; delivered to the receiver with the last message
+    commit: Commit | None = None  # delivered to the receiver with the last message
     version: int = PROTOCOL_VERSION
 
     @property
@@ -79,6 +91,7 @@ class PayloadDescriptor:
 _WIRE_KEYS = frozenset(
     ("v", "seq", "id", "layers", "blocks", "num_blocks", "num_tokens", "dtype", "shape", "nbytes", "last", "commit")
 )
+_COMMIT_KEYS = frozenset(("version", "first_token"))
 
 
 def encode_descriptor(d: PayloadDescriptor) -> bytes:
@@ -95,7 +108,7 @@ def encode_descriptor(d: PayloadDescriptor) -> bytes:
             "shape": list(d.shape),
             "nbytes": d.nbytes,
             "last": d.last,
-            "commit": d.commit,
+            "commit": None if d.commit is None else {"version": d.commit.version, "first_token": d.commit.first_token},
         },
         use_bin_type=True,
     )
@@ -113,8 +126,8 @@ def decode_descriptor(data: bytes, max_bytes: int = 64 << 10) -> PayloadDescript
             raw=False,
             strict_map_key=True,
             use_list=True,
-            max_bin_len=_MAX_COMMIT_BYTES,
-            max_str_len=_MAX_COMMIT_BYTES,
+            max_bin_len=_MAX_STRING_BYTES,
+            max_str_len=_MAX_STRING_BYTES,
             max_array_len=64,
             max_map_len=64,
             max_ext_len=0,
@@ -176,19 +189,25 @@ def _refuse_ext(code: int, data: bytes) -> Any:
     raise DescriptorError("descriptor: msgpack extension types are not accepted")
 
 
-def _commit(value: Any) -> dict | None:
-    """nil, or a map of at most 16 string keys to nil, booleans, numbers, strings or flat lists of them."""
+def _commit(value: Any) -> Commit | None:
+    """nil, or exactly {"version": COMMIT_VERSION, "first_token": a token id}."""
     if value is None:
         return None
-    if not isinstance(value, dict) or len(value) > _MAX_COMMIT_KEYS:
-        raise DescriptorError(f"commit: must be a map of at most {_MAX_COMMIT_KEYS} entries, or nil")
-    for key, item in value.items():
-        if not isinstance(key, str) or not 0 < len(key) <= _MAX_KEY_CHARS:
-            raise DescriptorError(f"commit: keys must be strings of 1 to {_MAX_KEY_CHARS} characters, got {key!r}")
-        items = item if isinstance(item, list) else [item]
-        if not all(v is None or isinstance(v, (bool, int, float, str)) for v in items):
-            raise DescriptorError(f"commit.{key}: must be nil, a boolean, a number, a string or a flat list of them")
-    return value
+    if not isinstance(value, dict):
+        raise DescriptorError(f"commit: must be a map or nil, got {type(value).__name__}")
+    if set(value) != _COMMIT_KEYS:  # a bytes key, too, is neither missing nor known
+        missing = sorted(_COMMIT_KEYS - set(value))
+        extra = ", ".join(sorted(map(repr, set(value) - _COMMIT_KEYS)))  # repr: str and bytes keys do not sort
+        raise DescriptorError(f"commit: missing keys {missing}, unknown keys [{extra}]")
+    version = value["version"]
+    if isinstance(version, bool) or not isinstance(version, int):
+        raise DescriptorError(f"commit.version: must be an integer, got {version!r}")
+    if version != COMMIT_VERSION:
+        raise DescriptorError(f"commit.version: {version} is not {COMMIT_VERSION}")
+    first_token = value["first_token"]
+    if isinstance(first_token, bool) or not isinstance(first_token, int) or not 0 <= first_token < _MAX_TOKEN_ID:
+        raise DescriptorError(f"commit.first_token: must be an integer in [0, {_MAX_TOKEN_ID}), got {first_token!r}")
+    return Commit(first_token=first_token, version=version)
 
 
 def _int(raw: Mapping, key: str, low: int) -> int:

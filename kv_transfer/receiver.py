@@ -49,6 +49,7 @@ from splitserve.kv_transfer.control import (
 )
 from splitserve.kv_transfer.descriptor import (
     PROTOCOL_VERSION,
+    Commit,
     DescriptorError,
     LayoutFingerprint,
     PayloadDescriptor,
@@ -69,7 +70,7 @@ class ReceiveHandle(TransferHandle):
         self.num_blocks: int | None = None  # set by the first descriptor
         self.landed: bytearray | None = None  # one flag per (layer, block)
         self.units_landed = 0
-        self.commit: dict | None = None
+        self.commit: Commit | None = None  # set by the last message
         self.pair: _ReceiverPair | None = None
 
     @property

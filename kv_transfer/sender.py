@@ -43,7 +43,13 @@ from splitserve.kv_transfer.control import (
     PairClosed,
     Welcome,
 )
-from splitserve.kv_transfer.descriptor import PROTOCOL_VERSION, LayoutFingerprint, PayloadDescriptor, encode_descriptor
+from splitserve.kv_transfer.descriptor import (
+    PROTOCOL_VERSION,
+    Commit,
+    LayoutFingerprint,
+    PayloadDescriptor,
+    encode_descriptor,
+)
 from splitserve.kv_transfer.endpoint import Endpoint
 from splitserve.kv_transfer.handles import TransferHandle, TransferState
 
@@ -86,7 +92,7 @@ class _Message:
     block_start: int
     block_end: int
     last: bool
-    commit: dict | None
+    commit: Commit | None
 
 
 class _SenderPair:
@@ -171,7 +177,7 @@ class KVSender(Endpoint):
         if end > handle.layers_queued and end < handle.num_layers:
             self._queue(handle, handle.layers_queued, end, last=False, commit=None)
 
-    def finish(self, handle: SendHandle, commit: dict | None = None) -> None:
+    def finish(self, handle: SendHandle, commit: Commit | None = None) -> None:
         """All layers are computed: queue what is left; ``commit`` travels with the last message."""
         if handle.finished:
             raise ValueError(f"transfer {handle.transfer_id!r}: finish() called twice")
@@ -195,14 +201,14 @@ class KVSender(Endpoint):
 
     # ---- planning messages ----------------------------------------------------------------------
 
-    def _queue(self, handle: SendHandle, layer_start: int, layer_end: int, last: bool, commit: dict | None) -> None:
+    def _queue(self, handle: SendHandle, layer_start: int, layer_end: int, last: bool, commit: Commit | None) -> None:
         pair = handle.pair
         messages = self._plan(handle, layer_start, layer_end, last, commit)
         handle.layers_queued = layer_end
         for message in messages:
             pair.queue.put(message)
 
-    def _plan(self, handle: SendHandle, l0: int, l1: int, last: bool, commit: dict | None) -> list[_Message]:
+    def _plan(self, handle: SendHandle, l0: int, l1: int, last: bool, commit: Commit | None) -> list[_Message]:
         """Cut layers [l0, l1) of every block into messages of at most max_message_bytes."""
         per_unit = self.fingerprint.bytes_per_block_layer
         limit = self.config.max_message_bytes

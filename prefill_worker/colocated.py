@@ -14,92 +14,128 @@ instead of moving the KV anywhere, streams the decode worker's events on the sam
                                                                         router re-prefills elsewhere)
 
 A cancelled call frees the request in whatever phase it is.
+
+It shares the prefill worker's edge (``PrefillServicer``, ``PrefillJob``, the cache-event feed) and the
+batch step (``Batch``), not its class: it has no KV sender, as nothing ever leaves it.
 """
 
 from __future__ import annotations
 
-import time
+import uuid
 
+import grpc
+
+from splitserve.common.errors import ServingError
 from splitserve.engine.request import FinishReason, Request
 from splitserve.engine.wire import FINISH_TO_PB, stop_reason_text
-from splitserve.prefill_worker.worker import PrefillJob, PrefillWorker
+from splitserve.prefill_worker.cache_events import CacheEventFeed
+from splitserve.prefill_worker.jobs import PrefillJob, check_room, job_from_pb, mark_scheduled
+from splitserve.prefill_worker.service import PrefillServicer
 from splitserve.rpc import workers_pb2 as wpb
-from splitserve.worker_common.base import END, WorkerError
+from splitserve.rpc import workers_pb2_grpc as wpb_grpc
+from splitserve.worker_common.base import WorkerBase
+from splitserve.worker_common.batch import Batch
 from splitserve.worker_common.config import WorkerConfig
+from splitserve.worker_common.messages import Add, Cancel, Command, Drain, Emit, End, Event, Fail, unknown_command
 
 
-class ColocatedWorker(PrefillWorker):
+class ColocatedWorker(WorkerBase):
     def __init__(self, config: WorkerConfig) -> None:
         super().__init__(config)
         self.scheduler = self.core.make_scheduler()  # keeps requests to the end; recomputes when preempted
+        self.batch = Batch(self.core, self.scheduler, self.lock, self.metrics)
+        self.cache_events = CacheEventFeed(self.core.blocks, self.lock, self.core.config.block_size)
+        self.jobs: dict[str, PrefillJob] = {}
+        # Tells the router a restarted worker from the one it knew (the prefill worker's comes from its
+        # KV sender; the same format).
+        self._incarnation = uuid.uuid4().hex
+
+    @property
+    def incarnation(self) -> str:
+        return self._incarnation
+
+    def add_services(self, server: grpc.Server) -> None:
+        wpb_grpc.add_PrefillWorkerServicer_to_server(PrefillServicer(self), server)
+
+    def max_request_calls(self) -> int:
+        return 4 * self.config.max_inflight  # as the prefill worker's: the router sees one
+
+    # ---- requests from handler threads ----------------------------------------------------------
 
     def accept(self, message: wpb.PrefillRequest) -> PrefillJob:
+        """Validate and queue a request (handler thread); raises ServingError."""
         if message.HasField("destination"):
-            raise WorkerError("INVALID_ARGUMENT", "destination: a colocated worker decodes its requests itself")
-        return super().accept(message)
+            raise ServingError("INVALID_ARGUMENT", "destination: a colocated worker decodes its requests itself")
+        job = job_from_pb(self, message)
+        with self.lock:
+            if message.request_id in self.jobs:
+                raise ServingError("ALREADY_EXISTS", f"request_id: {message.request_id!r} is already here")
+            check_room(self, self.credited())
+            self.jobs[message.request_id] = job
+        self.submit(Add(job))
+        return job
 
     def credited(self) -> int:
         return len(self.jobs)  # the router holds a colocated request's credit until it ends
 
-    def handle_command(self, command: tuple) -> None:
-        kind, arg = command
-        if kind == "drain":  # hand back what has tokens; the rest is handed back at its first token
-            for job in [j for j in self.jobs.values() if j.done]:
-                self._hand_back(job)
-            return
-        if kind == "add":
-            super().handle_command(command)
-            return
-        job = arg
+    def cancel(self, job: PrefillJob) -> None:
+        """The router's call ended (any reason): drop the job if it is still here (by job, not by id)."""
+        self.submit(Cancel(job))
+
+    # ---- the loop -------------------------------------------------------------------------------
+
+    def handle_command(self, command: Command) -> None:
+        match command:
+            case Add(job):
+                self._add(job)
+            case Cancel(job):
+                self._cancel(job)
+            case Drain():  # hand back what has tokens; the rest is handed back at its first token
+                for job in [j for j in self.jobs.values() if j.done]:
+                    self._hand_back(job)
+            case _:
+                raise unknown_command(command)
+
+    def _add(self, job: PrefillJob) -> None:
+        try:
+            with self.lock:
+                self.scheduler.add(job.request)
+        except ValueError as e:
+            self._finish_job(job, Fail(ServingError("INVALID_ARGUMENT", str(e))))
+
+    def _cancel(self, job: PrefillJob) -> None:
         if self.jobs.get(job.request.request_id) is job:
             with self.lock:
                 self.scheduler.finish(job.request.request_id, FinishReason.ABORT)  # frees its blocks
-            self._finish_job(job, END)
+            self._finish_job(job, End())
 
     def step(self) -> bool:
-        output = self._schedule()
-        if output is None:
+        output = self.batch.schedule()
+        if output.is_empty:
+            self.cache_events.publish()
             return False
         prompt_work = any(i.request.num_tokens - i.request.num_computed_tokens > 1 for i in output.scheduled)
         self.faults.step("prefill" if prompt_work else "decode")
-        now = time.monotonic()
-        for item in output.scheduled:
-            job = self.jobs[item.request.request_id]
-            if job.first_scheduled is None:
-                job.first_scheduled = now
-        sampled = self.run_model(output, "prefill" if prompt_work else "decode")
-        with self.lock:
-            advanced = self.scheduler.update(output, sampled)
-        for request in advanced:
+        mark_scheduled(self.jobs, output)
+        for request in self.batch.run(output, "prefill" if prompt_work else "decode"):
             self._advanced(self.jobs[request.request_id], request)
-        self._publish_cache_events()
+        self.cache_events.publish()
         self.faults.step_done()
         return True
 
     def _advanced(self, job: PrefillJob, request: Request) -> None:
         """The request got a token: the first one as FirstToken, later ones as Tokens."""
-        token = request.token_ids[-1]
         if not job.done:
-            job.done = True
-            job.first_token_at = time.monotonic()
             self.metrics.prefix_cache(request.num_tokens - 1, request.num_cached_tokens)
-            job.events.put(
-                wpb.PrefillEvent(
-                    first_token=wpb.FirstToken(
-                        token_id=token,
-                        cached_tokens=request.num_cached_tokens,
-                        queue_ms=((job.first_scheduled or job.arrival) - job.arrival) * 1e3,
-                        compute_ms=(job.first_token_at - (job.first_scheduled or job.arrival)) * 1e3,
-                    )
-                )
-            )
+            job.events.put(Emit(wpb.PrefillEvent(first_token=job.first_token(request))))
         else:
-            job.events.put(wpb.PrefillEvent(tokens=wpb.Tokens(token_ids=[token], index=request.num_output_tokens - 1)))
+            tokens = wpb.Tokens(token_ids=[request.token_ids[-1]], index=request.num_output_tokens - 1)
+            job.events.put(Emit(wpb.PrefillEvent(tokens=tokens)))
         if request.is_finished:  # the scheduler has freed its blocks
             finished = wpb.Finished(
                 finish_reason=FINISH_TO_PB[request.finish_reason], stop_reason=stop_reason_text(request.stop_reason)
             )
-            self._finish_job(job, wpb.PrefillEvent(finished=finished))
+            self._finish_job(job, Emit(wpb.PrefillEvent(finished=finished)))
         elif self.draining:
             self._hand_back(job)
 
@@ -107,10 +143,24 @@ class ColocatedWorker(PrefillWorker):
         output = job.request.output_token_ids
         with self.lock:
             self.scheduler.finish(job.request.request_id, FinishReason.PREEMPTED)
-        self._finish_job(job, wpb.PrefillEvent(preempted=wpb.Preempted(output_token_ids=output)))
+        self._finish_job(job, Emit(wpb.PrefillEvent(preempted=wpb.Preempted(output_token_ids=output))))
+
+    def _finish_job(self, job: PrefillJob, last: Event) -> None:
+        """Forget the job and close its call's queue: a last message is followed by End."""
+        with self.lock:
+            if self.jobs.get(job.request.request_id) is job:
+                del self.jobs[job.request.request_id]
+        job.events.put(last)
+        if isinstance(last, Emit):
+            job.events.put(End())
 
     def fail_all(self, message: str) -> None:
         for job in list(self.jobs.values()):
             with self.lock:
                 self.scheduler.finish(job.request.request_id, FinishReason.ABORT)
-            self._finish_job(job, WorkerError("INTERNAL", message))
+            self._finish_job(job, Fail(ServingError("INTERNAL", message)))
+
+    def status_message(self):
+        with self.lock:
+            running, waiting = len(self.scheduler.running), len(self.scheduler.waiting)
+        return self.status(running, waiting)

@@ -1,10 +1,13 @@
-"""The skeleton both workers share: one engine, one loop thread, one gRPC server.
+"""The skeleton every worker shares: one engine, one loop thread, one gRPC server.
 
 Threads and who owns what::
 
-    gRPC handler threads ──submit(command)──▶ inbox ──▶ loop thread: schedule ▸ run model ▸ apply
+    gRPC handler threads ──submit(Command)──▶ inbox ──▶ loop thread: schedule ▸ run model ▸ apply
            ▲                                                        │
-           └──────────── per-request event queue ◀──────────────────┘
+           └───── stream_events ◀── per-request queue of Event ◀────┘
+
+Commands and events are the dataclasses of ``worker_common.messages``; protobuf is made and read only
+at the edges (the servicers, and ``stream_events``).
 
 The loop thread is the only one that runs the model. The scheduler and the block manager are shared
 with handler threads and transfer callbacks under ``self.lock``, which the loop holds only while it
@@ -20,11 +23,13 @@ import socket
 import threading
 import time
 import traceback
+from collections.abc import Callable, Iterator
 from concurrent import futures
 from pathlib import Path
 
 import grpc
 import torch
+from google.protobuf.message import Message
 
 from splitserve.common.errors import ServingError
 from splitserve.engine.core import EngineCore
@@ -37,16 +42,11 @@ from splitserve.rpc.status import abort
 from splitserve.v1 import splitserve_pb2 as pb
 from splitserve.worker_common.affinity import format_cpu_list, pin, usable_cpus
 from splitserve.worker_common.config import WorkerConfig
+from splitserve.worker_common.messages import Command, Drain, Emit, End, Event, Fail, unknown_event
 from splitserve.worker_common.metrics import WorkerMetrics
 from splitserve.worker_common.registration import Registration
 
 log = logging.getLogger("splitserve.worker")
-
-END = object()  # closes a request's event queue
-
-
-# The old name of the one request error, still raised by the worker modules; catch ServingError.
-WorkerError = ServingError
 
 
 class WorkerBase:
@@ -68,7 +68,7 @@ class WorkerBase:
             self.core.weights_checksum,
         )
         self.address = ""
-        self._inbox: queue.Queue = queue.Queue()
+        self._inbox: queue.Queue[Command] = queue.Queue()
         self._wake = threading.Event()
         self._stopped = threading.Event()
         self._server: grpc.Server | None = None
@@ -127,7 +127,7 @@ class WorkerBase:
     def drain(self) -> None:
         """Take no new request; finish or hand back the ones held (from the registration thread)."""
         self.draining = True
-        self.submit(("drain", None))
+        self.submit(Drain())
 
     def stop(self, grace_s: float = 1.0) -> None:
         if self.registration is not None:
@@ -149,7 +149,7 @@ class WorkerBase:
 
     # ---- the loop -------------------------------------------------------------------------------
 
-    def submit(self, command: tuple) -> None:
+    def submit(self, command: Command) -> None:
         """Hand a command to the loop thread (from any thread)."""
         self._inbox.put(command)
         self._wake.set()
@@ -187,7 +187,8 @@ class WorkerBase:
                 self._wake.wait(0.05)
                 self._wake.clear()
 
-    def handle_command(self, command: tuple) -> None:
+    def handle_command(self, command: Command) -> None:
+        """Act on one command (loop thread); raises TypeError (``unknown_command``) on one it has no case for."""
         raise NotImplementedError
 
     def step(self) -> bool:
@@ -197,14 +198,6 @@ class WorkerBase:
     def fail_all(self, message: str) -> None:
         raise NotImplementedError
 
-    def run_model(self, output, kind: str, **kwargs):
-        """Run one scheduled step on the model (``kind``: "prefill" if it computes prompt tokens, else
-        "decode"), timing it for the metrics; returns the sampled tokens."""
-        start = time.monotonic()
-        sampled = self.core.runner.execute(output, **kwargs)
-        self.metrics.step(kind, time.monotonic() - start, len(output.scheduled), output.num_tokens)
-        return sampled
-
     def kv_pairs(self) -> int:
         """Open KV-transfer pair groups (metrics)."""
         return 0
@@ -213,13 +206,13 @@ class WorkerBase:
 
     def check_request(self, token_ids: list[int], sampling) -> None:
         if not token_ids:
-            raise WorkerError("INVALID_ARGUMENT", "prompt_token_ids: must not be empty")
+            raise ServingError("INVALID_ARGUMENT", "prompt_token_ids: must not be empty")
         try:
             self.core.check_request(token_ids, sampling)
         except ValueError as e:
-            raise WorkerError("INVALID_ARGUMENT", str(e)) from None
+            raise ServingError("INVALID_ARGUMENT", str(e)) from None
         if len(token_ids) >= self.core.max_model_len:
-            raise WorkerError("INVALID_ARGUMENT", f"prompt: {len(token_ids)} tokens exceed the context length")
+            raise ServingError("INVALID_ARGUMENT", f"prompt: {len(token_ids)} tokens exceed the context length")
 
     def kv_figures(self) -> tuple[int, int, int]:
         """(total, in use, cached) blocks, read from the allocator."""
@@ -252,15 +245,24 @@ class WorkerBase:
         raise NotImplementedError
 
 
-def stream_events(events: queue.Queue, context: grpc.ServicerContext, convert):
-    """Yield a request's events to its gRPC call until END; ServingError ends the call with its status."""
+def stream_events(
+    events: queue.Queue[Event],
+    context: grpc.ServicerContext,
+    merge: Callable[[Message, queue.Queue[Event]], Message] | None = None,
+) -> Iterator[Message]:
+    """Yield a request's events to its gRPC call: each Emit's message until End; Fail ends the call with
+    its error's status. ``merge`` may fold the events queued behind a message into it (decode tokens)."""
     while True:
-        item = events.get()
-        if item is END:
-            return
-        if isinstance(item, ServingError):
-            abort(context, item)
-        yield convert(item)
+        match events.get():
+            case Emit(message):
+                yield message if merge is None else merge(message, events)
+            case End():
+                return
+            case Fail(error):
+                abort(context, error)
+                return  # abort raises; nothing is read past a Fail
+            case other:
+                raise unknown_event(other)
 
 
 def ms_since(start: float) -> float:

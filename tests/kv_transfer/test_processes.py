@@ -4,6 +4,7 @@ every failure phase reached through the fault points, and no block left behind o
 from __future__ import annotations
 
 import time
+import zlib
 
 import grpc
 import pytest
@@ -11,6 +12,7 @@ import pytest
 from splitserve.common.arith import ceil_div
 from splitserve.common.faults import Faults
 from splitserve.kv_transfer.config import FaultPoint, TransferConfig
+from splitserve.kv_transfer.descriptor import Commit
 from tests.kv_transfer.harness import SPEC, Worker, make_fingerprint
 
 BLOCK = SPEC["block_size"]
@@ -23,16 +25,21 @@ def make_config(**overrides) -> TransferConfig:
     return TransferConfig(**{**FAST, **SMALL, **overrides})
 
 
+def commit_for(transfer_id: str) -> Commit:
+    """A first token that differs between the transfers of a test, to show each commit lands with its own KV."""
+    return Commit(first_token=zlib.crc32(transfer_id.encode()) % 2**31)
+
+
 def start_transfer(p: Worker, d: Worker, tid: str, tokens: int, stream: bool = False) -> None:
     d.call("expect", tid, tokens)
-    p.call("send", tid, d.peer, tokens, stream=stream, commit={"first_token": 42, "id": tid})
+    p.call("send", tid, d.peer, tokens, stream=stream, commit=commit_for(tid))
 
 
 def finish_transfer(p: Worker, d: Worker, tid: str, tokens: int) -> None:
     received, sent = d.call("wait", tid), p.call("wait", tid)
     assert received["state"] == "done", received
     assert sent["state"] == "done", sent
-    assert received["commit"] == {"first_token": 42, "id": tid}
+    assert received["commit"] == commit_for(tid)  # this transfer's commit, not another's
     n = ceil_div(tokens, BLOCK)
     assert d.call("checksums", tid, n) == p.call("checksums", tid, n), f"{tid}: KV differs after transfer"
     d.call("release", tid)

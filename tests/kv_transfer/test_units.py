@@ -18,6 +18,7 @@ from splitserve.kv_transfer.comm import choose_backend
 from splitserve.kv_transfer.config import FaultPoint, TransferConfig
 from splitserve.kv_transfer.control import LocalConnection
 from splitserve.kv_transfer.descriptor import (
+    Commit,
     DescriptorError,
     LayoutFingerprint,
     PayloadDescriptor,
@@ -47,7 +48,7 @@ def make_descriptor(**kw) -> PayloadDescriptor:
         shape=(2, 3, 2, HEADS, BLOCK, HEAD_DIM),
         nbytes=2 * 3 * 512,
         last=True,
-        commit={"first_token": 5},
+        commit=Commit(first_token=5),
     )
     return PayloadDescriptor(**{**base, **kw})
 
@@ -102,6 +103,45 @@ def test_descriptor_decoding_is_strict(data, field):
         decode_descriptor(data)
 
 
+def test_commit_round_trip_and_wire_form():
+    for commit in (None, Commit(first_token=0), Commit(first_token=2**31 - 1)):
+        assert decode_descriptor(encode_descriptor(make_descriptor(commit=commit))).commit == commit
+    raw = msgpack.unpackb(encode_descriptor(make_descriptor(commit=Commit(first_token=7))))
+    assert raw["commit"] == {"version": 1, "first_token": 7}
+
+
+@pytest.mark.parametrize(
+    ("commit", "field"),
+    [
+        ({"version": 2, "first_token": 5}, r"commit\.version: 2 is not 1"),
+        ({"version": 0, "first_token": 5}, r"commit\.version"),
+        ({"version": "1", "first_token": 5}, r"commit\.version: must be an integer"),
+        ({"version": True, "first_token": 5}, r"commit\.version: must be an integer"),
+        ({"version": 1, "first_token": "5"}, r"commit\.first_token"),
+        ({"version": 1, "first_token": 5.0}, r"commit\.first_token"),
+        ({"version": 1, "first_token": True}, r"commit\.first_token"),
+        ({"version": 1, "first_token": -1}, r"commit\.first_token"),
+        ({"version": 1, "first_token": 2**31}, r"commit\.first_token"),
+        ({"version": 1, "first_token": [5]}, r"commit\.first_token"),
+        ({"version": 1, "first_token": 5, "id": "r1"}, r"commit: missing keys \[\], unknown keys \['id'\]"),
+        ({"first_token": 5}, r"commit: missing keys \['version'\]"),
+        ({"version": 1}, r"commit: missing keys \['first_token'\]"),
+        ({}, "commit: missing keys"),
+        ("first_token", "commit: must be a map"),
+    ],
+)
+def test_commit_decoding_is_strict(commit, field):
+    with pytest.raises(DescriptorError, match=field):
+        decode_descriptor(_wire(commit=commit))
+
+
+def test_commit_with_a_bytes_key_is_refused():
+    raw = msgpack.unpackb(encode_descriptor(make_descriptor()))
+    raw["commit"] = {"version": 1, b"first_token": 5}
+    with pytest.raises(DescriptorError, match="commit: missing keys"):
+        decode_descriptor(msgpack.packb(raw, use_bin_type=True))
+
+
 def test_fingerprint_mismatch_names_fields():
     other = LayoutFingerprint("m", "bfloat16", BLOCK, LAYERS, HEADS, HEAD_DIM, "w2")
     diff = FP.mismatches(other)
@@ -147,11 +187,11 @@ def run_transfers(sender, receiver, peer, sizes, stream=True, seed=0):
         if stream:
             sender.layers_ready(sh, LAYERS // 2)
     for sh, _, _, _ in jobs:
-        sender.finish(sh, {"n": sh.num_tokens})
+        sender.finish(sh, Commit(first_token=sh.num_tokens))
     for sh, rh, src, dst in jobs:
         assert rh.wait(10) is TransferState.DONE, rh
         assert sh.wait(10) is TransferState.DONE, sh
-        assert rh.commit == {"n": sh.num_tokens}
+        assert rh.commit == Commit(first_token=sh.num_tokens)
         assert torch.equal(sender.cache.tensor[:, src].cpu(), receiver.cache.tensor[:, dst[: len(src)]].cpu())
     return jobs
 
@@ -217,7 +257,7 @@ def test_plan_partitions_layers_times_blocks(num_blocks, num_layers, group, limi
         block_ids = tuple(range(num_blocks))
 
     l0 = min(start, num_layers - 1)
-    messages = sender._plan(H, l0, num_layers, True, {"x": 1})
+    messages = sender._plan(H, l0, num_layers, True, Commit(first_token=1))
     covered = [
         (layer, b)
         for m in messages
@@ -228,7 +268,7 @@ def test_plan_partitions_layers_times_blocks(num_blocks, num_layers, group, limi
     per = fp.bytes_per_block_layer
     assert all((m.layer_end - m.layer_start) * (m.block_end - m.block_start) * per <= max(limit, per) for m in messages)
     assert [m.last for m in messages] == [False] * (len(messages) - 1) + [True]
-    assert messages[-1].commit == {"x": 1}
+    assert messages[-1].commit == Commit(first_token=1)
 
 
 def test_pair_setup_has_a_deadline():

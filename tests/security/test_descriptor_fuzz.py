@@ -12,7 +12,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from splitserve.kv_transfer.descriptor import (
+    COMMIT_VERSION,
     DTYPES,
+    Commit,
     DescriptorError,
     PayloadDescriptor,
     decode_descriptor,
@@ -58,7 +60,12 @@ def check(data: bytes) -> None:
     )
     assert 0 <= d.layer_start < d.layer_end and 0 <= d.block_start < d.block_end <= d.num_blocks
     assert isinstance(d.transfer_id, str) and d.dtype in DTYPES and isinstance(d.last, bool) and d.nbytes >= 1
-    assert d.commit is None or all(isinstance(k, str) and not isinstance(v, (dict, bytes)) for k, v in d.commit.items())
+    assert d.commit is None or (
+        isinstance(d.commit, Commit)
+        and d.commit.version == COMMIT_VERSION
+        and type(d.commit.first_token) is int
+        and 0 <= d.commit.first_token < 2**31
+    )
     assert decode_descriptor(encode_descriptor(d)) == d
 
 
@@ -78,6 +85,18 @@ def test_random_msgpack_values(value):
 @given(st.dictionaries(st.sampled_from([*KEYS, "extra"]), values, max_size=len(KEYS) + 1))
 def test_random_maps_of_descriptor_keys(raw):
     check(msgpack.packb(raw, use_bin_type=True))
+
+
+@FUZZ
+@given(
+    st.dictionaries(
+        st.sampled_from(["version", "first_token", "extra"]) | st.binary(max_size=12),
+        st.integers(-(2**33), 2**33) | values,
+        max_size=4,
+    )
+)
+def test_random_commit_records(commit):
+    check(msgpack.packb({**VALID, "commit": commit}, use_bin_type=True))
 
 
 @FUZZ
@@ -128,10 +147,12 @@ def test_hostile_shapes_are_refused_quickly():
         b"\x81\xa1a" * 20_000,  # maps nested 20,000 deep
         b"\xdd\xff\xff\xff\xff",  # an array that claims 4 billion items
         b"\xdb\xff\xff\xff\xff" + b"x" * 100,  # a string that claims 4 GiB
-        msgpack.packb({**VALID, "commit": {"t": msgpack.Timestamp(1)}}),  # the one extension msgpack decodes itself
-        msgpack.packb({**VALID, "commit": {"x": msgpack.ExtType(42, b"\x80\x04")}}),
-        msgpack.packb({**VALID, "commit": {"nested": {"a": 1}}}),
-        msgpack.packb({**VALID, "commit": {str(i): i for i in range(17)}}),
+        # the one extension msgpack decodes itself
+        msgpack.packb({**VALID, "commit": {"version": 1, "first_token": msgpack.Timestamp(1)}}),
+        msgpack.packb({**VALID, "commit": {"version": 1, "first_token": msgpack.ExtType(42, b"\x80\x04")}}),
+        msgpack.packb({**VALID, "commit": {"version": 1, "first_token": {"a": 1}}}),
+        msgpack.packb({**VALID, "commit": {"version": 1, "first_token": 5, **{str(i): i for i in range(17)}}}),
+        msgpack.packb({**VALID, "commit": {"version": 99, "first_token": 5}}),
         msgpack.packb({**VALID, "id": b"r1"}),  # bytes where a string belongs
         msgpack.packb({"": None, b"": None}),  # str and bytes keys together (once a TypeError)
         msgpack.packb({**VALID, "id": "x" * 70_000}),  # over the size limit

@@ -1,0 +1,79 @@
+"""What the prefill and colocated workers share about a request: its job record, how a ``Prefill`` call
+becomes one, and the ``FirstToken`` it answers with. Both speak the same protocol to the router; they
+differ in what follows the first token (a KV transfer, or decoding here)."""
+
+from __future__ import annotations
+
+import queue
+import time
+from dataclasses import dataclass, field
+
+from splitserve.common.errors import ServingError
+from splitserve.engine.request import Request
+from splitserve.engine.sampling_params import SamplingParamsError
+from splitserve.engine.scheduler import SchedulerOutput
+from splitserve.engine.wire import sampling_from_pb
+from splitserve.kv_transfer.sender import PeerAddress, SendHandle
+from splitserve.rpc import workers_pb2 as wpb
+from splitserve.worker_common.base import WorkerBase
+from splitserve.worker_common.messages import Event, make_event_queue
+
+
+@dataclass(eq=False)
+class PrefillJob:
+    request: Request
+    destination: PeerAddress | None
+    events: queue.Queue[Event] = field(default_factory=make_event_queue)
+    arrival: float = field(default_factory=time.monotonic)
+    first_scheduled: float | None = None
+    first_token_at: float | None = None
+    transfer: SendHandle | None = None
+    done: bool = False  # past its first token (prefill: blocks freed or owned by the transfer callback)
+
+    def first_token(self, request: Request) -> wpb.FirstToken:
+        """The request sampled its first token: mark the job done and describe the token, with its timing."""
+        self.done = True
+        self.first_token_at = time.monotonic()
+        started = self.first_scheduled or self.arrival
+        return wpb.FirstToken(
+            token_id=request.token_ids[-1],
+            cached_tokens=request.num_cached_tokens,
+            queue_ms=(started - self.arrival) * 1e3,
+            compute_ms=(self.first_token_at - started) * 1e3,
+        )
+
+
+def job_from_pb(worker: WorkerBase, message: wpb.PrefillRequest) -> PrefillJob:
+    """Validate a ``Prefill`` call's request (handler thread); raises ServingError naming the field."""
+    try:
+        sampling = sampling_from_pb(message.sampling, draw_seed=False)
+    except SamplingParamsError as e:
+        raise ServingError("INVALID_ARGUMENT", str(e)) from None
+    if not message.sampling.HasField("seed"):
+        raise ServingError("INVALID_ARGUMENT", "sampling.seed: the router must set it")
+    if worker.draining:
+        raise ServingError("UNAVAILABLE", f"prefill worker {worker.config.worker_id} is draining")
+    prompt, output = list(message.prompt_token_ids), list(message.output_token_ids)
+    worker.check_request(prompt + output, sampling)
+    destination = None
+    if message.HasField("destination"):
+        d = message.destination
+        destination = PeerAddress(d.receiver_id, d.incarnation, d.control_address)
+    return PrefillJob(Request.resume(message.request_id, prompt, output, sampling, sampling.seed), destination)
+
+
+def check_room(worker: WorkerBase, held: int) -> None:
+    """Refuse a request past twice max_inflight held (under the worker's lock)."""
+    if held >= 2 * worker.config.max_inflight:
+        raise ServingError(
+            "RESOURCE_EXHAUSTED", f"{worker.config.role} worker has {held} requests (twice its max_inflight)"
+        )
+
+
+def mark_scheduled(jobs: dict[str, PrefillJob], output: SchedulerOutput) -> None:
+    """Note when each scheduled job first got compute (its queue time ends there)."""
+    now = time.monotonic()
+    for item in output.scheduled:
+        job = jobs[item.request.request_id]
+        if job.first_scheduled is None:
+            job.first_scheduled = now
