@@ -80,12 +80,9 @@ class WorkerActor:
         from splitserve.observability.logs import configure_logging
 
         configure_logging(config.log_format, static={"worker_id": config.worker_id, "role": config.role})
-        if config.role == "prefill":
-            from splitserve.prefill_worker.worker import PrefillWorker as cls
-        elif config.role == "colocated":
-            from splitserve.prefill_worker.colocated import ColocatedWorker as cls
-        else:
-            from splitserve.decode_worker.worker import DecodeWorker as cls
+        from splitserve.roles import worker_class
+
+        cls = worker_class(config.role)
         context = ray.get_runtime_context()
         self.node = context.get_node_id()
         if context.was_current_actor_reconstructed:  # fault points that end the process fire once
