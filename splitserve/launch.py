@@ -13,7 +13,6 @@ import asyncio
 import logging
 import os
 import shutil
-import signal
 import tempfile
 import threading
 from dataclasses import replace
@@ -381,11 +380,6 @@ class Deployment:
         import ray
 
         return ray.get(self.actors[worker_id].ready.remote(), timeout=30)["pid"]
-
-    def kill_worker(self, worker_id: str) -> None:
-        """SIGKILL a worker's process, as a crash would (tests; the process must be on this machine).
-        Ray restarts it if its max_restarts allows."""
-        os.kill(self.worker_pid(worker_id), signal.SIGKILL)
 
     # ---- stop -----------------------------------------------------------------------------------
 
