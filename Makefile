@@ -56,7 +56,7 @@ bench-engine: setup
 	$(VPY) scripts/bench_engine.py $(BENCH_ARGS)
 
 bench-transfer: setup
-	$(VPY) -m splitserve.kv_transfer.bench $(BENCH_ARGS)
+	$(VPY) scripts/bench_transfer.py $(BENCH_ARGS)
 
 bench-serve: setup
 	$(VPY) scripts/bench_serve.py $(BENCH_ARGS)
