@@ -42,10 +42,12 @@ test: setup lint
 	$(VPY) -m pytest $(PYTEST_ARGS)
 	PYTHON=$(VPY) scripts/gpu_check.sh --device cpu
 
-# Formatting and lint (ruff, configured in pyproject.toml); `make format` rewrites in place.
+# Formatting and lint (ruff, configured in pyproject.toml); `make format` rewrites in place. Then the
+# import layers (docs/architecture.md): import-linter's contracts in pyproject.toml, and no import cycle.
 lint: setup
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/ruff check .
+	$(VPY) scripts/check_layers.py
 
 format: setup
 	$(VENV)/bin/ruff format .
@@ -56,7 +58,7 @@ bench-engine: setup
 	$(VPY) scripts/bench_engine.py $(BENCH_ARGS)
 
 bench-transfer: setup
-	$(VPY) -m splitserve.kv_transfer.bench $(BENCH_ARGS)
+	$(VPY) scripts/bench_transfer.py $(BENCH_ARGS)
 
 bench-serve: setup
 	$(VPY) scripts/bench_serve.py $(BENCH_ARGS)

@@ -17,8 +17,6 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-import torch
-
 from splitserve.engine.core import EngineConfig, EngineCore
 from splitserve.engine.detokenizer import IncrementalDetokenizer
 from splitserve.engine.request import FinishReason, Request
@@ -164,17 +162,6 @@ class LLM:
                 if rid not in done:
                     self.abort(rid)
         return [done[rid] for rid in ids]
-
-    def prompt_logits(self, token_ids: Sequence[int]) -> torch.Tensor:
-        """float32 logits [len(token_ids), vocab] at every position of a prompt (no prefix reuse)."""
-        token_ids = [int(t) for t in token_ids]
-        rid = f"score-{next(self._ids)}"
-        if not self.blocks.allocate(rid, len(token_ids)):
-            raise RuntimeError(f"not enough free KV blocks to score {len(token_ids)} tokens")
-        try:
-            return self.runner.score(token_ids, self.blocks.block_table(rid))
-        finally:
-            self.blocks.free(rid)
 
     # ---- status -------------------------------------------------------------------------------
 

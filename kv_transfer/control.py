@@ -1,17 +1,14 @@
 """Control-path messages of a pair, as plain dataclasses, and the channel abstraction they travel on.
 
 The sender and receiver state machines speak these types only; ``splitserve.kv_transfer.service`` maps them to
-the gRPC service in ``proto/splitserve/rpc/kv_transfer.proto``, and ``local_connection`` carries them
-in memory (tests, and the GPU check, which runs without gRPC). Torch-free.
+the gRPC service in ``proto/splitserve/rpc/kv_transfer.proto``; the tests carry them in memory
+(``tests/kv_transfer/fakes.py``'s ``LocalConnection``). Torch-free.
 """
 
 from __future__ import annotations
 
 import enum
-import queue
-import threading
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from splitserve.common.errors import ServingError
@@ -95,47 +92,3 @@ class ControlConnection(ABC):
     @abstractmethod
     def close(self) -> None:
         """End the stream (idempotent); the receiver sees its inbound side end."""
-
-
-_END = object()
-
-
-class LocalConnection(ControlConnection):
-    """An in-memory control stream to a receiver in the same process (one thread per pair)."""
-
-    def __init__(self, serve_pair: Callable[[Iterator[SenderMessage], Callable[[object], None]], None]) -> None:
-        self._inbound: queue.Queue = queue.Queue()
-        self._outbound: queue.Queue = queue.Queue()
-        self._closed = threading.Event()
-
-        def run() -> None:
-            try:
-                serve_pair(self._iterate(), self._outbound.put)
-                self._outbound.put(PairClosed("receiver ended the pair"))
-            except ServingError as e:  # the receiver refused the pair, or ended it with an error
-                self._outbound.put(PairClosed(f"{e.code}: {e.message}", e))
-
-        threading.Thread(target=run, name="kv-local-pair", daemon=True).start()
-
-    def _iterate(self) -> Iterator[SenderMessage]:
-        while True:
-            item = self._inbound.get()
-            if item is _END:
-                return
-            yield item
-
-    def send(self, message: SenderMessage) -> None:
-        if not self._closed.is_set():
-            self._inbound.put(message)
-
-    def receive(self, timeout_s: float | None = None) -> ReceiverMessage:
-        item = self._outbound.get(timeout=timeout_s)
-        if isinstance(item, PairClosed):
-            self._outbound.put(item)  # stays closed for later readers
-            raise item
-        return item
-
-    def close(self) -> None:
-        if not self._closed.is_set():
-            self._closed.set()
-            self._inbound.put(_END)

@@ -2,7 +2,7 @@
 """Fault drills with figures: each worker kill point (mid-prefill, mid-transfer on either side,
 mid-decode) and the router's death, timed, for docs/reliability.md.
 
-For each worker drill (``splitserve.drill``): the longest pause any client stream saw, how many
+For each worker drill (``tests/harness/drill.py``): the longest pause any client stream saw, how many
 streams moved (re-prefilled elsewhere), whether every output equalled the offline engine, when the
 kill point fired (the worker's process ended, from the start of the streams), how long after that the
 killed worker was back (Ray restart, re-registered) and when no block was held. For the router: how
@@ -27,8 +27,8 @@ from splitserve.launch import use_loopback_ray  # noqa: E402
 
 use_loopback_ray()  # before Ray is imported
 
-from splitserve.drill import DRILLS, reference_outputs, run_drill, run_router_drill  # noqa: E402
 from splitserve.make_model import make_model  # noqa: E402
+from tests.harness.drill import DRILLS, reference_outputs, run_drill, run_router_drill  # noqa: E402
 
 
 def drill_row(model: str, name: str, reference: list[list[int]], folder: Path) -> dict:

@@ -12,6 +12,8 @@ import threading
 import time
 from collections.abc import Sequence
 
+from splitserve.client_flags import add_client_security_arguments, client_security
+
 log = logging.getLogger("splitserve.cli")
 
 DEFAULT_PROMPTS = (
@@ -81,30 +83,6 @@ def _make_model(args: argparse.Namespace) -> int:
     )
     print(f"wrote {args.preset} ({args.dtype}) to {out} in {time.perf_counter() - start:.1f}s")
     return 0
-
-
-def add_client_security_arguments(p: argparse.ArgumentParser) -> None:
-    """How a client reaches a router whose public port has TLS or API keys (docs/security.md)."""
-    g = p.add_argument_group("security")
-    g.add_argument("--api-key", default=None, help="bearer token for the API (default: $SPLITSERVE_API_KEY)")
-    g.add_argument("--tls", action="store_true", help="connect over TLS, trusting the system's CAs")
-    g.add_argument("--tls-ca", metavar="PEM", help="connect over TLS, trusting this CA")
-    g.add_argument("--tls-cert", metavar="PEM", help="a client certificate, for a server that requires one")
-    g.add_argument("--tls-key", metavar="PEM", help="the client certificate's key")
-
-
-def client_security(args: argparse.Namespace) -> dict:
-    """The keyword arguments of ``Client`` and ``ClientSecurity`` that the flags ask for."""
-    from splitserve.rpc.security import API_KEY_ENV
-
-    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
-    return {
-        "api_key": api_key,
-        "tls": args.tls,
-        "tls_ca": args.tls_ca,
-        "tls_cert": args.tls_cert,
-        "tls_key": args.tls_key,
-    }
 
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:

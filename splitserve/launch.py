@@ -13,7 +13,6 @@ import asyncio
 import logging
 import os
 import shutil
-import signal
 import tempfile
 import threading
 from dataclasses import replace
@@ -79,12 +78,9 @@ class WorkerActor:
         from splitserve.observability.logs import configure_logging
 
         configure_logging(config.log_format, static={"worker_id": config.worker_id, "role": config.role})
-        if config.role == "prefill":
-            from splitserve.prefill_worker.worker import PrefillWorker as cls
-        elif config.role == "colocated":
-            from splitserve.prefill_worker.colocated import ColocatedWorker as cls
-        else:
-            from splitserve.decode_worker.worker import DecodeWorker as cls
+        from splitserve.roles import worker_class
+
+        cls = worker_class(config.role)
         context = ray.get_runtime_context()
         self.node = context.get_node_id()
         if context.was_current_actor_reconstructed:  # fault points that end the process fire once
@@ -360,11 +356,6 @@ class Deployment:
         import ray
 
         return ray.get(self.actors[worker_id].ready.remote(), timeout=30)["pid"]
-
-    def kill_worker(self, worker_id: str) -> None:
-        """SIGKILL a worker's process, as a crash would (tests; the process must be on this machine).
-        Ray restarts it if its max_restarts allows."""
-        os.kill(self.worker_pid(worker_id), signal.SIGKILL)
 
     # ---- stop -----------------------------------------------------------------------------------
 

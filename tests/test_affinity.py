@@ -85,11 +85,12 @@ def test_pin_moves_every_thread_and_refuses_cpus_the_process_may_not_use():
 
 
 def test_worker_cli_refuses_bad_cpus_before_loading_anything(capsys):
+    from splitserve.decode_worker.worker import DecodeWorker
     from splitserve.worker_common.cli import main
 
     with pytest.raises(SystemExit):
-        main("decode", ["--model", "/nowhere", "--cpus", "1-0"])
+        main("decode", DecodeWorker, ["--model", "/nowhere", "--cpus", "1-0"])
     assert "--cpus: '1-0': the range 1-0 runs backwards" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        main("decode", ["--model", "/nowhere", "--cpus", "0", "--threads", "2"])
+        main("decode", DecodeWorker, ["--model", "/nowhere", "--cpus", "0", "--threads", "2"])
     assert "threads: 2 threads on 1 pinned cpus" in capsys.readouterr().err

@@ -9,16 +9,18 @@ from __future__ import annotations
 import argparse
 import os
 import signal
-import sys
 import threading
 
 from splitserve.engine.core import EngineConfig
 from splitserve.observability.logs import configure_logging
 from splitserve.worker_common.affinity import parse_cpu_list, thread_count
+from splitserve.worker_common.base import WorkerBase
 from splitserve.worker_common.config import WorkerConfig
 
 
-def main(role: str, argv: list[str] | None = None) -> int:
+def main(role: str, worker_class: type[WorkerBase], argv: list[str] | None = None) -> int:
+    """Parse ``argv`` and serve ``worker_class`` until a signal. Each worker's ``__main__`` passes its own
+    class: this package sits below both worker packages and may not import them (docs/architecture.md)."""
     p = argparse.ArgumentParser(prog=f"python -m {role}_worker", description=__doc__)
     p.add_argument("--model", required=True, help="local Hugging Face model folder")
     p.add_argument("--worker-id", default=f"{role}-0")
@@ -66,12 +68,8 @@ def main(role: str, argv: list[str] | None = None) -> int:
         linear_kernel=args.linear_kernel,
         enable_prefix_caching=role == "prefill",
     )
-    if role == "prefill":
-        from splitserve.prefill_worker.worker import PrefillWorker as cls
-    else:
-        from splitserve.decode_worker.worker import DecodeWorker as cls
     try:  # a bad setting (cpus not on this machine, too many threads for them) is a usage error
-        worker = cls(
+        worker = worker_class(
             WorkerConfig(
                 role=role,
                 worker_id=args.worker_id,
@@ -100,7 +98,3 @@ def _cpu_list(text: str) -> tuple[int, ...]:
         return parse_cpu_list(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1]))

@@ -19,12 +19,16 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING
+from contextlib import AbstractContextManager
+from typing import Protocol
 
 from aiohttp import web
 
 from splitserve.common.errors import ServingError
+from splitserve.engine.model_config import ModelConfig
 from splitserve.engine.tokenizer import Tokenizer
+from splitserve.router.config import RouterConfig
+from splitserve.router.generate import RequestRun
 from splitserve.router.openai.chat_template import ChatTemplate, ChatTemplateError
 from splitserve.router.openai.errors import OpenAIError, dumps
 from splitserve.router.openai.parse import Job, ServedModel, parse_chat, parse_completion
@@ -32,15 +36,29 @@ from splitserve.router.openai.respond import Responder
 from splitserve.rpc.auth import AUTH_HEADER, Credential
 from splitserve.v1 import splitserve_pb2 as pb
 
-if TYPE_CHECKING:
-    from splitserve.router.server import Router
-
 log = logging.getLogger("splitserve.openai")
 REQUEST_ID_HEADER = "X-Request-Id"
 
 
+class Admitting(Protocol):
+    """What the API needs of the router it runs in (``splitserve.router.server.Router`` is the one): its
+    settings and model, and its two steps for every request, ``admitted`` then ``observed``. A protocol,
+    so that this module does not import the server module that imports it."""
+
+    config: RouterConfig
+    model_config: ModelConfig
+    tokenizer: Tokenizer
+
+    @property
+    def model_name(self) -> str: ...
+
+    def admitted(self, request: pb.GenerateRequest) -> AbstractContextManager[RequestRun]: ...
+
+    def observed(self, run: RequestRun) -> AsyncIterator[pb.GenerateResponse]: ...
+
+
 class OpenAIServer:
-    def __init__(self, router: Router) -> None:
+    def __init__(self, router: Admitting) -> None:
         self.router = router
         cfg = router.config
         self.api_keys = Credential("an API key", cfg.public_security.keys())

@@ -22,35 +22,8 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from splitserve.bench import DATASETS
-
-
-@dataclass(frozen=True)
-class BenchRequest:
-    prompt: list[int]
-    output_len: int
-    arrival_s: float | None = None  # from a trace; None: the arrival process decides
-
-    @property
-    def prompt_len(self) -> int:
-        return len(self.prompt)
-
-
-@dataclass(frozen=True)
-class TokenRange:
-    """Token ids ``[low, high)`` that avoid the lowest ids (often control tokens, e.g. Mistral's) and
-    the top of the vocabulary, where tokenizers put their special and EOS ids."""
-
-    low: int
-    high: int
-
-    @classmethod
-    def for_vocab(cls, vocab_size: int) -> TokenRange:
-        if vocab_size < 128:
-            raise ValueError(f"--vocab-size: must be at least 128, got {vocab_size}")
-        return cls(vocab_size // 10, vocab_size - max(64, vocab_size // 100))
-
-    def draw(self, rng: np.random.Generator, n: int) -> list[int]:
-        return rng.integers(self.low, self.high, size=n).tolist()
+from splitserve.bench.mooncake import load_mooncake
+from splitserve.bench.request import BenchRequest, TokenRange
 
 
 @dataclass(frozen=True)
@@ -125,8 +98,6 @@ def make_requests(options: DatasetOptions, tokens: TokenRange) -> list[BenchRequ
     """The requests of ``options.name``, fitted to ``options.max_model_len``."""
     rng = np.random.default_rng(options.seed)
     if options.name == "mooncake":
-        from splitserve.bench.mooncake import load_mooncake
-
         requests = load_mooncake(options.dataset_path, options.num_prompts, tokens, options.seed, options.time_scale)
     elif options.name == "random":
         requests = _random(options, tokens, rng)

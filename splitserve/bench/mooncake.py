@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from splitserve.bench.arrivals import trace_offsets
-from splitserve.bench.datasets import BenchRequest, TokenRange
+from splitserve.bench.request import BenchRequest, TokenRange
 
 MOONCAKE_BLOCK_TOKENS = 512
 SAMPLE_TRACE = Path(__file__).parent / "data" / "mooncake_sample.jsonl"

@@ -26,8 +26,9 @@ import aiohttp
 from splitserve.bench.metrics import SERVER_TIMINGS, RequestRecord
 
 if TYPE_CHECKING:
-    from splitserve.bench.datasets import BenchRequest
-    from splitserve.bench.runner import BenchConfig, Progress
+    from splitserve.bench.config import BenchConfig
+    from splitserve.bench.progress import Progress
+    from splitserve.bench.request import BenchRequest
 
 
 def completions_url(base_url: str) -> str:

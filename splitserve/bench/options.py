@@ -12,11 +12,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from splitserve.bench import DATASETS
-from splitserve.cli import add_client_security_arguments, client_security
+from splitserve.client_flags import add_client_security_arguments, client_security
 
 if TYPE_CHECKING:
-    from splitserve.bench.datasets import BenchRequest
-    from splitserve.bench.runner import BenchConfig
+    from splitserve.bench.config import BenchConfig
+    from splitserve.bench.request import BenchRequest
 
 SWEEP_ONLY = ("rates", "out_dir", "attainment")
 

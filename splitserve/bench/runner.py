@@ -12,17 +12,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
-import sys
 import time
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 from datetime import datetime
-from typing import Literal
 
 import grpc
 
+from splitserve.bench.config import BenchConfig
 from splitserve.bench.datasets import BenchRequest
 from splitserve.bench.metrics import SERVER_TIMINGS, RequestRecord, per_request_lists, summarize
+from splitserve.bench.progress import Progress
 from splitserve.client import make_request
 from splitserve.engine.hardware import describe_machine
 from splitserve.rpc.options import CLIENT_OPTIONS
@@ -30,75 +29,12 @@ from splitserve.rpc.security import ClientSecurity
 from splitserve.v1 import splitserve_pb2 as pb
 from splitserve.v1 import splitserve_pb2_grpc as pb_grpc
 
-BACKENDS = ("splitserve", "openai")
-
-
-@dataclass(frozen=True)
-class BenchConfig:
-    addr: str = "127.0.0.1:50051"  # the router's gRPC address (backend "splitserve")
-    backend: Literal["splitserve", "openai"] = "splitserve"
-    base_url: str = ""  # backend "openai": http://host:port of an OpenAI-compatible server
-    model: str = ""  # backend "openai": the served model name sent with every request
-    request_rate: float = math.inf  # requests per second; inf: all at once
-    burstiness: float = 1.0
-    max_concurrency: int | None = None
-    seed: int = 0
-    temperature: float = 0.0
-    ignore_eos: bool = True
-    request_timeout_s: float = 600.0
-    percentiles: tuple[float, ...] = (90.0, 95.0, 99.0)
-    goodput: Mapping[str, float] = field(default_factory=dict)  # SLOs in ms: ttft, tpot, e2el
-    progress: bool = True
-    security: ClientSecurity = field(default_factory=ClientSecurity)  # TLS and the API key
-
-    def __post_init__(self) -> None:
-        if self.backend not in BACKENDS:
-            raise ValueError(f"--backend: must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
-        if self.backend == "openai" and not self.base_url.startswith(("http://", "https://")):
-            raise ValueError(f"--base-url: backend openai needs an http(s) URL, got {self.base_url!r}")
-        if self.max_concurrency is not None and self.max_concurrency < 1:
-            raise ValueError(f"--max-concurrency: must be >= 1, got {self.max_concurrency}")
-        if not self.request_timeout_s > 0:
-            raise ValueError(f"--request-timeout: must be > 0 s, got {self.request_timeout_s}")
-        if self.seed < 0:
-            raise ValueError(f"--seed: must be >= 0, got {self.seed}")
-        if not self.temperature >= 0:
-            raise ValueError(f"--temperature: must be >= 0, got {self.temperature}")
-
 
 async def get_status(
     addr: str, timeout_s: float = 10.0, security: ClientSecurity | None = None
 ) -> pb.GetStatusResponse:
     async with (security or ClientSecurity()).channel(addr, CLIENT_OPTIONS, aio=True) as channel:
         return await pb_grpc.SplitServeStub(channel).GetStatus(pb.GetStatusRequest(), timeout=timeout_s)
-
-
-class Progress:
-    """A one-line progress bar on stderr, redrawn at most every 0.2 s."""
-
-    def __init__(self, total: int, enabled: bool = True, width: int = 30) -> None:
-        self.total, self.enabled, self.width = total, enabled, width
-        self.done = self.failed = 0
-        self.start = self.drawn = time.monotonic()
-
-    def update(self, ok: bool) -> None:
-        self.done += 1
-        self.failed += not ok
-        now = time.monotonic()
-        if self.enabled and (now - self.drawn >= 0.2 or self.done == self.total):
-            self.drawn = now
-            filled = self.width * self.done // max(self.total, 1)
-            failed = f", {self.failed} failed" if self.failed else ""
-            sys.stderr.write(
-                f"\r[{'#' * filled}{'.' * (self.width - filled)}] {self.done}/{self.total} requests"
-                f"{failed}, {now - self.start:.1f}s"
-            )
-            sys.stderr.flush()
-
-    def close(self) -> None:
-        if self.enabled and self.done:
-            sys.stderr.write("\n")
-            sys.stderr.flush()
 
 
 async def _send(

@@ -1,9 +1,9 @@
-"""Helpers shared by the parity tests: prompts, transformers' greedy loop, and the tie rule."""
+"""Helpers shared by the parity tests: prompts, transformers' greedy loop, the tie rule, and our logits."""
 
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 import torch
@@ -85,3 +85,16 @@ def assert_not_degenerate(outputs: list[list[int]]) -> None:
 def assert_no_blocks_in_use(llm: LLM) -> None:
     llm.check_integrity()
     assert llm.kv_status()["in_use"] == 0
+
+
+def prompt_logits(llm: LLM, token_ids: Sequence[int]) -> torch.Tensor:
+    """float32 logits [len(token_ids), vocab] at every position of a prompt (no prefix reuse): the engine's
+    side of a logits comparison. Its blocks are freed before it returns."""
+    token_ids = [int(t) for t in token_ids]
+    rid = f"score-{next(llm._ids)}"  # from the LLM's own counter: never an id a request of it holds
+    if not llm.blocks.allocate(rid, len(token_ids)):
+        raise RuntimeError(f"not enough free KV blocks to score {len(token_ids)} tokens")
+    try:
+        return llm.runner.score(token_ids, llm.blocks.block_table(rid))
+    finally:
+        llm.blocks.free(rid)

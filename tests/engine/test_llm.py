@@ -11,6 +11,7 @@ import torch
 from splitserve.engine import LLM, SamplingParams
 from splitserve.engine.loader import CheckpointError
 from splitserve.engine.model_config import ModelConfig, ModelConfigError
+from tests.engine.parity import prompt_logits
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 
@@ -137,8 +138,8 @@ def test_half_precision_runs_close_to_fp32(tiny_model_dir, llm, dtype, device):
     half = LLM(tiny_model_dir, dtype=dtype, device=device, num_blocks=64)
     assert half.kv_cache.tensor.dtype == getattr(torch, dtype)
     prompt = list(range(1, 40))
-    ref = llm.prompt_logits(prompt).cpu()
-    got = half.prompt_logits(prompt).cpu()
+    ref = prompt_logits(llm, prompt).cpu()
+    got = prompt_logits(half, prompt).cpu()
     assert got.dtype == torch.float32
     rel = (got - ref).norm() / ref.norm()
     assert rel < 0.05, f"{dtype} logits differ from fp32 by {rel:.3f}"
@@ -159,7 +160,7 @@ def test_sharded_checkpoint_and_config_forms_load_the_same(tmp_path, tiny_model_
     other = LLM(sharded, dtype="float32", device=device, num_blocks=64)
     assert other.weights_checksum == llm.weights_checksum  # same tensors, whatever the shard layout
     prompt = [3, 1, 4, 1, 5, 9, 2, 6]
-    assert torch.equal(other.prompt_logits(prompt).cpu(), llm.prompt_logits(prompt).cpu())
+    assert torch.equal(prompt_logits(other, prompt).cpu(), prompt_logits(llm, prompt).cpu())
     reseeded = make_model("tiny", tmp_path / "seed1", dtype="float32", seed=1)
     assert LLM(reseeded, dtype="float32", num_blocks=8).weights_checksum != llm.weights_checksum
     assert LLM(tiny_model_dir, dtype="float32", num_blocks=8).weights_checksum == llm.weights_checksum

@@ -22,6 +22,7 @@ from tests.engine.parity import (
     assert_not_degenerate,
     hf_greedy,
     make_prompts,
+    prompt_logits,
     torch_threads,
 )
 
@@ -57,7 +58,7 @@ def make_llm(model_dir, device: str, **kw) -> LLM:
 def test_prefill_logits_allclose(arch, arch_model_dirs, hf_models, device):
     llm = make_llm(arch_model_dirs[arch], device)
     for prompt in make_prompts(1, [1, 9, 40, 70]):
-        ours = llm.prompt_logits(prompt).cpu()
+        ours = prompt_logits(llm, prompt).cpu()
         with torch.inference_mode():
             ref = hf_models[arch](torch.tensor([prompt])).logits[0].float()
         torch.testing.assert_close(ours, ref, atol=2e-4, rtol=2e-4)
@@ -147,7 +148,7 @@ def test_rope_scaling_variants_match_transformers(rope_scaling, config_format, t
     prompt = make_prompts(6, [90])[0]
     with torch.inference_mode():
         ref = hf(torch.tensor([prompt])).logits[0].float()
-    torch.testing.assert_close(llm.prompt_logits(prompt).cpu(), ref, atol=2e-4, rtol=2e-4)
+    torch.testing.assert_close(prompt_logits(llm, prompt).cpu(), ref, atol=2e-4, rtol=2e-4)
     out = llm.generate([prompt], SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True))[0]
     ref = hf_greedy(hf, prompt, NEW_TOKENS)
     assert_greedy_parity([out.token_ids], [ref], TIE_GAP, 1, f"{rope_scaling}")

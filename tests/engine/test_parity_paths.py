@@ -33,6 +33,7 @@ from tests.engine.parity import (
     first_tie,
     hf_greedy,
     make_prompts,
+    prompt_logits,
     torch_threads,
 )
 
@@ -146,7 +147,7 @@ def test_fp32_greedy_on_every_linear_path(arch, fp32_path, engines, references):
     assert_runs_path(llm, fp32_path)
     prompt = make_prompts(1, [70])[0]
     ref_logits = references.prompt_logits(arch, "fp32", prompt)
-    torch.testing.assert_close(llm.prompt_logits(prompt).cpu(), ref_logits, atol=2e-4, rtol=2e-4)
+    torch.testing.assert_close(prompt_logits(llm, prompt).cpu(), ref_logits, atol=2e-4, rtol=2e-4)
     prompts = make_prompts(2, FP32_LENGTHS)
     outputs = llm.generate(prompts, SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True))
     refs = references.greedy(arch, "fp32", prompts)
@@ -170,7 +171,7 @@ def test_bf16_prefill_logits_within_transformers_bf16_error(arch, bf16_path, eng
     assert_runs_path(llm, bf16_path)
     prompts = make_prompts(3, BF16_LENGTHS)
     fp32 = [references.prompt_logits(arch, "fp32", p) for p in prompts]
-    ours = relative_error([llm.prompt_logits(p).cpu() for p in prompts], fp32)
+    ours = relative_error([prompt_logits(llm, p).cpu() for p in prompts], fp32)
     theirs = relative_error([references.prompt_logits(arch, "bf16", p) for p in prompts], fp32)
     record_property("bf16_relative_error", {"ours": ours, "transformers": theirs})
     bound = BF16_ERROR_FACTOR * theirs

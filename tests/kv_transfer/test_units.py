@@ -16,7 +16,6 @@ from splitserve.common.arith import ceil_div
 from splitserve.engine.kv_cache import KVCache, KVCacheSpec
 from splitserve.kv_transfer.comm import choose_backend
 from splitserve.kv_transfer.config import FaultPoint, TransferConfig
-from splitserve.kv_transfer.control import LocalConnection
 from splitserve.kv_transfer.descriptor import (
     Commit,
     DescriptorError,
@@ -28,7 +27,7 @@ from splitserve.kv_transfer.descriptor import (
 from splitserve.kv_transfer.handles import TransferState
 from splitserve.kv_transfer.receiver import KVReceiver
 from splitserve.kv_transfer.sender import KVSender, PeerAddress
-from tests.kv_transfer.fakes import FakeFabric
+from tests.kv_transfer.fakes import FakeFabric, LocalConnection
 
 LAYERS, HEADS, HEAD_DIM, BLOCK = 4, 2, 8, 4
 FP = LayoutFingerprint("m", "float32", BLOCK, LAYERS, HEADS, HEAD_DIM, "w1")

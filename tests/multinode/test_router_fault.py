@@ -1,13 +1,13 @@
 """The router dies (its kill point: the ``serve`` process exits at once, as a crash would) while streams
 run. Clients get UNAVAILABLE within 5 s, not a hang; Ray ends the dead deployment's workers (their
 owner is gone), so nothing is left holding KV memory on the cluster; and ``serve`` started again (as a
-supervisor would) on the same cluster and port serves again, exactly (``splitserve.drill``)."""
+supervisor would) on the same cluster and port serves again, exactly (``tests/harness/drill.py``)."""
 
 from __future__ import annotations
 
 import grpc
 
-from splitserve.drill import ROUTER_KILL_AFTER_TOKENS, reference_outputs, run_router_drill
+from tests.harness.drill import ROUTER_KILL_AFTER_TOKENS, reference_outputs, run_router_drill
 
 
 def test_router_killed_mid_stream_then_restarted(serving_model, tmp_path):

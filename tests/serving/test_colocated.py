@@ -11,6 +11,7 @@ import pytest
 
 from splitserve.client import Client
 from tests.serving.conftest import start_deployment, wait_for
+from tests.serving.crash import kill_worker
 from tests.serving.streams import stream_all
 
 PROMPTS = [list(range(1, 30)), list(range(100, 140)), list(range(300, 320)), list(range(500, 545)), [7] * 70]
@@ -83,7 +84,7 @@ def test_a_lost_worker_s_streams_migrate_and_scaling_drains(colocated, reference
     futures = stream_all(colocated.address, PROMPTS, SAMPLING, started, min_tokens=3)
     assert started.wait(30)
     busiest = max((w for w in workers(colocated)), key=lambda w: w.running).worker_id
-    colocated.kill_worker(busiest)  # Ray restarts it; it registers again
+    kill_worker(colocated, busiest)  # Ray restarts it; it registers again
     results = [f.result(timeout=120) for f in futures]
     assert [r[0] for r in results] == reference
     assert sum(r[2] for r in results) >= 1, "the lost worker's streams must have migrated"

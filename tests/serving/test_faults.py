@@ -1,6 +1,6 @@
 """Each fault reached deterministically through its kill point (``faults.kill`` in the deployment
 config): a worker process ends itself, as a crash would, exactly mid-prefill, mid-transfer (either
-side) or mid-decode (``splitserve.drill`` runs the drills). Every time: the affected requests are
+side) or mid-decode (``tests/harness/drill.py`` runs the drills). Every time: the affected requests are
 retried or migrate and finish exactly as the offline engine does, no stream pauses 5 s or more, the
 killed worker comes back (Ray restarts it; its kill point fires in the first incarnation only) and no
 survivor holds a block afterwards.
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from splitserve.drill import DRILLS, reference_outputs, run_drill
+from tests.harness.drill import DRILLS, reference_outputs, run_drill
 
 MAX_PAUSE_S = 5.0
 MAX_BACK_S = 30.0  # Ray restarts the process and it registers again: 3-12 s measured on the shared 2 cores

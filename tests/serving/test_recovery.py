@@ -14,6 +14,7 @@ import pytest
 
 from splitserve.client import Client
 from tests.serving.conftest import start_deployment, wait_for
+from tests.serving.crash import kill_worker
 from tests.serving.streams import stream_all
 
 PROMPTS = [list(range(1, 30)), list(range(100, 140)), list(range(300, 320)), list(range(500, 545))]
@@ -92,7 +93,7 @@ def test_decode_worker_lost_mid_stream_migrates_and_comes_back(whole_cluster, re
     assert started.wait(30)
     victim = busiest_decode_worker(cluster)
     killed_at = time.monotonic()
-    cluster.kill_worker(victim)  # the process dies at once; Ray restarts it
+    kill_worker(cluster, victim)  # the process dies at once; Ray restarts it
     results = [f.result(timeout=120) for f in futures]
     for prompt, (tokens, finish, _) in zip(PROMPTS, results):
         assert tokens == reference[tuple(prompt)], "a migrated stream must continue exactly"
@@ -175,7 +176,7 @@ def test_a_request_that_cannot_migrate_fails_clearly(ray_session, serving_model,
         with Client(alone.address) as client:
             stream = client.stream(token_ids=PROMPTS[0], **SAMPLING)
             assert [next(stream) for _ in range(3)]
-            alone.kill_worker("decode-0")  # max_restarts 0: no decode worker comes back
+            kill_worker(alone, "decode-0")  # max_restarts 0: no decode worker comes back
             start = time.monotonic()
             with pytest.raises(grpc.RpcError) as e:
                 list(stream)

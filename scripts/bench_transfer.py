@@ -1,3 +1,4 @@
+#!/usr/bin/env python3
 """KV-transfer benchmark: splitserve's transfer path against a raw send of the same bytes.
 
 Two spawned processes, a sender and a receiver, each with a paged KV cache of the qwen2.5-0.5b preset's
@@ -12,7 +13,7 @@ The layer-group part writes a KV-heavy checkpoint (full multi-head attention), p
 the sender and measures when its KV is complete on the receiver: sent after prefill, or streamed by
 layer groups while later layers compute.
 
-    python -m splitserve.kv_transfer.bench [--json] [--sizes 128,1024,8192,32768] [--repeats 3]
+    python scripts/bench_transfer.py [--json] [--sizes 128,1024,8192,32768] [--repeats 3]   # make bench-transfer
 With --json the last line of stdout is one JSON object; its "results" list holds, per size, tokens,
 bytes, seconds, gbps, raw_gbps and ratio.
 """
@@ -29,6 +30,12 @@ import sys
 import tempfile
 import threading
 import time
+from pathlib import Path
+
+# A benchmark, not part of the installed package: it drives the engine, the checkpoint writer and the
+# KV transfer together, which no layer of the package may do (docs/architecture.md).
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # spawned children inherit it
 
 from splitserve.common.arith import ceil_div
 
