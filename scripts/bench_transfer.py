@@ -37,7 +37,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # spawned children inherit it
 
-from splitserve.common.arith import ceil_div
+from splitserve.common.arith import ceil_div  # noqa: E402 (after the path line above)
 
 PRESET_SPEC = {"num_layers": 24, "num_kv_heads": 2, "head_dim": 64, "block_size": 16}
 # A KV-heavy shape: full multi-head attention, 32 KiB of KV per token.
