@@ -38,6 +38,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from splitserve.common.validate import check_choice
 from splitserve.engine.hardware import describe_machine
 from splitserve.engine.model import CausalLM, Linear, can_pack, onednn_runs
 
@@ -78,8 +79,7 @@ class KernelPolicy:
     cache_path: str | None = None
 
     def __post_init__(self) -> None:
-        if self.mode not in LINEAR_KERNELS:
-            raise ValueError(f"linear_kernel: must be one of {', '.join(LINEAR_KERNELS)}, got {self.mode!r}")
+        check_choice(self, "mode", LINEAR_KERNELS, label="linear_kernel")
 
     def resolved_cache_path(self) -> Path | None:
         path = self.cache_path

@@ -16,14 +16,14 @@ from typing import Any, Literal, get_origin
 import yaml
 
 from splitserve.common.faults import FaultPlan, FaultPoint, KillPoint
-from splitserve.common.validate import check_choice, check_range, check_ranges
+from splitserve.common.validate import check_choice, check_range, check_ranges, field_default
 from splitserve.engine.core import EngineConfig, EngineSettings
 from splitserve.kv_transfer.config import TransferConfig
 from splitserve.observability.logs import LOG_FORMATS
 from splitserve.router.config import RouterConfig, RouterSettings
 from splitserve.rpc.security import InternalSecurity, PublicSecurity
 from splitserve.worker_common.affinity import CpuSet, format_cpu_list, parse_cpu_sets, thread_count
-from splitserve.worker_common.config import WorkerConfig, check_threads_fit
+from splitserve.worker_common.config import MAX_INFLIGHT, WorkerConfig, check_threads_fit
 
 __all__ = [
     "ConfigError",
@@ -52,7 +52,7 @@ class RoleConfig:
     cpus: tuple[CpuSet, ...] | None = None
     # Requests one worker holds at once. prefill: the router's credit (before the first token);
     # decode: leases (decoding or waiting for KV); colocated: the credit, held to the end.
-    max_inflight: int = 16
+    max_inflight: int = MAX_INFLIGHT["prefill"]  # each role's own default: DeploymentConfig's fields
     num_blocks: int | None = None  # this role's KV blocks; None: engine.num_blocks (or kv_cache_bytes)
     num_cpus: float | None = None  # Ray CPUs each worker reserves; None: len(its cpus) when pinned, else 0
     num_gpus: float = 0.0  # Ray GPUs each worker reserves (use 1 with device: cuda)
@@ -154,13 +154,6 @@ class SecuritySettings:
         )
 
 
-def _default(cls: type, name: str) -> Any:
-    """The default of a field of a runtime config, so that the deployment config does not repeat it."""
-    default = next(f.default for f in fields(cls) if f.name == name)
-    assert default is not MISSING, f"{cls.__name__}.{name} has no default"
-    return default
-
-
 def _values(settings: Any) -> dict[str, Any]:
     """A settings dataclass's fields, to build the runtime config that extends it (shallow: nested
     values stay the objects they are)."""
@@ -174,13 +167,13 @@ class DeploymentConfig:
     that a runtime config holds take their defaults from it."""
 
     model: str | None = None
-    model_name: str = _default(WorkerConfig, "model_name")
-    dtype: str = _default(EngineConfig, "dtype")
-    device: str = _default(EngineConfig, "device")
-    host: str = _default(RouterConfig, "host")
-    port: int = _default(RouterConfig, "port")
-    internal_port: int = _default(RouterConfig, "internal_port")  # the router's port for workers; 0: any free port
-    openai_port: int | None = _default(RouterConfig, "openai_port")  # the OpenAI-compatible HTTP API on `host`;
+    model_name: str = field_default(WorkerConfig, "model_name")
+    dtype: str = field_default(EngineConfig, "dtype")
+    device: str = field_default(EngineConfig, "device")
+    host: str = field_default(RouterConfig, "host")
+    port: int = field_default(RouterConfig, "port")
+    internal_port: int = field_default(RouterConfig, "internal_port")  # the router's port for workers; 0: any free port
+    openai_port: int | None = field_default(RouterConfig, "openai_port")  # the OpenAI-compatible HTTP API on `host`;
     # None: off, 0: any free port
     ray_address: str | None = None
     worker_host: str | None = None  # address workers bind and advertise; None: 127.0.0.1 on an embedded
@@ -188,15 +181,15 @@ class DeploymentConfig:
     ready_timeout_s: float = 300.0  # workers must have registered by then
     # Prometheus /metrics over HTTP (docs/metrics.md). None: off; otherwise the router serves it on this
     # port (0: any free port) and every worker on a free port of its own address.
-    metrics_port: int | None = _default(RouterConfig, "metrics_port")
-    metrics_host: str | None = _default(RouterConfig, "metrics_host")  # the router's /metrics address; None: host
-    log_format: str = _default(WorkerConfig, "log_format")  # text | json (one JSON object a line, with request_id)
+    metrics_port: int | None = field_default(RouterConfig, "metrics_port")
+    metrics_host: str | None = field_default(RouterConfig, "metrics_host")  # the router's /metrics address; None: host
+    log_format: str = field_default(WorkerConfig, "log_format")  # text | json (one JSON object a line, with request_id)
     # disaggregated: prefill and decode workers; colocated: workers that run both phases in one
     # continuous batch (the baseline disaggregation is measured against)
     mode: str = "disaggregated"
-    prefill: RoleConfig = field(default_factory=RoleConfig)
-    decode: RoleConfig = field(default_factory=lambda: RoleConfig(max_inflight=128))
-    colocated: RoleConfig = field(default_factory=lambda: RoleConfig(max_inflight=64))
+    prefill: RoleConfig = field(default_factory=lambda: RoleConfig(max_inflight=MAX_INFLIGHT["prefill"]))
+    decode: RoleConfig = field(default_factory=lambda: RoleConfig(max_inflight=MAX_INFLIGHT["decode"]))
+    colocated: RoleConfig = field(default_factory=lambda: RoleConfig(max_inflight=MAX_INFLIGHT["colocated"]))
     engine: EngineSettings = field(default_factory=EngineSettings)
     router: RouterSettings = field(default_factory=RouterSettings)
     transfer: TransferConfig = field(default_factory=TransferConfig)
@@ -286,7 +279,9 @@ class DeploymentConfig:
 MODES = {"disaggregated": ("prefill", "decode"), "colocated": ("colocated",)}
 
 
-def _build(cls, raw: dict[str, Any], prefix: str):
+def _build(cls, raw: dict[str, Any], prefix: str, base: Any = None):
+    """``cls`` from a file's mapping; a section starts from the deployment's default for it (``base``), so a
+    key left out keeps that section's own default (a decode section's max_inflight is the decode one)."""
     known = {f.name: f for f in fields(cls)}
     values: dict[str, Any] = {}
     for key, value in raw.items():
@@ -297,7 +292,7 @@ def _build(cls, raw: dict[str, Any], prefix: str):
         if section is not None:
             if not isinstance(value, dict):
                 raise ConfigError(f"{name}: must be a mapping")
-            values[key] = _build(section, value, f"{name}.")
+            values[key] = _build(section, value, f"{name}.", base=known[key].default_factory())
         elif cls is RoleConfig and key == "cpus":
             values[key] = value  # RoleConfig parses its forms (worker_common/affinity.py)
         elif cls is FaultPlan and key in ("transfer", "kill"):
@@ -311,7 +306,7 @@ def _build(cls, raw: dict[str, Any], prefix: str):
         else:
             values[key] = _check_type(name, value, known[key].type, cls)
     try:
-        return cls(**values)
+        return cls(**values) if base is None else replace(base, **values)
     except ValueError as e:
         raise ConfigError(f"{prefix}{e}") from None
 

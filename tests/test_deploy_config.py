@@ -250,3 +250,10 @@ def test_dtype_takes_vllms_names_and_keeps_the_canonical_one():
     assert DeploymentConfig().dtype == "auto"
     with pytest.raises(ConfigError, match="dtype: 'int8'"):
         DeploymentConfig.from_dict({"dtype": "int8"})
+
+
+def test_a_section_keeps_its_own_defaults_for_the_keys_it_leaves_out():
+    config = DeploymentConfig.from_dict({"decode": {"replicas": 2}, "colocated": {"threads": 1}})
+    assert (config.decode.replicas, config.decode.max_inflight) == (2, DeploymentConfig().decode.max_inflight)
+    assert config.decode.max_inflight != config.prefill.max_inflight  # each role's own default, not RoleConfig's
+    assert config.colocated.max_inflight == DeploymentConfig().colocated.max_inflight

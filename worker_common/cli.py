@@ -11,25 +11,28 @@ import os
 import signal
 import threading
 
+from splitserve.common.validate import field_default
 from splitserve.engine.core import EngineConfig
-from splitserve.observability.logs import configure_logging
+from splitserve.engine.linear_tuner import LINEAR_KERNELS
+from splitserve.observability.logs import LOG_FORMATS, configure_logging
 from splitserve.worker_common.affinity import parse_cpu_list, thread_count
 from splitserve.worker_common.base import WorkerBase
-from splitserve.worker_common.config import WorkerConfig
+from splitserve.worker_common.config import MAX_INFLIGHT, WorkerConfig
 
 
 def main(role: str, worker_class: type[WorkerBase], argv: list[str] | None = None) -> int:
     """Parse ``argv`` and serve ``worker_class`` until a signal. Each worker's ``__main__`` passes its own
     class: this package sits below both worker packages and may not import them (docs/architecture.md)."""
-    p = argparse.ArgumentParser(prog=f"python -m {role}_worker", description=__doc__)
+    p = argparse.ArgumentParser(prog=f"python -m splitserve.{role}_worker", description=__doc__)
     p.add_argument("--model", required=True, help="local Hugging Face model folder")
     p.add_argument("--worker-id", default=f"{role}-0")
-    p.add_argument("--host", default="127.0.0.1", help="address to bind and advertise")
-    p.add_argument("--port", type=int, default=0)
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--num-blocks", type=int, default=None)
+    # Defaults come from the configs themselves (one place each).
+    p.add_argument("--host", default=field_default(WorkerConfig, "host"), help="address to bind and advertise")
+    p.add_argument("--port", type=int, default=field_default(WorkerConfig, "port"))
+    p.add_argument("--dtype", default=field_default(EngineConfig, "dtype"))
+    p.add_argument("--device", default=field_default(EngineConfig, "device"))
+    p.add_argument("--block-size", type=int, default=field_default(EngineConfig, "block_size"))
+    p.add_argument("--num-blocks", type=int, default=field_default(EngineConfig, "num_blocks"))
     p.add_argument(
         "--threads", type=int, default=None, help="torch threads (default: one per --cpus cpu, else torch's)"
     )
@@ -41,18 +44,23 @@ def main(role: str, worker_class: type[WorkerBase], argv: list[str] | None = Non
     )
     p.add_argument(
         "--linear-kernel",
-        choices=["auto", "plain", "packed", "split"],
-        default="auto",
+        choices=LINEAR_KERNELS,
+        default=field_default(EngineConfig, "linear_kernel"),
         help="CPU linear-layer kernel; auto: timed per weight shape at load (engine/linear_tuner.py)",
     )
     p.add_argument(
         "--max-inflight",
         type=int,
-        default=16 if role == "prefill" else 128,
+        default=MAX_INFLIGHT[role],
         help="prefill: requests before their first token; decode: leases held",
     )
-    p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics here (0: any free port)")
-    p.add_argument("--log-format", choices=["text", "json"], default="text")
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=field_default(WorkerConfig, "metrics_port"),
+        help="serve Prometheus /metrics here (0: any free port)",
+    )
+    p.add_argument("--log-format", choices=LOG_FORMATS, default=field_default(WorkerConfig, "log_format"))
     args = p.parse_args(argv)
     threads = thread_count(args.threads, args.cpus)
     if threads:

@@ -12,6 +12,10 @@ from splitserve.kv_transfer.config import TransferConfig
 from splitserve.rpc.security import InternalSecurity
 from splitserve.worker_common.affinity import check_cpu_set
 
+# Requests one worker holds at once, by role (prefill, colocated: the router's credit; decode: leases):
+# the one place these defaults live (the deployment file's roles and the worker CLI read them here).
+MAX_INFLIGHT = {"prefill": 16, "decode": 128, "colocated": 64}
+
 
 @dataclass(frozen=True)
 class WorkerConfig:
@@ -23,7 +27,7 @@ class WorkerConfig:
     router_address: str = ""  # register with this router (host:port) and stay registered while alive
     model_name: str = ""  # part of the KV layout fingerprint; default: the model folder's name
     transfer: TransferConfig = field(default_factory=TransferConfig)
-    max_inflight: int = 16  # requests held at once: prefill, colocated: the router's credit; decode: leases
+    max_inflight: int = MAX_INFLIGHT["prefill"]  # requests held at once (MAX_INFLIGHT: by role)
     node: str = ""  # where the worker runs (a Ray node id), for status
     faults: Faults = field(default_factory=Faults)  # this process's share of the deployment's fault plan (tests)
     security: InternalSecurity = field(default_factory=InternalSecurity)  # mTLS and the cluster token

@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
+from splitserve.common.validate import check_range
 from splitserve.rpc.security import ClientSecurity
 
 BACKENDS = ("splitserve", "openai")
@@ -36,11 +37,7 @@ class BenchConfig:
             raise ValueError(f"--backend: must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
         if self.backend == "openai" and not self.base_url.startswith(("http://", "https://")):
             raise ValueError(f"--base-url: backend openai needs an http(s) URL, got {self.base_url!r}")
-        if self.max_concurrency is not None and self.max_concurrency < 1:
-            raise ValueError(f"--max-concurrency: must be >= 1, got {self.max_concurrency}")
-        if not self.request_timeout_s > 0:
-            raise ValueError(f"--request-timeout: must be > 0 s, got {self.request_timeout_s}")
-        if self.seed < 0:
-            raise ValueError(f"--seed: must be >= 0, got {self.seed}")
-        if not self.temperature >= 0:
-            raise ValueError(f"--temperature: must be >= 0, got {self.temperature}")
+        check_range(self, "max_concurrency", min=1, label="--max-concurrency")
+        check_range(self, "request_timeout_s", above=0, label="--request-timeout")
+        check_range(self, "seed", min=0, label="--seed")
+        check_range(self, "temperature", min=0, label="--temperature")

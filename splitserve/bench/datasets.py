@@ -24,6 +24,7 @@ import numpy as np
 from splitserve.bench import DATASETS
 from splitserve.bench.mooncake import load_mooncake
 from splitserve.bench.request import BenchRequest, TokenRange
+from splitserve.common.validate import check_range
 
 
 @dataclass(frozen=True)
@@ -76,20 +77,13 @@ class DatasetOptions:
     def __post_init__(self) -> None:
         if self.name not in DATASETS:
             raise ValueError(f"--dataset: unknown dataset {self.name!r}; valid: {', '.join(DATASETS)}")
-        if self.num_prompts < 1:
-            raise ValueError(f"--num-prompts: must be >= 1, got {self.num_prompts}")
-        for name in ("input_len", "output_len"):
-            value = getattr(self, name)
-            if value is not None and value < 1:
-                raise ValueError(f"--{name.replace('_', '-')}: must be >= 1, got {value}")
+        for name in ("num_prompts", "input_len", "output_len", "shared_prefix_groups"):
+            check_range(self, name, min=1, label=_flag(name))
         if not 0 <= self.range_ratio < 1:
             raise ValueError(f"--range-ratio: must be in [0, 1), got {self.range_ratio}")
-        if self.random_prefix_len < 0 or self.shared_prefix_len < 0:
-            raise ValueError("--random-prefix-len, --shared-prefix-len: must be >= 0")
-        if self.shared_prefix_groups < 1:
-            raise ValueError(f"--shared-prefix-groups: must be >= 1, got {self.shared_prefix_groups}")
-        if self.max_model_len < 2:
-            raise ValueError(f"--max-model-len: must be >= 2, got {self.max_model_len}")
+        for name in ("random_prefix_len", "shared_prefix_len"):
+            check_range(self, name, min=0, label=_flag(name))
+        check_range(self, "max_model_len", min=2, label="--max-model-len")
         if self.name == "mooncake" and not self.dataset_path:
             raise ValueError("--dataset-path: required with --dataset mooncake")
 
@@ -150,3 +144,8 @@ def _shared_prefix(options: DatasetOptions, tokens: TokenRange, rng: np.random.G
     output_lens = uniform_lengths(rng, options.output_len or 256, options.range_ratio, n)
     groups = rng.permutation(np.arange(n) % options.shared_prefix_groups).tolist()
     return [BenchRequest(prefixes[g] + tokens.draw(rng, s), o) for g, s, o in zip(groups, suffix_lens, output_lens)]
+
+
+def _flag(name: str) -> str:
+    """The command-line flag of a dataset option (``input_len`` -> ``--input-len``)."""
+    return "--" + name.replace("_", "-")

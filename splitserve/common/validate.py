@@ -10,6 +10,7 @@ names the field (a caller that embeds the dataclass prefixes its own path, e.g. 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import MISSING, fields
 from typing import Any
 
 
@@ -21,12 +22,15 @@ def check_range(
     max: float | None = None,
     above: float | None = None,
     prefix: str = "",
+    label: str | None = None,
 ) -> None:
     """Raise ValueError naming ``prefix + name`` unless ``obj.name`` is None or within the bounds:
-    ``min <= value <= max`` and ``value > above`` (each bound optional)."""
+    ``min <= value <= max`` and ``value > above`` (each bound optional). ``label`` is the name the error
+    shows where the user knows the field by another (a command-line flag such as ``--max-concurrency``)."""
     value = getattr(obj, name)
     if value is None:
         return
+    name = label or name
     if above is not None and not value > above:
         raise ValueError(f"{prefix}{name}: must be > {above}, got {value}")
     if min is not None and max is not None and not min <= value <= max:
@@ -43,8 +47,16 @@ def check_ranges(obj: Any, names: Iterable[str], **bounds: float | None) -> None
         check_range(obj, name, **bounds)
 
 
-def check_choice(obj: Any, name: str, choices: Iterable[object], *, prefix: str = "") -> None:
-    """Raise ValueError naming ``prefix + name`` unless ``obj.name`` is one of ``choices``."""
+def check_choice(obj: Any, name: str, choices: Iterable[object], *, prefix: str = "", label: str | None = None) -> None:
+    """Raise ValueError naming ``prefix + name`` (or ``label``) unless ``obj.name`` is one of ``choices``."""
     value, choices = getattr(obj, name), tuple(choices)
     if value not in choices:
-        raise ValueError(f"{prefix}{name}: must be one of {', '.join(map(str, choices))}, got {value!r}")
+        raise ValueError(f"{prefix}{label or name}: must be one of {', '.join(map(str, choices))}, got {value!r}")
+
+
+def field_default(cls: type, name: str) -> Any:
+    """The declared default of a dataclass field, for a caller (a deployment file, a CLI flag) that must not
+    repeat it. Only plain defaults: a field without one (or with a default factory) is a programming error."""
+    default = next(f.default for f in fields(cls) if f.name == name)
+    assert default is not MISSING, f"{cls.__name__}.{name} has no default"
+    return default
