@@ -29,7 +29,7 @@ from splitserve.common.errors import ServingError
 from splitserve.engine.request import FinishReason, Request
 from splitserve.engine.wire import FINISH_TO_PB, stop_reason_text
 from splitserve.prefill_worker.cache_events import CacheEventFeed
-from splitserve.prefill_worker.jobs import PrefillJob, check_room, job_from_pb, mark_scheduled
+from splitserve.prefill_worker.jobs import PrefillJob, check_room, finish_job, job_from_pb, mark_scheduled
 from splitserve.prefill_worker.service import PrefillServicer
 from splitserve.rpc import workers_pb2 as wpb
 from splitserve.rpc import workers_pb2_grpc as wpb_grpc
@@ -146,13 +146,7 @@ class ColocatedWorker(WorkerBase):
         self._finish_job(job, Emit(wpb.PrefillEvent(preempted=wpb.Preempted(output_token_ids=output))))
 
     def _finish_job(self, job: PrefillJob, last: Event) -> None:
-        """Forget the job and close its call's queue: a last message is followed by End."""
-        with self.lock:
-            if self.jobs.get(job.request.request_id) is job:
-                del self.jobs[job.request.request_id]
-        job.events.put(last)
-        if isinstance(last, Emit):
-            job.events.put(End())
+        finish_job(self.jobs, self.lock, job, last)
 
     def fail_all(self, message: str) -> None:
         for job in list(self.jobs.values()):

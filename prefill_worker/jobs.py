@@ -5,6 +5,7 @@ differ in what follows the first token (a KV transfer, or decoding here)."""
 from __future__ import annotations
 
 import queue
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -16,7 +17,7 @@ from splitserve.engine.wire import sampling_from_pb
 from splitserve.kv_transfer.sender import PeerAddress, SendHandle
 from splitserve.rpc import workers_pb2 as wpb
 from splitserve.worker_common.base import WorkerBase
-from splitserve.worker_common.messages import Event, make_event_queue
+from splitserve.worker_common.messages import Emit, End, Event, make_event_queue
 
 
 @dataclass(eq=False)
@@ -77,3 +78,14 @@ def mark_scheduled(jobs: dict[str, PrefillJob], output: SchedulerOutput) -> None
         job = jobs[item.request.request_id]
         if job.first_scheduled is None:
             job.first_scheduled = now
+
+
+def finish_job(jobs: dict[str, PrefillJob], lock: threading.RLock, job: PrefillJob, last: Event) -> None:
+    """Forget the job (by job, not by id: a later request may reuse the id) and close its call's queue:
+    a last message is followed by End."""
+    with lock:
+        if jobs.get(job.request.request_id) is job:
+            del jobs[job.request.request_id]
+    job.events.put(last)
+    if isinstance(last, Emit):
+        job.events.put(End())

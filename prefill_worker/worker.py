@@ -33,7 +33,7 @@ from splitserve.kv_transfer.handles import TransferHandle, TransferState
 from splitserve.kv_transfer.sender import KVSender
 from splitserve.kv_transfer.service import GrpcConnection
 from splitserve.prefill_worker.cache_events import CacheEventFeed
-from splitserve.prefill_worker.jobs import PrefillJob, check_room, job_from_pb, mark_scheduled
+from splitserve.prefill_worker.jobs import PrefillJob, check_room, finish_job, job_from_pb, mark_scheduled
 from splitserve.prefill_worker.service import PrefillServicer
 from splitserve.rpc import workers_pb2 as wpb
 from splitserve.rpc import workers_pb2_grpc as wpb_grpc
@@ -226,13 +226,7 @@ class PrefillWorker(WorkerBase):
         self.wake()
 
     def _finish_job(self, job: PrefillJob, last: Event) -> None:
-        """Forget the job and close its call's queue: a last message is followed by End."""
-        with self.lock:
-            if self.jobs.get(job.request.request_id) is job:
-                del self.jobs[job.request.request_id]
-        job.events.put(last)
-        if isinstance(last, Emit):
-            job.events.put(End())
+        finish_job(self.jobs, self.lock, job, last)
 
     def fail_all(self, message: str) -> None:
         for job in list(self.jobs.values()):

@@ -200,14 +200,7 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--skip-hf", action="store_true", help="measure splitserve and the bounds only")
     ap.add_argument("--json", action="store_true", help="print one JSON object with every figure")
-    ap.add_argument(
-        "--peer",
-        default=None,
-        metavar="PYTHON",
-        help="the peer venv's python (default: .peer/bin/python when `make peer` has built it)",
-    )
-    ap.add_argument("--no-peer", action="store_true", help="do not measure vLLM")
-    ap.add_argument("--peer-timeout", type=float, default=1800.0, help="seconds for the whole vLLM run")
+    peer.add_arguments(ap, timeout_s=1800.0, timeout_help="seconds for the whole vLLM run")
     args = ap.parse_args()
 
     torch.set_num_threads(args.threads)

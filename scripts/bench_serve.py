@@ -278,14 +278,7 @@ def main() -> int:
         action="store_true",
         help="only the peer's workload (no single stream, transformers or offline engine)",
     )
-    ap.add_argument(
-        "--peer",
-        default=None,
-        metavar="PYTHON",
-        help="the peer venv's python (default: .peer/bin/python when `make peer` has built it)",
-    )
-    ap.add_argument("--no-peer", action="store_true", help="do not measure vLLM")
-    ap.add_argument("--peer-timeout", type=float, default=1200.0, help="seconds for vLLM to become healthy")
+    peer.add_arguments(ap, timeout_s=1200.0, timeout_help="seconds for vLLM to become healthy")
     ap.add_argument("--request-timeout", type=float, default=900.0, help="seconds for each request of the workload")
     args = ap.parse_args()
     args.in_flight = [int(n) for n in args.in_flight.split(",")]

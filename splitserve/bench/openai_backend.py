@@ -24,10 +24,10 @@ from typing import TYPE_CHECKING
 import aiohttp
 
 from splitserve.bench.metrics import SERVER_TIMINGS, RequestRecord
+from splitserve.bench.progress import Progress, run_timed
 
 if TYPE_CHECKING:
     from splitserve.bench.config import BenchConfig
-    from splitserve.bench.progress import Progress
     from splitserve.bench.request import BenchRequest
 
 
@@ -146,12 +146,10 @@ async def run_requests(
     # No connection limit below the concurrency: aiohttp's default pool (100) would queue requests itself.
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector) as session:
-        start = time.perf_counter()
-        try:
-            await asyncio.gather(
-                *(_send(session, url, b, rec, start, config, slots, progress) for b, rec in zip(bodies, records))
-            )
-        finally:
-            duration = time.perf_counter() - start
-            progress.close()
+        duration = await run_timed(
+            lambda start: (
+                _send(session, url, b, rec, start, config, slots, progress) for b, rec in zip(bodies, records)
+            ),
+            progress,
+        )
     return records, duration

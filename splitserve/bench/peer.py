@@ -12,6 +12,7 @@ is sized to match ours. The first start compiles the model for minutes; later on
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import signal
@@ -240,3 +241,15 @@ class VLLMServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def add_arguments(parser: argparse.ArgumentParser, timeout_s: float, timeout_help: str) -> None:
+    """The peer's flags, the same in every benchmark: ``--peer PYTHON``, ``--no-peer``, ``--peer-timeout``."""
+    parser.add_argument(
+        "--peer",
+        default=None,
+        metavar="PYTHON",
+        help="the peer venv's python (default: .peer/bin/python when `make peer` has built it)",
+    )
+    parser.add_argument("--no-peer", action="store_true", help="do not measure vLLM")
+    parser.add_argument("--peer-timeout", type=float, default=timeout_s, help=timeout_help)

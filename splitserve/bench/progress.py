@@ -1,9 +1,11 @@
-"""The benchmark's progress line, drawn by both backends."""
+"""The benchmark's progress line and its timed run, shared by both backends."""
 
 from __future__ import annotations
 
+import asyncio
 import sys
 import time
+from collections.abc import Awaitable, Callable, Iterable
 
 
 class Progress:
@@ -32,3 +34,14 @@ class Progress:
         if self.enabled and self.done:
             sys.stderr.write("\n")
             sys.stderr.flush()
+
+
+async def run_timed(sends: Callable[[float], Iterable[Awaitable[object]]], progress: Progress) -> float:
+    """Run every request at once, each told the common start (``time.perf_counter``), and return the wall
+    time until the last one ended; the progress line is closed either way."""
+    start = time.perf_counter()
+    try:
+        await asyncio.gather(*sends(start))
+    finally:
+        progress.close()
+    return time.perf_counter() - start

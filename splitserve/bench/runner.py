@@ -21,7 +21,7 @@ import grpc
 from splitserve.bench.config import BenchConfig
 from splitserve.bench.datasets import BenchRequest
 from splitserve.bench.metrics import SERVER_TIMINGS, RequestRecord, per_request_lists, summarize
-from splitserve.bench.progress import Progress
+from splitserve.bench.progress import Progress, run_timed
 from splitserve.client import make_request
 from splitserve.engine.hardware import describe_machine
 from splitserve.rpc.options import CLIENT_OPTIONS
@@ -92,14 +92,10 @@ async def run_requests(
     progress = Progress(len(requests), config.progress)
     async with config.security.channel(config.addr, CLIENT_OPTIONS, aio=True) as channel:
         stub = pb_grpc.SplitServeStub(channel)
-        start = time.perf_counter()
-        try:
-            await asyncio.gather(
-                *(_send(stub, m, rec, start, config, slots, progress) for m, rec in zip(messages, records))
-            )
-        finally:
-            duration = time.perf_counter() - start
-            progress.close()
+        duration = await run_timed(
+            lambda start: (_send(stub, m, rec, start, config, slots, progress) for m, rec in zip(messages, records)),
+            progress,
+        )
     return records, duration
 
 
