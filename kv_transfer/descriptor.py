@@ -7,6 +7,11 @@ with the request (the first token, sampled by the sender).
 Decoding trusts nothing: a size limit (and limits on every string, bytes, array and map inside), an
 exact key set, a type and range check per field (``commit`` included: a versioned record with its own
 exact key set), and no msgpack extension types (nothing is ever unpickled or constructed from the wire).
+
+Tensor parallelism: a worker of TP size ``t`` is ``t`` ranks, each holding only its KV heads
+(``splitserve.engine.tp_layout``). A rank's fingerprint says its TP size, its rank and its head range; two
+ranks can exchange KV when their layouts agree (``mismatches``), whatever their sizes. A descriptor's
+``heads`` says which of the model's KV heads its payload holds (docs/kv_transfer.md).
 """
 
 from __future__ import annotations
@@ -17,6 +22,8 @@ from typing import Any
 
 import msgpack
 
+from splitserve.engine.tp_layout import HeadRange, kv_head_range
+
 PROTOCOL_VERSION = 1
 COMMIT_VERSION = 1
 DTYPES = ("bfloat16", "float16", "float32")
@@ -24,6 +31,7 @@ _MAX_ID_CHARS = 256
 _MAX_SHAPE_DIMS = 8
 _MAX_STRING_BYTES = 16 << 10
 _MAX_TOKEN_ID = 2**31  # token ids are int32 on the wire (workers.proto); the vocabulary check is the receiver's
+_ELEMENT_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
 
 class DescriptorError(ValueError):
@@ -32,6 +40,13 @@ class DescriptorError(ValueError):
 
 @dataclass(frozen=True)
 class LayoutFingerprint:
+    """One rank's KV layout. ``num_kv_heads`` is the model's total; the rank holds ``heads``.
+
+    The first seven fields must agree between a sender and a receiver; the tensor-parallel ones
+    (``tp_size``, ``tp_rank``, ``heads_start``/``heads_stop``) may differ: the transfer then moves only the
+    heads both ranks hold. ``heads_stop`` 0 means "to the last head", so a TP-1 fingerprint needs none of them.
+    """
+
     model: str
     dtype: str
     block_size: int
@@ -39,20 +54,59 @@ class LayoutFingerprint:
     num_kv_heads: int
     head_dim: int
     weights_checksum: str
+    tp_size: int = 1
+    tp_rank: int = 0
+    heads_start: int = 0
+    heads_stop: int = 0  # 0: num_kv_heads
+
+    def __post_init__(self) -> None:
+        # Fingerprints arrive from the wire (the pair's hello): refuse an inconsistent one by field.
+        if self.heads_stop == 0:
+            object.__setattr__(self, "heads_stop", self.num_kv_heads)
+        if self.num_kv_heads < 1:
+            raise DescriptorError(f"num_kv_heads: must be >= 1, got {self.num_kv_heads}")
+        if not 0 <= self.tp_rank < self.tp_size:
+            raise DescriptorError(f"tp_rank: must be 0 to tp_size - 1 ({self.tp_size - 1}), got {self.tp_rank}")
+        if not 0 <= self.heads_start < self.heads_stop <= self.num_kv_heads:
+            raise DescriptorError(
+                f"heads: [{self.heads_start}, {self.heads_stop}) is not a range within the model's "
+                f"{self.num_kv_heads} KV heads"
+            )
+        try:
+            expected = kv_head_range(self.num_kv_heads, self.tp_size, self.tp_rank)
+        except ValueError as e:
+            raise DescriptorError(f"tp_size: {e}") from None
+        if self.heads != expected:
+            raise DescriptorError(
+                f"heads: [{self.heads_start}, {self.heads_stop}) are not the KV heads of rank {self.tp_rank} of "
+                f"{self.tp_size} ([{expected.start}, {expected.stop}))"
+            )
+
+    @property
+    def heads(self) -> HeadRange:
+        """The model's KV heads this rank holds (its cache's dimension 3)."""
+        return HeadRange(self.heads_start, self.heads_stop)
 
     def mismatches(self, other: LayoutFingerprint) -> list[str]:
-        """Names of the fields that differ, with both values, for an error message."""
+        """Names of the layout fields that differ, with both values, for an error message. The
+        tensor-parallel fields are not compared: ranks of workers of any sizes may pair."""
         return [
             f"{f.name} ({getattr(self, f.name)!r} != {getattr(other, f.name)!r})"
             for f in fields(self)
-            if getattr(self, f.name) != getattr(other, f.name)
+            if f.name not in _TP_FIELDS and getattr(self, f.name) != getattr(other, f.name)
         ]
 
     @property
     def bytes_per_block_layer(self) -> int:
-        """Bytes of one block of one layer: K and V for every head."""
-        elem = {"bfloat16": 2, "float16": 2, "float32": 4}[self.dtype]
-        return 2 * self.num_kv_heads * self.block_size * self.head_dim * elem
+        """Bytes of one block of one layer in this rank's cache: K and V for every head it holds."""
+        return self.bytes_per_block_layer_of(self.heads.count)
+
+    def bytes_per_block_layer_of(self, num_heads: int) -> int:
+        """Bytes of one block of one layer for ``num_heads`` heads: K and V."""
+        return 2 * num_heads * self.block_size * self.head_dim * _ELEMENT_BYTES[self.dtype]
+
+
+_TP_FIELDS = frozenset(("tp_size", "tp_rank", "heads_start", "heads_stop"))
 
 
 @dataclass(frozen=True)
@@ -76,11 +130,12 @@ class PayloadDescriptor:
     num_blocks: int  # blocks in the whole transfer
     num_tokens: int  # tokens in the whole transfer
     dtype: str
-    shape: tuple[int, ...]  # [layers, blocks, 2, kv_heads, block_size, head_dim]
+    shape: tuple[int, ...]  # [layers, blocks, 2, heads, block_size, head_dim]
     nbytes: int
-    last: bool  # the transfer's final message
+    last: bool  # the sending rank's final message for the transfer
     commit: Commit | None = None  # delivered to the receiver with the last message
     version: int = PROTOCOL_VERSION
+    heads: tuple[int, int] | None = None  # the model's KV heads [start, stop) in the payload; None: all of them
 
     @property
     def num_units(self) -> int:
@@ -89,7 +144,21 @@ class PayloadDescriptor:
 
 
 _WIRE_KEYS = frozenset(
-    ("v", "seq", "id", "layers", "blocks", "num_blocks", "num_tokens", "dtype", "shape", "nbytes", "last", "commit")
+    (
+        "v",
+        "seq",
+        "id",
+        "layers",
+        "blocks",
+        "heads",
+        "num_blocks",
+        "num_tokens",
+        "dtype",
+        "shape",
+        "nbytes",
+        "last",
+        "commit",
+    )
 )
 _COMMIT_KEYS = frozenset(("version", "first_token"))
 
@@ -102,6 +171,7 @@ def encode_descriptor(d: PayloadDescriptor) -> bytes:
             "id": d.transfer_id,
             "layers": [d.layer_start, d.layer_end],
             "blocks": [d.block_start, d.block_end],
+            "heads": None if d.heads is None else list(d.heads),
             "num_blocks": d.num_blocks,
             "num_tokens": d.num_tokens,
             "dtype": d.dtype,
@@ -149,6 +219,7 @@ def decode_descriptor(data: bytes, max_bytes: int = 64 << 10) -> PayloadDescript
         raise DescriptorError(f"v: protocol version {version} is not {PROTOCOL_VERSION}")
     layer_start, layer_end = _range(raw, "layers")
     block_start, block_end = _range(raw, "blocks")
+    heads = None if raw["heads"] is None else _range(raw, "heads")
     num_blocks = _int(raw, "num_blocks", 1)
     if block_end > num_blocks:
         raise DescriptorError(f"blocks: end {block_end} exceeds num_blocks {num_blocks}")
@@ -182,6 +253,7 @@ def decode_descriptor(data: bytes, max_bytes: int = 64 << 10) -> PayloadDescript
         last=last,
         commit=commit,
         version=version,
+        heads=heads,
     )
 
 

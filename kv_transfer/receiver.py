@@ -7,6 +7,12 @@ payload in a staging buffer and scatters it into the leased blocks. Every payloa
 is received, even for a transfer that is no longer wanted (then it is dropped), so the FIFO never
 desynchronises; anything that could desynchronise it (a malformed descriptor, a transport error, a
 timeout) breaks the pair instead: its transfers fail, its group is aborted, the sender rebuilds.
+
+Tensor parallelism: the receiver is one rank and ``expect`` leases its blocks for its heads only. The
+parts of a transfer may arrive on several pairs (one per sending rank that holds some of those heads,
+``splitserve.engine.tp_layout.transfer_pairs``); each descriptor names its heads, which must lie inside
+both this rank's range and the sender's, and the transfer is DONE once every (layer, block, head) has
+landed exactly once. Every pair that contributed is then acknowledged (docs/kv_transfer.md).
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from splitserve.common.arith import ceil_div
 from splitserve.common.errors import ServingError
 from splitserve.common.faults import FaultHooks
 from splitserve.engine.kv_cache import KVCache
+from splitserve.engine.tp_layout import HeadRange
 from splitserve.kv_transfer.comm import (
     Communicator,
     CommunicatorFactory,
@@ -57,21 +64,22 @@ from splitserve.kv_transfer.descriptor import (
 )
 from splitserve.kv_transfer.endpoint import Endpoint
 from splitserve.kv_transfer.handles import TransferHandle, TransferState
+from splitserve.kv_transfer.heads import check_cache_heads, scatter_heads
 
 log = logging.getLogger("splitserve.kv_transfer")
 
 
 class ReceiveHandle(TransferHandle):
-    """One expected transfer into leased blocks; DONE once every (layer, block) has landed."""
+    """One expected transfer into leased blocks; DONE once every (layer, block, head) has landed."""
 
     def __init__(self, transfer_id: str, block_ids: tuple[int, ...], timeout_s: float, device: torch.device) -> None:
         super().__init__(transfer_id, block_ids, timeout_s)
         self.dest = torch.tensor(block_ids, dtype=torch.long, device=device)
         self.num_blocks: int | None = None  # set by the first descriptor
-        self.landed: bytearray | None = None  # one flag per (layer, block)
+        self.landed: bytearray | None = None  # one flag per (layer, block, head of this rank), in that order
         self.units_landed = 0
         self.commit: Commit | None = None  # set by the last message
-        self.pair: _ReceiverPair | None = None
+        self.pairs: list[_ReceiverPair] = []  # the pairs its parts arrive on: one per sending rank
 
     @property
     def progress(self) -> float:
@@ -108,6 +116,7 @@ class KVReceiver(Endpoint):
     ) -> None:
         super().__init__(config, faults)
         self.cache, self.fingerprint, self.receiver_id, self.host = cache, fingerprint, receiver_id, host
+        check_cache_heads(cache, fingerprint)
         self.incarnation = uuid.uuid4().hex
         self.backend = choose_backend(cache.device, self.config.backend)
         self.store, self.store_port = bind_store(host, store_port, self.config.pair_setup_timeout_s)
@@ -183,9 +192,7 @@ class KVReceiver(Endpoint):
                 if isinstance(message, DescriptorBytes):
                     self._on_descriptor(pair, message.data)
                 elif isinstance(message, Cancel):
-                    handle = self._transfers.get(message.transfer_id)
-                    if handle is not None and handle.pair in (None, pair):
-                        handle._end(TransferState.FAILED, f"sender gave up: {message.reason}")
+                    self._on_cancel(pair, message)
                 else:
                     raise ServingError("INVALID_ARGUMENT", f"unexpected {type(message).__name__} on an open pair")
                 if pair.broken.is_set():
@@ -221,10 +228,21 @@ class KVReceiver(Endpoint):
         handle = self._transfers.get(desc.transfer_id)
         if handle is not None:
             with handle.lock:
-                if handle.pair is None:  # from now on, this pair breaking fails the transfer
-                    handle.pair = pair
+                if pair not in handle.pairs:  # from now on, this pair breaking fails the transfer
+                    handle.pairs.append(pair)
                     pair.transfers.add(desc.transfer_id)
         pair.queue.put(desc)
+
+    def _on_cancel(self, pair: _ReceiverPair, message: Cancel) -> None:
+        """A sender gave up. A TP-1 sender may end only a transfer it is sending (or one nobody sends
+        yet); a rank of a larger sender may also end one whose other parts come from its peer ranks."""
+        handle = self._transfers.get(message.transfer_id)
+        if handle is None:
+            return
+        if handle.pairs and pair not in handle.pairs and pair.hello.fingerprint.tp_size == 1:
+            return
+        if handle._end(TransferState.FAILED, f"sender gave up: {message.reason}"):
+            self._notify(handle, AckStatus.FAILED, f"another sending rank gave up: {message.reason}", skip=pair)
 
     # ---- the lane: receives in FIFO order, then scatters ---------------------------------------
 
@@ -281,63 +299,112 @@ class KVReceiver(Endpoint):
         with handle.lock:
             if handle.terminal:
                 return  # cancelled, failed or timed out: the payload is dropped
-            problem = self._validate(handle, desc, pair)
+            try:
+                self._validate(handle, desc, pair)
+                problem = ""
+            except DescriptorError as e:  # names the field
+                problem = str(e)
             if problem:
                 handle._end(TransferState.FAILED, f"refused: {problem}")
                 pair.send(Ack(desc.transfer_id, desc.seq, AckStatus.REFUSED, problem))
                 return
             handle._start()
+            h0, h1 = self._local_heads(desc)
             dest = handle.dest[desc.block_start : desc.block_end]
-            self.cache.scatter_blocks(dest, data.view(self._dtype), range(desc.layer_start, desc.layer_end))
-            for layer in range(desc.layer_start, desc.layer_end):
-                base = layer * handle.num_blocks
-                handle.landed[base + desc.block_start : base + desc.block_end] = b"\x01" * (
-                    desc.block_end - desc.block_start
-                )
-            handle.units_landed += desc.num_units
+            layers = range(desc.layer_start, desc.layer_end)
+            scatter_heads(self.cache, dest, data.view(self._dtype), layers, h0, h1)
+            for flags in self._unit_flags(handle, desc, h0, h1):
+                handle.landed[flags] = b"\x01" * (flags.stop - flags.start)
+            handle.units_landed += desc.num_units * (h1 - h0)
             handle.nbytes += desc.nbytes
-            if desc.last:
+            if desc.commit is not None:
                 handle.commit = desc.commit
             if handle.units_landed == len(handle.landed):
                 if self.cache.device.type == "cuda":
                     torch.cuda.current_stream(self.cache.device).synchronize()
                 handle._end(TransferState.DONE)
                 pair.send(Ack(desc.transfer_id, desc.seq, AckStatus.DONE))
+                self._notify(handle, AckStatus.DONE, "", skip=pair)  # the other sending ranks
 
-    def _validate(self, handle: ReceiveHandle, desc: PayloadDescriptor, pair: _ReceiverPair) -> str:
+    def _validate(self, handle: ReceiveHandle, desc: PayloadDescriptor, pair: _ReceiverPair) -> None:
+        """Raise DescriptorError, naming the field, unless the payload fits this transfer and this rank."""
         fp = self.fingerprint
-        if handle.pair is not pair:
-            return "transfer is already arriving on another pair"
+        if pair not in handle.pairs:
+            raise DescriptorError("id: the transfer was not expected yet when this pair announced it")
         if desc.dtype != fp.dtype:
-            return f"dtype {desc.dtype} != {fp.dtype}"
+            raise DescriptorError(f"dtype: {desc.dtype} != {fp.dtype}")
         if desc.layer_end > fp.num_layers:
-            return f"layers [{desc.layer_start}, {desc.layer_end}) exceed the model's {fp.num_layers}"
+            raise DescriptorError(f"layers: [{desc.layer_start}, {desc.layer_end}) exceed the model's {fp.num_layers}")
         if desc.num_blocks > len(handle.block_ids):
-            return f"{desc.num_blocks} blocks do not fit the {len(handle.block_ids)} leased"
+            raise DescriptorError(f"num_blocks: {desc.num_blocks} blocks do not fit the {len(handle.block_ids)} leased")
         if ceil_div(desc.num_tokens, fp.block_size) != desc.num_blocks:
-            return f"{desc.num_tokens} tokens do not fill {desc.num_blocks} blocks of {fp.block_size}"
-        if handle.num_blocks is None:
-            handle.num_blocks = desc.num_blocks
-            handle.landed = bytearray(fp.num_layers * desc.num_blocks)
-        elif handle.num_blocks != desc.num_blocks:
-            return f"num_blocks changed from {handle.num_blocks} to {desc.num_blocks}"
+            raise DescriptorError(
+                f"num_tokens: {desc.num_tokens} tokens do not fill {desc.num_blocks} blocks of {fp.block_size}"
+            )
+        heads = _heads(desc, fp)
+        sender = pair.hello.fingerprint.heads
+        if heads.overlap(fp.heads) != heads:
+            raise DescriptorError(
+                f"heads: [{heads.start}, {heads.stop}) are not all held by this receiver "
+                f"(rank {fp.tp_rank} of {fp.tp_size} holds [{fp.heads.start}, {fp.heads.stop}))"
+            )
+        if heads.overlap(sender) != heads:
+            raise DescriptorError(
+                f"heads: [{heads.start}, {heads.stop}) are not all held by the sender "
+                f"(its fingerprint says [{sender.start}, {sender.stop}))"
+            )
         expected = (
             desc.layer_end - desc.layer_start,
             desc.block_end - desc.block_start,
             2,
-            fp.num_kv_heads,
+            heads.count,
             fp.block_size,
             fp.head_dim,
         )
         if desc.shape != expected:
-            return f"shape {list(desc.shape)} != {list(expected)}"
-        if desc.nbytes != desc.num_units * fp.bytes_per_block_layer:
-            return f"nbytes {desc.nbytes} does not match the shape"
-        for layer in range(desc.layer_start, desc.layer_end):
-            base = layer * handle.num_blocks
-            if any(handle.landed[base + desc.block_start : base + desc.block_end]):
-                return f"layer {layer} blocks [{desc.block_start}, {desc.block_end}) arrived twice"
-        return ""
+            raise DescriptorError(f"shape: {list(desc.shape)} != {list(expected)}")
+        if desc.nbytes != desc.num_units * fp.bytes_per_block_layer_of(heads.count):
+            raise DescriptorError(f"nbytes: {desc.nbytes} does not match the shape")
+        if desc.commit is not None and handle.commit is not None and desc.commit != handle.commit:
+            raise DescriptorError(f"commit: {desc.commit} differs from {handle.commit} sent by another rank")
+        if handle.num_blocks is None:
+            handle.num_blocks = desc.num_blocks
+            handle.landed = bytearray(fp.num_layers * desc.num_blocks * fp.heads.count)
+        elif handle.num_blocks != desc.num_blocks:
+            raise DescriptorError(f"num_blocks: changed from {handle.num_blocks} to {desc.num_blocks}")
+        h0, h1 = self._local_heads(desc)
+        for flags in self._unit_flags(handle, desc, h0, h1):
+            if any(handle.landed[flags]):
+                raise DescriptorError(
+                    f"layers: [{desc.layer_start}, {desc.layer_end}) blocks [{desc.block_start}, {desc.block_end}) "
+                    f"heads [{heads.start}, {heads.stop}) arrived twice"
+                )
+
+    def _local_heads(self, desc: PayloadDescriptor) -> tuple[int, int]:
+        """The descriptor's heads in this rank's cache numbering (dimension 3)."""
+        heads, mine = _heads(desc, self.fingerprint), self.fingerprint.heads
+        return heads.start - mine.start, heads.stop - mine.start
+
+    def _unit_flags(self, handle: ReceiveHandle, desc: PayloadDescriptor, h0: int, h1: int) -> list[slice]:
+        """The slices of ``handle.landed`` a payload fills: one per layer when it holds every head of
+        this rank (the TP-1 case), else one per (layer, block)."""
+        per_block = self.fingerprint.heads.count
+        if (h0, h1) == (0, per_block):
+            return [
+                slice(
+                    (layer * handle.num_blocks + desc.block_start) * per_block,
+                    (layer * handle.num_blocks + desc.block_end) * per_block,
+                )
+                for layer in range(desc.layer_start, desc.layer_end)
+            ]
+        return [
+            slice(
+                (layer * handle.num_blocks + block) * per_block + h0,
+                (layer * handle.num_blocks + block) * per_block + h1,
+            )
+            for layer in range(desc.layer_start, desc.layer_end)
+            for block in range(desc.block_start, desc.block_end)
+        ]
 
     # ---- pairs, faults, deadlines ---------------------------------------------------------------
 
@@ -362,16 +429,26 @@ class KVReceiver(Endpoint):
             pair.comm.abort()
         for transfer_id in list(pair.transfers):
             handle = self._transfers.get(transfer_id)
-            if handle is not None:
-                handle._end(TransferState.FAILED, f"pair with {pair.hello.sender_id} broke: {reason}")
+            message = f"pair with {pair.hello.sender_id} broke: {reason}"
+            if handle is not None and handle._end(TransferState.FAILED, message):
+                self._notify(handle, AckStatus.FAILED, message, skip=pair)  # the other sending ranks
         pair.queue.put(None)
         if end_stream:
             pair.send(PairClosed(reason))
 
-    def _notify(self, handle: ReceiveHandle, status: AckStatus, error: str) -> None:
-        pair = handle.pair
-        if pair is not None and not pair.broken.is_set():
-            pair.send(Ack(handle.transfer_id, 0, status, error))
+    def _notify(self, handle: ReceiveHandle, status: AckStatus, error: str, skip: _ReceiverPair | None = None) -> None:
+        """Tell every sending rank of the transfer (but ``skip``) how it ended."""
+        for pair in list(handle.pairs):
+            if pair is not skip and not pair.broken.is_set():
+                pair.send(Ack(handle.transfer_id, 0, status, error))
 
     def _on_deadline(self, handle: ReceiveHandle, message: str) -> None:
         self._notify(handle, AckStatus.FAILED, message)
+
+
+def _heads(desc: PayloadDescriptor, fp: LayoutFingerprint) -> HeadRange:
+    """A descriptor's heads in model numbering; a descriptor without ``heads`` holds all of the model's."""
+    start, stop = desc.heads if desc.heads is not None else (0, fp.num_kv_heads)
+    if stop > fp.num_kv_heads:
+        raise DescriptorError(f"heads: [{start}, {stop}) exceed the model's {fp.num_kv_heads} KV heads")
+    return HeadRange(start, stop)

@@ -6,6 +6,10 @@ thread per pair gathers each message's blocks from the paged cache into a contig
 its descriptor to the control stream and posts the payload on the pair's group, in FIFO order, while
 the next message is already being gathered. The handle turns DONE when the receiver acknowledges
 that every layer landed; only then (or on failure) may the owner release the blocks.
+
+Tensor parallelism: a sender is one rank. ``start(..., heads=)`` sends only those of the model's KV heads
+(the overlap of this rank's and the destination rank's ranges, as ``splitserve.kv_transfer.tp.sends_for``
+lists them); by default every head this rank holds. Each descriptor names the heads it carries.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import torch
 from splitserve.common.arith import ceil_div
 from splitserve.common.faults import FaultHooks
 from splitserve.engine.kv_cache import KVCache
+from splitserve.engine.tp_layout import HeadRange
 from splitserve.kv_transfer.comm import (
     Communicator,
     CommunicatorFactory,
@@ -52,6 +57,7 @@ from splitserve.kv_transfer.descriptor import (
 )
 from splitserve.kv_transfer.endpoint import Endpoint
 from splitserve.kv_transfer.handles import TransferHandle, TransferState
+from splitserve.kv_transfer.heads import check_cache_heads, gather_heads
 
 log = logging.getLogger("splitserve.kv_transfer")
 
@@ -75,9 +81,15 @@ class SendHandle(TransferHandle):
         streaming: bool,
         timeout_s: float,
         device: torch.device,
+        heads: HeadRange,
+        local_heads: tuple[int, int],
+        unit_bytes: int,
     ) -> None:
         super().__init__(transfer_id, block_ids, timeout_s)
         self.src = torch.tensor(block_ids, dtype=torch.long, device=device)
+        self.heads = heads  # the model's KV heads it sends
+        self.local_heads = local_heads  # the same, in this rank's cache numbering (dimension 3)
+        self.unit_bytes = unit_bytes  # bytes of one (layer, block) of those heads
         self.num_tokens, self.num_layers, self.streaming = num_tokens, num_layers, streaming
         self.layers_queued = 0  # layers [0, layers_queued) are queued
         self.finished = False  # finish() called: everything is queued
@@ -127,6 +139,7 @@ class KVSender(Endpoint):
     ) -> None:
         super().__init__(config, faults)
         self.cache, self.fingerprint, self.sender_id, self.host = cache, fingerprint, sender_id, host
+        check_cache_heads(cache, fingerprint)
         self.incarnation = uuid.uuid4().hex
         self.backend = choose_backend(cache.device, self.config.backend)
         self._connect = connect
@@ -142,14 +155,25 @@ class KVSender(Endpoint):
         block_ids: Sequence[int],
         num_tokens: int,
         timeout_s: float | None = None,
+        heads: HeadRange | None = None,
     ) -> SendHandle:
-        """Begin pushing a request's KV (its blocks in token order) to ``peer``; returns at once."""
+        """Begin pushing a request's KV (its blocks in token order) to ``peer``; returns at once.
+
+        ``heads``: the model's KV heads to send (those the destination rank holds among this rank's);
+        None: every head of this rank."""
         fp = self.fingerprint
         if ceil_div(num_tokens, fp.block_size) != len(block_ids):
             raise ValueError(
                 f"block_ids: {len(block_ids)} blocks for {num_tokens} tokens of block size {fp.block_size}"
             )
-        total = fp.num_layers * len(block_ids) * fp.bytes_per_block_layer
+        heads = heads or fp.heads
+        if heads.overlap(fp.heads) != heads:
+            raise ValueError(
+                f"heads: [{heads.start}, {heads.stop}) are not all held by this rank ([{fp.heads.start}, "
+                f"{fp.heads.stop}))"
+            )
+        unit_bytes = fp.bytes_per_block_layer_of(heads.count)
+        total = fp.num_layers * len(block_ids) * unit_bytes
         handle = SendHandle(
             transfer_id,
             tuple(block_ids),
@@ -158,6 +182,9 @@ class KVSender(Endpoint):
             total > self.config.whole_request_bytes,
             timeout_s or self.config.transfer_timeout_s,
             self.cache.device,
+            heads,
+            (heads.start - fp.heads_start, heads.stop - fp.heads_start),
+            unit_bytes,
         )
         with self._lock:
             if transfer_id in self._transfers:
@@ -203,14 +230,17 @@ class KVSender(Endpoint):
 
     def _queue(self, handle: SendHandle, layer_start: int, layer_end: int, last: bool, commit: Commit | None) -> None:
         pair = handle.pair
-        messages = self._plan(handle, layer_start, layer_end, last, commit)
+        messages = self._plan(handle, layer_start, layer_end, last, commit, handle.unit_bytes)
         handle.layers_queued = layer_end
         for message in messages:
             pair.queue.put(message)
 
-    def _plan(self, handle: SendHandle, l0: int, l1: int, last: bool, commit: Commit | None) -> list[_Message]:
-        """Cut layers [l0, l1) of every block into messages of at most max_message_bytes."""
-        per_unit = self.fingerprint.bytes_per_block_layer
+    def _plan(
+        self, handle: SendHandle, l0: int, l1: int, last: bool, commit: Commit | None, per_unit: int | None = None
+    ) -> list[_Message]:
+        """Cut layers [l0, l1) of every block into messages of at most max_message_bytes, where one
+        (layer, block) is ``per_unit`` bytes (default: every head of this rank)."""
+        per_unit = per_unit or self.fingerprint.bytes_per_block_layer
         limit = self.config.max_message_bytes
         nb = len(handle.block_ids)
         layers_per_msg = max(1, min(l1 - l0, limit // (per_unit * nb)))
@@ -318,11 +348,13 @@ class KVSender(Endpoint):
         the wire while the other fills)."""
         blocks = message.handle.src[message.block_start : message.block_end]
         layers = range(message.layer_start, message.layer_end)
-        elems = len(layers) * len(blocks) * self.cache._row_elems
+        h0, h1 = message.handle.local_heads
+        spec = self.cache.spec
+        elems = len(layers) * len(blocks) * 2 * (h1 - h0) * spec.block_size * spec.head_dim
         pair.flip ^= 1
         if pair.staging[pair.flip].numel() < elems:
             pair.staging[pair.flip] = torch.empty(elems, dtype=self.cache.tensor.dtype, device=self.cache.device)
-        return self.cache.gather_blocks(blocks, layers, out=pair.staging[pair.flip])
+        return gather_heads(self.cache, blocks, layers, h0, h1, out=pair.staging[pair.flip])
 
     def _post(self, pair: _SenderPair, message: _Message, data: torch.Tensor):
         handle = message.handle
@@ -340,6 +372,7 @@ class KVSender(Endpoint):
             nbytes=data.numel() * data.element_size(),
             last=message.last,
             commit=message.commit,
+            heads=(handle.heads.start, handle.heads.stop),
         )
         pair.next_seq += 1
         handle.messages_moved += 1  # only this pair's lane thread posts for the handle

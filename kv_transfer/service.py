@@ -27,7 +27,7 @@ from splitserve.kv_transfer.control import (
     SenderMessage,
     Welcome,
 )
-from splitserve.kv_transfer.descriptor import LayoutFingerprint
+from splitserve.kv_transfer.descriptor import DescriptorError, LayoutFingerprint
 from splitserve.kv_transfer.receiver import KVReceiver
 from splitserve.rpc import kv_transfer_pb2 as pb
 from splitserve.rpc import kv_transfer_pb2_grpc as pb_grpc
@@ -48,7 +48,31 @@ def _fingerprint_to_pb(fp: LayoutFingerprint) -> pb.LayoutFingerprint:
         num_kv_heads=fp.num_kv_heads,
         head_dim=fp.head_dim,
         weights_checksum=fp.weights_checksum,
+        tp_size=fp.tp_size,
+        tp_rank=fp.tp_rank,
+        heads_start=fp.heads_start,
+        heads_stop=fp.heads_stop,
     )
+
+
+def _fingerprint_from_pb(f: pb.LayoutFingerprint) -> LayoutFingerprint:
+    """proto3 leaves an unset field 0: a TP-1 sender that predates the TP fields reads as TP 1."""
+    try:
+        return LayoutFingerprint(
+            f.model,
+            f.dtype,
+            f.block_size,
+            f.num_layers,
+            f.num_kv_heads,
+            f.head_dim,
+            f.weights_checksum,
+            tp_size=f.tp_size or 1,
+            tp_rank=f.tp_rank,
+            heads_start=f.heads_start,
+            heads_stop=f.heads_stop,
+        )
+    except DescriptorError as e:  # names the field
+        raise ServingError("INVALID_ARGUMENT", f"fingerprint: {e}") from None
 
 
 def sender_to_pb(message: SenderMessage) -> pb.SenderMessage:
@@ -72,9 +96,7 @@ def sender_from_pb(message: pb.SenderMessage) -> SenderMessage:
     kind = message.WhichOneof("kind")
     if kind == "hello":
         h, f = message.hello, message.hello.fingerprint
-        fp = LayoutFingerprint(
-            f.model, f.dtype, f.block_size, f.num_layers, f.num_kv_heads, f.head_dim, f.weights_checksum
-        )
+        fp = _fingerprint_from_pb(f)
         return Hello(h.protocol_version, h.sender_id, h.sender_incarnation, h.receiver_incarnation, fp, h.sender_host)
     if kind == "descriptor":
         return DescriptorBytes(message.descriptor)

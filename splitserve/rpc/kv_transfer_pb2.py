@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n splitserve/rpc/kv_transfer.proto\x12\x10splitserve.kv.v1\"\x9b\x01\n\x11LayoutFingerprint\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x12\n\nnum_layers\x18\x04 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x05 \x01(\r\x12\x10\n\x08head_dim\x18\x06 \x01(\r\x12\x18\n\x10weights_checksum\x18\x07 \x01(\t\"\xbd\x01\n\x05Hello\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x11\n\tsender_id\x18\x02 \x01(\t\x12\x1a\n\x12sender_incarnation\x18\x03 \x01(\t\x12\x1c\n\x14receiver_incarnation\x18\x04 \x01(\t\x12\x38\n\x0b\x66ingerprint\x18\x05 \x01(\x0b\x32#.splitserve.kv.v1.LayoutFingerprint\x12\x13\n\x0bsender_host\x18\x06 \x01(\t\"\x83\x01\n\rSenderMessage\x12(\n\x05hello\x18\x01 \x01(\x0b\x32\x17.splitserve.kv.v1.HelloH\x00\x12\x14\n\ndescriptor\x18\x02 \x01(\x0cH\x00\x12*\n\x06\x63\x61ncel\x18\x03 \x01(\x0b\x32\x18.splitserve.kv.v1.CancelH\x00\x42\x06\n\x04kind\"-\n\x06\x43\x61ncel\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"m\n\x0fReceiverMessage\x12,\n\x07welcome\x18\x01 \x01(\x0b\x32\x19.splitserve.kv.v1.WelcomeH\x00\x12$\n\x03\x61\x63k\x18\x02 \x01(\x0b\x32\x15.splitserve.kv.v1.AckH\x00\x42\x06\n\x04kind\"\xb9\x01\n\x07Welcome\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x13\n\x0breceiver_id\x18\x02 \x01(\t\x12\x1c\n\x14receiver_incarnation\x18\x03 \x01(\t\x12\x12\n\ngeneration\x18\x04 \x01(\x04\x12\x12\n\nstore_host\x18\x05 \x01(\t\x12\x12\n\nstore_port\x18\x06 \x01(\r\x12\x14\n\x0cstore_prefix\x18\x07 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x08 \x01(\t\"\xc4\x01\n\x03\x41\x63k\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12,\n\x06status\x18\x03 \x01(\x0e\x32\x1c.splitserve.kv.v1.Ack.Status\x12\r\n\x05\x65rror\x18\x04 \x01(\t\"^\n\x06Status\x12\x16\n\x12STATUS_UNSPECIFIED\x10\x00\x12\n\n\x06LANDED\x10\x01\x12\x08\n\x04\x44ONE\x10\x02\x12\x0b\n\x07REFUSED\x10\x03\x12\r\n\tCANCELLED\x10\x04\x12\n\n\x06\x46\x41ILED\x10\x05\x32\\\n\nKVTransfer\x12N\n\x04Pair\x12\x1f.splitserve.kv.v1.SenderMessage\x1a!.splitserve.kv.v1.ReceiverMessage(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n splitserve/rpc/kv_transfer.proto\x12\x10splitserve.kv.v1\"\xe6\x01\n\x11LayoutFingerprint\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x12\n\nnum_layers\x18\x04 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x05 \x01(\r\x12\x10\n\x08head_dim\x18\x06 \x01(\r\x12\x18\n\x10weights_checksum\x18\x07 \x01(\t\x12\x0f\n\x07tp_size\x18\x08 \x01(\r\x12\x0f\n\x07tp_rank\x18\t \x01(\r\x12\x13\n\x0bheads_start\x18\n \x01(\r\x12\x12\n\nheads_stop\x18\x0b \x01(\r\"\xbd\x01\n\x05Hello\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x11\n\tsender_id\x18\x02 \x01(\t\x12\x1a\n\x12sender_incarnation\x18\x03 \x01(\t\x12\x1c\n\x14receiver_incarnation\x18\x04 \x01(\t\x12\x38\n\x0b\x66ingerprint\x18\x05 \x01(\x0b\x32#.splitserve.kv.v1.LayoutFingerprint\x12\x13\n\x0bsender_host\x18\x06 \x01(\t\"\x83\x01\n\rSenderMessage\x12(\n\x05hello\x18\x01 \x01(\x0b\x32\x17.splitserve.kv.v1.HelloH\x00\x12\x14\n\ndescriptor\x18\x02 \x01(\x0cH\x00\x12*\n\x06\x63\x61ncel\x18\x03 \x01(\x0b\x32\x18.splitserve.kv.v1.CancelH\x00\x42\x06\n\x04kind\"-\n\x06\x43\x61ncel\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"m\n\x0fReceiverMessage\x12,\n\x07welcome\x18\x01 \x01(\x0b\x32\x19.splitserve.kv.v1.WelcomeH\x00\x12$\n\x03\x61\x63k\x18\x02 \x01(\x0b\x32\x15.splitserve.kv.v1.AckH\x00\x42\x06\n\x04kind\"\xb9\x01\n\x07Welcome\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x13\n\x0breceiver_id\x18\x02 \x01(\t\x12\x1c\n\x14receiver_incarnation\x18\x03 \x01(\t\x12\x12\n\ngeneration\x18\x04 \x01(\x04\x12\x12\n\nstore_host\x18\x05 \x01(\t\x12\x12\n\nstore_port\x18\x06 \x01(\r\x12\x14\n\x0cstore_prefix\x18\x07 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x08 \x01(\t\"\xc4\x01\n\x03\x41\x63k\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12,\n\x06status\x18\x03 \x01(\x0e\x32\x1c.splitserve.kv.v1.Ack.Status\x12\r\n\x05\x65rror\x18\x04 \x01(\t\"^\n\x06Status\x12\x16\n\x12STATUS_UNSPECIFIED\x10\x00\x12\n\n\x06LANDED\x10\x01\x12\x08\n\x04\x44ONE\x10\x02\x12\x0b\n\x07REFUSED\x10\x03\x12\r\n\tCANCELLED\x10\x04\x12\n\n\x06\x46\x41ILED\x10\x05\x32\\\n\nKVTransfer\x12N\n\x04Pair\x12\x1f.splitserve.kv.v1.SenderMessage\x1a!.splitserve.kv.v1.ReceiverMessage(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,21 +32,21 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'splitserve.rpc.kv_transfer_
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_LAYOUTFINGERPRINT']._serialized_start=55
-  _globals['_LAYOUTFINGERPRINT']._serialized_end=210
-  _globals['_HELLO']._serialized_start=213
-  _globals['_HELLO']._serialized_end=402
-  _globals['_SENDERMESSAGE']._serialized_start=405
-  _globals['_SENDERMESSAGE']._serialized_end=536
-  _globals['_CANCEL']._serialized_start=538
-  _globals['_CANCEL']._serialized_end=583
-  _globals['_RECEIVERMESSAGE']._serialized_start=585
-  _globals['_RECEIVERMESSAGE']._serialized_end=694
-  _globals['_WELCOME']._serialized_start=697
-  _globals['_WELCOME']._serialized_end=882
-  _globals['_ACK']._serialized_start=885
-  _globals['_ACK']._serialized_end=1081
-  _globals['_ACK_STATUS']._serialized_start=987
-  _globals['_ACK_STATUS']._serialized_end=1081
-  _globals['_KVTRANSFER']._serialized_start=1083
-  _globals['_KVTRANSFER']._serialized_end=1175
+  _globals['_LAYOUTFINGERPRINT']._serialized_end=285
+  _globals['_HELLO']._serialized_start=288
+  _globals['_HELLO']._serialized_end=477
+  _globals['_SENDERMESSAGE']._serialized_start=480
+  _globals['_SENDERMESSAGE']._serialized_end=611
+  _globals['_CANCEL']._serialized_start=613
+  _globals['_CANCEL']._serialized_end=658
+  _globals['_RECEIVERMESSAGE']._serialized_start=660
+  _globals['_RECEIVERMESSAGE']._serialized_end=769
+  _globals['_WELCOME']._serialized_start=772
+  _globals['_WELCOME']._serialized_end=957
+  _globals['_ACK']._serialized_start=960
+  _globals['_ACK']._serialized_end=1156
+  _globals['_ACK_STATUS']._serialized_start=1062
+  _globals['_ACK_STATUS']._serialized_end=1156
+  _globals['_KVTRANSFER']._serialized_start=1158
+  _globals['_KVTRANSFER']._serialized_end=1250
 # @@protoc_insertion_point(module_scope)

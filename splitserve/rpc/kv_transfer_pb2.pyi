@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class LayoutFingerprint(_message.Message):
-    __slots__ = ("model", "dtype", "block_size", "num_layers", "num_kv_heads", "head_dim", "weights_checksum")
+    __slots__ = ("model", "dtype", "block_size", "num_layers", "num_kv_heads", "head_dim", "weights_checksum", "tp_size", "tp_rank", "heads_start", "heads_stop")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -15,6 +15,10 @@ class LayoutFingerprint(_message.Message):
     NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
     HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    TP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    TP_RANK_FIELD_NUMBER: _ClassVar[int]
+    HEADS_START_FIELD_NUMBER: _ClassVar[int]
+    HEADS_STOP_FIELD_NUMBER: _ClassVar[int]
     model: str
     dtype: str
     block_size: int
@@ -22,7 +26,11 @@ class LayoutFingerprint(_message.Message):
     num_kv_heads: int
     head_dim: int
     weights_checksum: str
-    def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., weights_checksum: _Optional[str] = ...) -> None: ...
+    tp_size: int
+    tp_rank: int
+    heads_start: int
+    heads_stop: int
+    def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., weights_checksum: _Optional[str] = ..., tp_size: _Optional[int] = ..., tp_rank: _Optional[int] = ..., heads_start: _Optional[int] = ..., heads_stop: _Optional[int] = ...) -> None: ...
 
 class Hello(_message.Message):
     __slots__ = ("protocol_version", "sender_id", "sender_incarnation", "receiver_incarnation", "fingerprint", "sender_host")
