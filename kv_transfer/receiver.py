@@ -229,6 +229,11 @@ class KVReceiver(Endpoint):
         if handle is not None:
             with handle.lock:
                 if pair not in handle.pairs:  # from now on, this pair breaking fails the transfer
+                    if handle.pairs and handle.terminal and handle.state is not TransferState.DONE:
+                        # A later sending rank of a part that already ended elsewhere: the notice went
+                        # to the ranks known then, so tell this one now rather than leave it to its deadline.
+                        status = AckStatus.CANCELLED if handle.state is TransferState.CANCELLED else AckStatus.FAILED
+                        pair.send(Ack(desc.transfer_id, desc.seq, status, handle.error))
                     handle.pairs.append(pair)
                     pair.transfers.add(desc.transfer_id)
         pair.queue.put(desc)

@@ -4,6 +4,9 @@ Each worker is a spawned process that owns a paged KV cache, a block manager for
 ``KVSender`` or a ``KVReceiver`` served over gRPC on 127.0.0.1, exactly as a prefill or decode worker
 will. The test drives it over a pipe: lease or allocate blocks, start, wait, cancel, release, and read
 back block checksums and leak figures.
+
+A worker may be one rank of a tensor-parallel worker (``tp=(size, rank)``): its cache then holds only
+that rank's KV heads of ``SPEC``'s, and its fingerprint says which.
 """
 
 from __future__ import annotations
@@ -18,27 +21,43 @@ from dataclasses import dataclass
 SPEC = {"num_layers": 4, "num_kv_heads": 2, "head_dim": 16, "num_blocks": 512, "block_size": 4}
 
 
-def make_fingerprint(dtype: str, spec: dict, checksum: str = "weights-v1"):
+def make_fingerprint(dtype: str, spec: dict, checksum: str = "weights-v1", tp: tuple[int, int] = (1, 0)):
+    from splitserve.engine.tp_layout import kv_head_range
     from splitserve.kv_transfer.descriptor import LayoutFingerprint
 
+    heads = kv_head_range(spec["num_kv_heads"], *tp)
     return LayoutFingerprint(
-        "test-model", dtype, spec["block_size"], spec["num_layers"], spec["num_kv_heads"], spec["head_dim"], checksum
+        "test-model",
+        dtype,
+        spec["block_size"],
+        spec["num_layers"],
+        spec["num_kv_heads"],
+        spec["head_dim"],
+        checksum,
+        tp_size=tp[0],
+        tp_rank=tp[1],
+        heads_start=heads.start,
+        heads_stop=heads.stop,
     )
 
 
-def _worker_main(conn, role: str, name: str, spec: dict, dtype: str, config, checksum: str, faults=None) -> None:
+def _worker_main(
+    conn, role: str, name: str, spec: dict, dtype: str, config, checksum: str, faults=None, tp=(1, 0)
+) -> None:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     import torch
 
     from splitserve.engine.block_manager import BlockManager
     from splitserve.engine.kv_cache import KVCache, KVCacheSpec
+    from splitserve.engine.tp_layout import HeadRange
     from splitserve.kv_transfer.receiver import KVReceiver
     from splitserve.kv_transfer.sender import KVSender, PeerAddress
     from splitserve.kv_transfer.service import GrpcConnection, serve
 
     torch.set_num_threads(1)
     torch_dtype = getattr(torch, dtype)
-    cache = KVCache(KVCacheSpec(dtype=torch_dtype, **spec), "cpu")
+    fp = make_fingerprint(dtype, spec, checksum, tp)
+    cache = KVCache(KVCacheSpec(dtype=torch_dtype, **{**spec, "num_kv_heads": fp.heads.count}), "cpu")
     gen = torch.Generator().manual_seed(hash(name) % 2**31)
     cache.tensor.copy_(torch.randn(cache.tensor.shape, generator=gen).to(torch_dtype))
     blocks = BlockManager(spec["num_blocks"], spec["block_size"], enable_prefix_caching=False)
@@ -49,7 +68,6 @@ def _worker_main(conn, role: str, name: str, spec: dict, dtype: str, config, che
         blocks.allocate(f"dummy{i}", 1)
     for i in order:
         blocks.free(f"dummy{i}")
-    fp = make_fingerprint(dtype, spec, checksum)
     info: dict = {"pid": os.getpid(), "name": name}
     hooks = faults.arm(name) if faults is not None else None
     if role == "receiver":
@@ -74,18 +92,38 @@ def _worker_main(conn, role: str, name: str, spec: dict, dtype: str, config, che
             hashlib.sha1(cache.tensor[:, b].contiguous().view(torch.uint8).numpy().tobytes()).hexdigest() for b in table
         ]
 
+    def head_checksums(transfer_id: str, count: int) -> list[dict[int, str]]:
+        """Per block, the checksum of each head this rank holds, keyed by the model's head number."""
+        table = blocks.block_table(transfer_id)[:count]
+        return [
+            {
+                fp.heads_start + h: hashlib.sha1(
+                    cache.tensor[:, b, :, h].contiguous().view(torch.uint8).numpy()
+                ).hexdigest()
+                for h in range(fp.heads.count)
+            }
+            for b in table
+        ]
+
     def expect(transfer_id: str, num_tokens: int, extra_blocks: int = 2, timeout_s=None):
         if not blocks.allocate(transfer_id, num_tokens + extra_blocks * spec["block_size"]):
             raise RuntimeError("out of blocks")
         handles[transfer_id] = endpoint.expect(transfer_id, blocks.block_table(transfer_id), timeout_s)
         return list(blocks.block_table(transfer_id))
 
-    def send(transfer_id: str, peer: dict, num_tokens: int, stream: bool = False, commit=None, timeout_s=None):
+    def send(
+        transfer_id: str, peer: dict, num_tokens: int, stream: bool = False, commit=None, timeout_s=None, heads=None
+    ):
         if not blocks.allocate(transfer_id, num_tokens):
             raise RuntimeError("out of blocks")
         address = PeerAddress(peer["receiver_id"], peer["incarnation"], peer["control"])
         handle = handles[transfer_id] = endpoint.start(
-            transfer_id, address, blocks.block_table(transfer_id), num_tokens, timeout_s
+            transfer_id,
+            address,
+            blocks.block_table(transfer_id),
+            num_tokens,
+            timeout_s,
+            HeadRange(*heads) if heads else None,
         )
         if stream:
             for layers in range(1, spec["num_layers"] + 1):
@@ -125,6 +163,7 @@ def _worker_main(conn, role: str, name: str, spec: dict, dtype: str, config, che
         "release": release,
         "cancel": lambda transfer_id: endpoint.cancel(transfer_id),
         "checksums": checksums,
+        "head_checksums": head_checksums,
         "status": status,
         "state": lambda transfer_id: handles[transfer_id].state.value,
     }
@@ -161,20 +200,40 @@ class Worker:
         spec: dict | None = None,
         checksum: str = "weights-v1",
         faults=None,
+        tp: tuple[int, int] = (1, 0),
     ) -> Worker:
+        worker = cls.launch(role, name, config, dtype, spec, checksum, faults, tp)
+        worker.info = worker.call("info", timeout=60)
+        return worker
+
+    @classmethod
+    def launch(
+        cls,
+        role: str,
+        name: str,
+        config=None,
+        dtype: str = "float32",
+        spec: dict | None = None,
+        checksum: str = "weights-v1",
+        faults=None,
+        tp: tuple[int, int] = (1, 0),
+    ) -> Worker:
+        """Spawn the process without waiting for it (``ready`` does): several start in parallel."""
         from splitserve.kv_transfer.config import TransferConfig
 
         ctx = mp.get_context("spawn")
         parent, child = ctx.Pipe()
         process = ctx.Process(
             target=_worker_main,
-            args=(child, role, name, spec or SPEC, dtype, config or TransferConfig(), checksum, faults),
+            args=(child, role, name, spec or SPEC, dtype, config or TransferConfig(), checksum, faults, tp),
             daemon=True,
         )
         process.start()
-        worker = cls(role, name, process, parent, {})
-        worker.info = worker.call("info", timeout=60)
-        return worker
+        return cls(role, name, process, parent, {})
+
+    def ready(self) -> Worker:
+        self.info = self.call("info", timeout=60)
+        return self
 
     def call(self, command: str, *args, timeout: float = 30.0, **kwargs):
         self.conn.send((command, args, kwargs))
