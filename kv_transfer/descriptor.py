@@ -72,10 +72,10 @@ class LayoutFingerprint:
                 f"heads: [{self.heads_start}, {self.heads_stop}) is not a range within the model's "
                 f"{self.num_kv_heads} KV heads"
             )
-        try:
-            expected = kv_head_range(self.num_kv_heads, self.tp_size, self.tp_rank)
-        except ValueError as e:
-            raise DescriptorError(f"tp_size: {e}") from None
+        kv, tp = self.num_kv_heads, self.tp_size
+        if (kv >= tp and kv % tp) or (kv < tp and tp % kv):  # engine/tp_layout.py: whole or replicated heads
+            raise DescriptorError(f"tp_size: {tp} ranks cannot share the model's {kv} KV heads")
+        expected = kv_head_range(kv, tp, self.tp_rank)
         if self.heads != expected:
             raise DescriptorError(
                 f"heads: [{self.heads_start}, {self.heads_stop}) are not the KV heads of rank {self.tp_rank} of "

@@ -313,3 +313,89 @@ def test_pairs_beyond_the_cap_are_closed_least_recently_used_first():
     sender.close()
     for r in receivers.values():
         r.close()
+
+
+# ---- tensor parallelism: fingerprints, descriptor heads, packing part of the heads -------------------
+
+
+def test_fingerprints_of_any_tp_sizes_pair_when_the_layout_agrees():
+    rank1_of_2 = LayoutFingerprint("m", "float32", BLOCK, LAYERS, HEADS, HEAD_DIM, "w1", 2, 1, 1, 2)
+    assert rank1_of_2.heads.count == 1 and FP.heads.count == HEADS  # TP 1 holds every head by default
+    assert rank1_of_2.mismatches(FP) == [] and FP.mismatches(rank1_of_2) == []
+    other = LayoutFingerprint("m", "float32", BLOCK, LAYERS, HEADS, HEAD_DIM, "w2", 2, 1, 1, 2)
+    assert [m.split()[0] for m in other.mismatches(FP)] == ["weights_checksum"]
+
+
+@pytest.mark.parametrize(
+    ("tp", "field"),
+    [
+        ((2, 2, 0, 0), "tp_rank"),
+        ((2, 0, 1, 2), "heads: \\[1, 2\\) are not the KV heads of rank 0 of 2"),
+        ((1, 0, 0, 3), "heads: \\[0, 3\\) is not a range"),
+        ((3, 0, 0, 1), "tp_size"),
+        ((0, 0, 0, 0), "tp_rank"),
+    ],
+)
+def test_inconsistent_tp_fingerprints_are_refused_by_name(tp, field):
+    with pytest.raises(DescriptorError, match=field):
+        LayoutFingerprint("m", "float32", BLOCK, LAYERS, HEADS, HEAD_DIM, "w1", *tp)
+
+
+def test_tp_fingerprint_travels_in_the_hello():
+    from splitserve.common.errors import ServingError
+    from splitserve.kv_transfer.control import Hello
+    from splitserve.kv_transfer.service import sender_from_pb, sender_to_pb
+
+    fp = LayoutFingerprint("m", "float32", BLOCK, LAYERS, HEADS, HEAD_DIM, "w1", 2, 1, 1, 2)
+    hello = Hello(1, "p", "i", "", fp, "127.0.0.1")
+    assert sender_from_pb(sender_to_pb(hello)) == hello
+    assert sender_from_pb(sender_to_pb(Hello(1, "p", "i", "", FP, "h"))).fingerprint == FP
+    bad = sender_to_pb(hello)
+    bad.hello.fingerprint.heads_start = 0  # rank 1 of 2 claiming head 0 too
+    with pytest.raises(ServingError, match="fingerprint: heads"):
+        sender_from_pb(bad)
+
+
+def test_descriptor_heads_round_trip_and_are_decoded_strictly():
+    d = make_descriptor(heads=(1, 2), shape=(2, 3, 2, 1, BLOCK, HEAD_DIM))
+    assert decode_descriptor(encode_descriptor(d)) == d
+    for bad in ([1, 1], [2, 1], [-1, 1], [0], "all", [0, True]):
+        with pytest.raises(DescriptorError, match="heads"):
+            decode_descriptor(_wire(heads=bad))
+    with pytest.raises(DescriptorError, match="missing keys \\['heads'\\]"):
+        decode_descriptor(_wire(heads=_DROP))
+
+
+def test_sends_and_part_ids_follow_transfer_pairs():
+    from splitserve.kv_transfer.tp import rank_transfer_id, sends_for
+
+    assert rank_transfer_id("r", 0, 1) == "r"  # TP 1: the request's own id, as before
+    assert [rank_transfer_id("r", i, 2) for i in range(2)] == ["r@kv0", "r@kv1"]
+    with pytest.raises(ValueError, match="receiver_rank"):
+        rank_transfer_id("r", 2, 2)
+    # 2 KV heads from TP 4 (each head on two ranks) to TP 1: ranks 0 and 2 send, 1 and 3 stay silent.
+    assert [[(p.receiver_rank, p.heads.start, p.heads.stop) for p in sends_for(2, 4, s, 1)] for s in range(4)] == [
+        [(0, 0, 1)],
+        [],
+        [(0, 1, 2)],
+        [],
+    ]
+    assert [(p.receiver_rank, p.heads.start) for p in sends_for(2, 1, 0, 4)] == [(0, 0), (1, 0), (2, 1), (3, 1)]
+
+
+def test_gather_and_scatter_of_part_of_the_heads():
+    from splitserve.kv_transfer.heads import gather_heads, scatter_heads
+
+    full = KVCache(KVCacheSpec(LAYERS, 2, HEAD_DIM, 8, BLOCK, torch.float32), "cpu")
+    full.tensor.copy_(torch.randn(full.tensor.shape))
+    one = KVCache(KVCacheSpec(LAYERS, 1, HEAD_DIM, 8, BLOCK, torch.float32), "cpu")
+    src, dst, layers = torch.tensor([5, 2, 7]), torch.tensor([0, 3, 1]), range(1, 3)
+    part = gather_heads(full, src, layers, 1, 2, out=torch.empty(10_000))
+    assert part.shape == (2, 3, 2, 1, BLOCK, HEAD_DIM)
+    scatter_heads(one, dst, part, layers, 0, 1)
+    assert torch.equal(one.tensor[1:3][:, dst], full.tensor[1:3][:, src][:, :, :, 1:2])
+    assert not one.tensor[0].any() and not one.tensor[3].any()  # other layers untouched
+    back = KVCache(KVCacheSpec(LAYERS, 2, HEAD_DIM, 8, BLOCK, torch.float32), "cpu")
+    scatter_heads(back, src, gather_heads(one, dst, layers, 0, 1, out=torch.empty(10_000)), layers, 1, 2)
+    assert torch.equal(back.tensor[1:3][:, src][:, :, :, 1], full.tensor[1:3][:, src][:, :, :, 1])
+    assert not back.tensor[:, :, :, 0].any()  # head 0 never written

@@ -59,6 +59,9 @@ def check(data: bytes) -> None:
         for f in ("seq", "layer_start", "layer_end", "block_start", "block_end", "num_blocks", "num_tokens", "nbytes")
     )
     assert 0 <= d.layer_start < d.layer_end and 0 <= d.block_start < d.block_end <= d.num_blocks
+    assert d.heads is None or (
+        all(type(h) is int for h in d.heads) and len(d.heads) == 2 and 0 <= d.heads[0] < d.heads[1]
+    )
     assert isinstance(d.transfer_id, str) and d.dtype in DTYPES and isinstance(d.last, bool) and d.nbytes >= 1
     assert d.commit is None or (
         isinstance(d.commit, Commit)
