@@ -16,6 +16,12 @@ layer groups while later layers compute.
     python scripts/bench_transfer.py [--json] [--sizes 128,1024,8192,32768] [--repeats 3]   # make bench-transfer
 With --json the last line of stdout is one JSON object; its "results" list holds, per size, tokens,
 bytes, seconds, gbps, raw_gbps and ratio.
+
+``--tp P:D`` adds a transfer between tensor-parallel workers: P sender ranks and D receiver ranks, each a
+process holding its KV heads of the same preset (docs/kv_transfer.md: one transfer per receiving rank,
+each sending rank sending the heads it shares with it, all at once). Its time runs from the first
+sender's start to the last receiver's completion, is checked head by head against the senders, and is
+reported against the 1:1 transfer of the same tokens (the same logical KV).
 """
 
 from __future__ import annotations
@@ -65,11 +71,14 @@ def log(message: str) -> None:
 # ---- the two processes ---------------------------------------------------------------------------
 
 
-def _process(conn, role: str, spec: dict | None, model_dir: str | None, config, threads: int = 1) -> None:
+def _process(
+    conn, role: str, spec: dict | None, model_dir: str | None, config, threads: int = 1, tp: tuple[int, int] = (1, 0)
+) -> None:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     import torch
 
     from splitserve.engine.kv_cache import KVCache, KVCacheSpec
+    from splitserve.engine.tp_layout import HeadRange, kv_head_range
     from splitserve.kv_transfer.comm import connect_store, open_communicator
     from splitserve.kv_transfer.descriptor import LayoutFingerprint
     from splitserve.kv_transfer.receiver import KVReceiver
@@ -78,6 +87,7 @@ def _process(conn, role: str, spec: dict | None, model_dir: str | None, config, 
 
     torch.set_num_threads(threads)
     device = torch.device("cpu")
+    heads = kv_head_range(spec["num_kv_heads"], *tp)
     llm = None
     if model_dir is not None:
         from splitserve.engine import LLM
@@ -92,7 +102,7 @@ def _process(conn, role: str, spec: dict | None, model_dir: str | None, config, 
         )
         cache = llm.kv_cache
     else:
-        cache = KVCache(KVCacheSpec(dtype=torch.bfloat16, **spec), device)
+        cache = KVCache(KVCacheSpec(dtype=torch.bfloat16, **{**spec, "num_kv_heads": heads.count}), device)
     if role == "sender":
         cache.tensor.copy_(torch.randn(cache.tensor.shape, dtype=torch.float32).to(torch.bfloat16))
     fp = LayoutFingerprint(
@@ -103,19 +113,34 @@ def _process(conn, role: str, spec: dict | None, model_dir: str | None, config, 
         spec["num_kv_heads"],
         spec["head_dim"],
         "bench-weights",
+        tp_size=tp[0],
+        tp_rank=tp[1],
+        heads_start=heads.start,
+        heads_stop=heads.stop,
     )
+    name = f"bench-{role[0]}{tp[1]}"
     state: dict = {}
 
     def digest(blocks: list[int]) -> str:
         data = cache.tensor[:, torch.tensor(blocks)].contiguous().view(torch.uint8).numpy()
         return hashlib.sha1(memoryview(data)).hexdigest()
 
+    def head_digests(blocks: list[int]) -> dict[int, str]:
+        """Per head of this rank (in the model's numbering), a checksum of those blocks."""
+        ids = torch.tensor(blocks)
+        return {
+            heads.start + h: hashlib.sha1(
+                memoryview(cache.tensor[:, ids, :, h].contiguous().view(torch.uint8).numpy())
+            ).hexdigest()
+            for h in range(heads.count)
+        }
+
     if role == "receiver":
-        endpoint = KVReceiver(cache, fp, "bench-d", config=config)
+        endpoint = KVReceiver(cache, fp, name, config=config)
         server, port = serve(endpoint)
-        info = {"peer": ("bench-d", endpoint.incarnation, f"127.0.0.1:{port}"), "store_port": endpoint.store_port}
+        info = {"peer": (name, endpoint.incarnation, f"127.0.0.1:{port}"), "store_port": endpoint.store_port}
     else:
-        endpoint = KVSender(cache, fp, "bench-p", connect=lambda peer: GrpcConnection(peer.control), config=config)
+        endpoint = KVSender(cache, fp, name, connect=lambda peer: GrpcConnection(peer.control), config=config)
         info = {}
 
     def raw_setup(store_port: int | None = None) -> None:
@@ -182,6 +207,26 @@ def _process(conn, role: str, spec: dict | None, model_dir: str | None, config, 
         endpoint.release(tid)
         return {"state": handle.state.value, "error": handle.error, "start": start, "digest": digest(blocks)}
 
+    def received_heads(tid: str, count: int) -> dict:
+        handle = state.pop(tid)
+        handle.wait(120)
+        endpoint.release(tid)
+        digests = head_digests(list(handle.block_ids[:count]))
+        return {"state": handle.state.value, "error": handle.error, "at": handle.finished_at, "digests": digests}
+
+    def send_parts(parts: list, blocks: list[int], tokens: int) -> dict:
+        """Start every part (transfer id, peer, heads) this rank sends at once, then wait for all."""
+        start = time.monotonic()
+        handles = []
+        for tid, peer, (h0, h1) in parts:
+            handles.append(endpoint.start(tid, PeerAddress(*peer), blocks, tokens, heads=HeadRange(h0, h1)))
+            endpoint.finish(handles[-1])
+        for handle in handles:
+            handle.wait(120)
+            endpoint.release(handle.transfer_id)
+        errors = [h.error for h in handles if h.state.value != "done"]
+        return {"ok": not errors, "error": "; ".join(errors), "start": start, "digests": head_digests(blocks)}
+
     def prefill(tid: str, peer, blocks: list[int], tokens: int, mode: str) -> dict:
         """Prefill a prompt into ``blocks``; mode none | after (send when done) | streamed (by layer group)."""
         prompt = [random.randrange(1000) for _ in range(tokens)]
@@ -203,6 +248,8 @@ def _process(conn, role: str, spec: dict | None, model_dir: str | None, config, 
         "expect": expect,
         "received": received,
         "send": send,
+        "received_heads": received_heads,
+        "send_parts": send_parts,
         "prefill": prefill,
         "copy_cost": copy_cost,
     }
@@ -217,11 +264,11 @@ def _process(conn, role: str, spec: dict | None, model_dir: str | None, config, 
 class _Proc:
     threads = 1
 
-    def __init__(self, role: str, spec: dict, model_dir: str | None, config) -> None:
+    def __init__(self, role: str, spec: dict, model_dir: str | None, config, tp: tuple[int, int] = (1, 0)) -> None:
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
         self.process = ctx.Process(
-            target=_process, args=(child, role, spec, model_dir, config, self.threads), daemon=True
+            target=_process, args=(child, role, spec, model_dir, config, self.threads, tp), daemon=True
         )
         self.process.start()
 
@@ -311,6 +358,76 @@ def measure_sizes(sizes: list[int], repeats: int, config) -> list[dict]:
         d.stop()
 
 
+def measure_tp(sizes: list[int], repeats: int, config, sender_tp: int, receiver_tp: int, one_to_one: list[dict]):
+    """The same transfers between a TP-``sender_tp`` and a TP-``receiver_tp`` worker, one process per rank."""
+    from splitserve.engine.tp_layout import transfer_pairs
+    from splitserve.kv_transfer.tp import rank_transfer_id, sends_for
+
+    bs, heads = PRESET_SPEC["block_size"], PRESET_SPEC["num_kv_heads"]
+    num_blocks = 2 * ceil_div(max(sizes), bs) + 64
+    spec = {**PRESET_SPEC, "num_blocks": num_blocks}
+    receivers = [_Proc("receiver", spec, None, config, (receiver_tp, r)) for r in range(receiver_tp)]
+    senders = [_Proc("sender", spec, None, config, (sender_tp, s)) for s in range(sender_tp)]
+    try:
+        peers = [d.call("info")["peer"] for d in receivers]
+        for p in senders:
+            p.call("info")
+        rng = random.Random(1)
+        results = []
+        baseline = {row["tokens"]: row["seconds"] for row in one_to_one}
+        pairs = transfer_pairs(heads, sender_tp, receiver_tp)
+        for tokens in sizes:
+            n = ceil_div(tokens, bs)
+            best = float("inf")
+            for r in range(repeats + 1):
+                tid = f"tp-{tokens}-{r}"
+                src, dst = rng.sample(range(num_blocks), n), rng.sample(range(num_blocks), n)
+                for rank, d in enumerate(receivers):
+                    d.call("expect", rank_transfer_id(tid, rank, receiver_tp), dst)
+                for s, p in enumerate(senders):
+                    parts = [
+                        (
+                            rank_transfer_id(tid, q.receiver_rank, receiver_tp),
+                            peers[q.receiver_rank],
+                            (q.heads.start, q.heads.stop),
+                        )
+                        for q in sends_for(heads, sender_tp, s, receiver_tp)
+                    ]
+                    p.post("send_parts", parts, src, tokens)
+                sent = [p.result() for p in senders]
+                got = [
+                    d.call("received_heads", rank_transfer_id(tid, rank, receiver_tp), n)
+                    for rank, d in enumerate(receivers)
+                ]
+                failed = [x["error"] for x in sent if not x["ok"]] + [x["error"] for x in got if x["state"] != "done"]
+                if failed:
+                    raise RuntimeError(f"TP transfer failed: {failed[0]}")
+                for q in pairs:
+                    for h in range(q.heads.start, q.heads.stop):
+                        if got[q.receiver_rank]["digests"][h] != sent[q.sender_rank]["digests"][h]:
+                            raise RuntimeError(f"checksum mismatch of head {h} on receiving rank {q.receiver_rank}")
+                if r:
+                    best = min(best, max(x["at"] for x in got) - min(x["start"] for x in sent))
+            nbytes = n * bs * PRESET_SPEC["num_layers"] * 2 * heads * PRESET_SPEC["head_dim"] * 2
+            row = {
+                "tokens": tokens,
+                "bytes": nbytes,
+                "seconds": best,
+                "one_to_one_seconds": baseline[tokens],
+                "vs_one_to_one": best / baseline[tokens],
+                "checksum_verified": True,
+            }
+            log(
+                f"  {tokens:>6} tokens, TP {sender_tp}:{receiver_tp}: {best * 1e3:.1f} ms, 1:1 "
+                f"{baseline[tokens] * 1e3:.1f} ms ({row['vs_one_to_one']:.2f}x)"
+            )
+            results.append(row)
+        return results
+    finally:
+        for proc in (*senders, *receivers):
+            proc.stop()
+
+
 def measure_layer_groups(prompt_len: int, repeats: int, config) -> dict:
     from splitserve.make_model import write_random_checkpoint
 
@@ -375,8 +492,21 @@ def main() -> int:
     ap.add_argument("--skip-layer-groups", action="store_true")
     ap.add_argument("--message-mib", type=int, default=8, help="max_message_bytes, in MiB")
     ap.add_argument("--threads", type=int, default=1, help="torch threads in each of the two processes")
+    ap.add_argument("--tp", default="", metavar="P:D", help="also time a TP-P sender to a TP-D receiver")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
+    tp = None
+    if args.tp:
+        try:
+            tp = tuple(int(x) for x in args.tp.split(":"))
+            if len(tp) != 2 or min(tp) < 1:
+                raise ValueError
+            from splitserve.engine.tp_layout import check_tp_size
+
+            for size in tp:
+                check_tp_size(size * PRESET_SPEC["num_kv_heads"], PRESET_SPEC["num_kv_heads"], size)
+        except ValueError as e:
+            ap.error(f"--tp: expected P:D, two sizes the preset's {PRESET_SPEC['num_kv_heads']} KV heads allow ({e})")
     _Proc.threads = args.threads
     from splitserve.engine.hardware import print_header
 
@@ -403,6 +533,13 @@ def main() -> int:
         },
         "results": measure_sizes(sizes, args.repeats, config),
     }
+    if tp is not None:
+        log(f"transfer between a TP-{tp[0]} and a TP-{tp[1]} worker, one process per rank ...")
+        result["tp"] = {
+            "sender_tp": tp[0],
+            "receiver_tp": tp[1],
+            "results": measure_tp(sizes, args.repeats, config, tp[0], tp[1], result["results"]),
+        }
     if not args.skip_layer_groups:
         log(f"layer-group streaming on a KV-heavy model (full MHA), {args.prompt_len}-token prompt ...")
         result["layer_groups"] = measure_layer_groups(args.prompt_len, max(1, args.repeats - 1), config)
@@ -417,6 +554,15 @@ def main() -> int:
                 f"| {r['ratio']:.2f} "
                 f"| {r['bytes'] / r['gather_seconds'] / 1e9:.1f} | {r['bytes'] / r['scatter_seconds'] / 1e9:.1f} |"
             )
+        if "tp" in result:
+            t = result["tp"]
+            print(f"\n| tokens | TP {t['sender_tp']}:{t['receiver_tp']} ms | 1:1 ms | TP / 1:1 |")
+            print("| --- | --- | --- | --- |")
+            for r in t["results"]:
+                print(
+                    f"| {r['tokens']} | {r['seconds'] * 1e3:.1f} | {r['one_to_one_seconds'] * 1e3:.1f} "
+                    f"| {r['vs_one_to_one']:.2f} |"
+                )
         if "layer_groups" in result:
             lg = result["layer_groups"]
             print(
