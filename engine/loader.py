@@ -203,17 +203,18 @@ def _read(f, name: str, target: _Target) -> torch.Tensor:
     """The part of checkpoint tensor ``name`` that ``target`` keeps, shape-checked."""
     if target.rows is None and target.cols is None:
         tensor = f.get_tensor(name)
-        shape = tuple(tensor.shape)
-    else:
-        view = f.get_slice(name)
-        shape = tuple(view.get_shape())
-    if shape != target.shape:
-        raise CheckpointError(f"{name}: shape {shape} != expected {target.shape}")
+        _check_shape(name, tuple(tensor.shape), target)
+        return tensor
+    view = f.get_slice(name)
+    _check_shape(name, tuple(view.get_shape()), target)
     if target.rows is not None:
         return view[target.rows.start : target.rows.stop]
-    if target.cols is not None:
-        return view[:, target.cols.start : target.cols.stop]
-    return tensor
+    return view[:, target.cols.start : target.cols.stop]
+
+
+def _check_shape(name: str, shape: tuple[int, ...], target: _Target) -> None:
+    if shape != target.shape:
+        raise CheckpointError(f"{name}: shape {shape} != expected {target.shape}")
 
 
 @torch.no_grad()
@@ -246,8 +247,8 @@ def load_weights(model: CausalLM, model_dir: str | Path) -> str:
                     digest = _digest(name, tuple(tensor.shape), tensor.dtype)
                     digest.update(memoryview(tensor.contiguous().view(torch.uint8).numpy()))
                     tensor_digests.append((name, digest.digest()))
-                    if target is not None and tuple(tensor.shape) != target.shape:
-                        raise CheckpointError(f"{name}: shape {tuple(tensor.shape)} != expected {target.shape}")
+                    if target is not None:
+                        _check_shape(name, tuple(tensor.shape), target)
                 if target is None:
                     continue
                 rows = target.num_rows
