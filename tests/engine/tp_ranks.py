@@ -14,19 +14,32 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
-from splitserve.engine.distributed import CollectiveError, TPGroup, bind_store, connect_store
+from splitserve.engine.distributed import CollectiveError, TPGroup, bind_store, connect_store, timeout_delta
 
 HOST = "127.0.0.1"
-GROUP_TIMEOUT_S = 5.0  # every collective and the group's setup
+GROUP_TIMEOUT_S = 5.0  # every collective (default)
+# Spawned ranks finish importing torch seconds apart on busy cores: they meet at a barrier on the store,
+# with this much slack, before forming the group, so that the collectives' deadline measures only them.
+SETUP_TIMEOUT_S = 30.0
 
 
-def run_ranks(fn: Callable[..., Any], size: int, *args: Any, timeout_s: float = 60.0) -> dict[int, Any]:
-    """``fn(group, *args)`` on every rank; returns rank -> result for the ranks that returned (a rank that
-    exits without returning is absent). A rank that raised fails the test with its traceback."""
-    store, port = bind_store(HOST, 0, GROUP_TIMEOUT_S)
+def run_ranks(
+    fn: Callable[..., Any],
+    size: int,
+    *args: Any,
+    timeout_s: float = 60.0,
+    group_timeout_s: float = GROUP_TIMEOUT_S,
+) -> dict[int, Any]:
+    """``fn(group, *args)`` on every rank of a group whose collectives wait at most ``group_timeout_s``;
+    returns rank -> result for the ranks that returned (a rank that exits without returning is absent).
+    A rank that raised fails the test with its traceback."""
+    store, port = bind_store(HOST, 0, SETUP_TIMEOUT_S)
     ctx = mp.get_context("spawn")
     results: queue.Queue = ctx.Queue()
-    procs = [ctx.Process(target=_rank_main, args=(fn, port, rank, size, args, results)) for rank in range(size)]
+    procs = [
+        ctx.Process(target=_rank_main, args=(fn, port, rank, size, group_timeout_s, args, results))
+        for rank in range(size)
+    ]
     for p in procs:
         p.start()
     got: dict[int, Any] = {}
@@ -54,11 +67,13 @@ def run_ranks(fn: Callable[..., Any], size: int, *args: Any, timeout_s: float = 
     return got
 
 
-def _rank_main(fn, port: int, rank: int, size: int, args: tuple, results) -> None:
+def _rank_main(fn, port: int, rank: int, size: int, group_timeout_s: float, args: tuple, results) -> None:
     torch.set_num_threads(1)
     try:
-        store = connect_store(HOST, port, GROUP_TIMEOUT_S)
-        group = TPGroup.create("gloo", store, "tp/", rank, size, HOST, GROUP_TIMEOUT_S, torch.device("cpu"))
+        store = connect_store(HOST, port, SETUP_TIMEOUT_S)
+        store.set(f"ready/{rank}", "1")
+        store.wait([f"ready/{r}" for r in range(size)], timeout_delta(SETUP_TIMEOUT_S))
+        group = TPGroup.create("gloo", store, "tp/", rank, size, HOST, group_timeout_s, torch.device("cpu"))
         results.put((rank, True, fn(group, *args)))
     except BaseException:
         results.put((rank, False, traceback.format_exc()))
