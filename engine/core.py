@@ -2,6 +2,10 @@
 
 ``LLM`` (offline), the prefill worker and the decode worker each wrap one ``EngineCore`` and differ
 only in how they schedule and where tokens go.
+
+A tensor-parallel engine is one ``EngineCore`` per rank, each given the ranks' ``TPGroup``: every rank
+holds its shard of the model and a KV cache of its KV heads, and all of them run the same steps in
+lockstep (the scheduler is deterministic and the logits, with the LM head replicated, identical).
 """
 
 from __future__ import annotations
@@ -12,9 +16,10 @@ from dataclasses import dataclass, field
 import torch
 
 from splitserve.common.arith import ceil_div
-from splitserve.common.validate import check_choice, check_ranges
+from splitserve.common.validate import check_choice, check_range, check_ranges
 from splitserve.engine.block_manager import BlockManager
 from splitserve.engine.cuda_graphs import CaptureStats, CudaGraphBackend
+from splitserve.engine.distributed import TPGroup
 from splitserve.engine.kv_cache import KVCache, KVCacheSpec
 from splitserve.engine.linear_tuner import LINEAR_KERNELS, KernelPolicy
 from splitserve.engine.loader import build_model, parse_dtype
@@ -25,6 +30,7 @@ from splitserve.engine.sampler import Sampler
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.engine.scheduler import Scheduler, SchedulerConfig
 from splitserve.engine.static_decode import StaticDecodeInputs, batch_buckets
+from splitserve.engine.tensor_parallel import TPShard
 from splitserve.engine.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -70,9 +76,15 @@ class EngineConfig(EngineSettings):
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     num_threads: int | None = None  # torch intra-op threads (CPU); None leaves torch's default
     pack_weights: bool = True  # False: linear_kernel plain (the older switch, kept for compatibility)
+    # This process is rank tensor_parallel_rank of a tensor-parallel engine of tensor_parallel_size ranks
+    # (its TPGroup is handed to EngineCore: a group cannot live in a frozen config).
+    tensor_parallel_size: int = 1
+    tensor_parallel_rank: int = 0
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        check_range(self, "tensor_parallel_size", min=1)
+        check_range(self, "tensor_parallel_rank", min=0, max=self.tensor_parallel_size - 1)
         if not self.pack_weights and self.linear_kernel not in ("auto", "plain"):
             raise ValueError(f"linear_kernel: {self.linear_kernel!r} contradicts pack_weights=False (plain)")
         if self.device.startswith("cuda") and self.linear_kernel in ("packed", "split"):
@@ -85,18 +97,24 @@ class EngineConfig(EngineSettings):
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, record_block_events: bool = False) -> None:
+    def __init__(
+        self, config: EngineConfig, record_block_events: bool = False, tp_group: TPGroup | None = None
+    ) -> None:
+        """``tp_group``: the ranks' group, required when ``config.tensor_parallel_size`` > 1 (one of size 1 is
+        ignored: the unsharded engine runs no collective)."""
         self.config = cfg = config
         if cfg.num_threads:
             torch.set_num_threads(cfg.num_threads)
         self.model_config = ModelConfig.from_model_dir(cfg.model_dir)
+        self.tp_group = self._check_tp_group(tp_group)
         self.tokenizer = Tokenizer.from_model_dir(cfg.model_dir)
         self.dtype = parse_dtype(cfg.dtype, self.model_config.checkpoint_dtype)
         self.device = torch.device(cfg.device)
         self.model, self.weights_checksum = build_model(
-            self.model_config, cfg.model_dir, self.dtype, self.device, cfg.kernel_policy
+            self.model_config, cfg.model_dir, self.dtype, self.device, cfg.kernel_policy, self.tp_group
         )
-        per_block = KVCacheSpec.for_model(self.model_config, 1, cfg.block_size, self.dtype).bytes_per_block
+        tp = (cfg.tensor_parallel_size, cfg.tensor_parallel_rank)
+        per_block = KVCacheSpec.for_model(self.model_config, 1, cfg.block_size, self.dtype, *tp).bytes_per_block
         num_blocks = cfg.num_blocks or max(1, cfg.kv_cache_bytes // per_block)
         self.decode_path = self.resolve_decode_path()
         self.static_decode = self.decode_path == "static"
@@ -104,7 +122,7 @@ class EngineCore:
         self.decode_backend = "gather (splitserve.engine.attention)"
         # The static path's padding rows write to one scratch block past those the block manager owns.
         cache_blocks = num_blocks + 1 if self.static_decode else num_blocks
-        cache_spec = KVCacheSpec.for_model(self.model_config, cache_blocks, cfg.block_size, self.dtype)
+        cache_spec = KVCacheSpec.for_model(self.model_config, cache_blocks, cfg.block_size, self.dtype, *tp)
         self.kv_cache = KVCache(cache_spec, self.device)
         self.blocks = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching, record_block_events)
         self.eos_token_ids = tuple(self.tokenizer.eos_token_ids or self.model_config.eos_token_ids)
@@ -112,12 +130,30 @@ class EngineCore:
         static = self._static_decode_inputs(scratch_block=num_blocks) if self.static_decode else None
         self.runner = ModelRunner(self.model, self.kv_cache, self.blocks, Sampler(self.eos_token_ids), static)
         self.graph_stats: CaptureStats | None = None
-        if static is not None and cfg.cuda_graphs and self.device.type == "cuda":
+        # Collectives inside captured graphs are not validated yet: a tensor-parallel engine decodes eagerly.
+        if static is not None and cfg.cuda_graphs and self.device.type == "cuda" and self.tp_group is None:
             try:
                 self.graph_stats = self.runner.capture_decode_graphs(CudaGraphBackend(self.device))
             except RuntimeError as e:  # an op that cannot be captured: run the static path eagerly
                 log.warning("decode CUDA graphs: capture failed, decoding without graphs: %s", e)
                 self.runner.graphs = None
+
+    def _check_tp_group(self, group: TPGroup | None) -> TPGroup | None:
+        """The group the model uses (None unsharded), once the model is known to split into the configured
+        shards (errors name ``tensor_parallel_size``) and ``group`` is that rank's."""
+        cfg = self.config
+        size, rank = cfg.tensor_parallel_size, cfg.tensor_parallel_rank
+        TPShard.for_model(self.model_config, size, rank)
+        if group is None:
+            if size > 1:
+                raise ValueError(f"tp_group: tensor_parallel_size {size} needs the ranks' TPGroup, got none")
+            return None
+        if (group.size, group.rank) != (size, rank):
+            raise ValueError(
+                f"tp_group: rank {group.rank} of {group.size} does not match tensor_parallel_rank {rank} "
+                f"of tensor_parallel_size {size}"
+            )
+        return group if size > 1 else None
 
     def resolve_decode_path(self) -> str:
         """ "static" or "dynamic" for this engine's device (see ``EngineConfig.decode_path``)."""

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from splitserve.engine.model_config import ModelConfig
+from splitserve.engine.tp_layout import kv_head_range
 
 
 @dataclass(frozen=True)
@@ -31,8 +32,18 @@ class KVCacheSpec:
     dtype: torch.dtype
 
     @classmethod
-    def for_model(cls, model: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype) -> KVCacheSpec:
-        return cls(model.num_layers, model.num_kv_heads, model.head_dim, num_blocks, block_size, dtype)
+    def for_model(
+        cls,
+        model: ModelConfig,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        tp_size: int = 1,
+        rank: int = 0,
+    ) -> KVCacheSpec:
+        """The cache of tensor-parallel rank ``rank`` of ``tp_size``: it holds only that rank's KV heads."""
+        num_kv_heads = kv_head_range(model.num_kv_heads, tp_size, rank).count
+        return cls(model.num_layers, num_kv_heads, model.head_dim, num_blocks, block_size, dtype)
 
     @property
     def bytes_per_block(self) -> int:

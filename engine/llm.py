@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 from splitserve.engine.core import EngineConfig, EngineCore
 from splitserve.engine.detokenizer import IncrementalDetokenizer
+from splitserve.engine.distributed import TPGroup
 from splitserve.engine.request import FinishReason, Request
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.engine.stop_strings import StopStringMatcher
@@ -49,8 +50,11 @@ class _Stream:
 
 
 class LLM:
-    def __init__(self, model_dir: str, **options) -> None:
-        self.core = EngineCore(EngineConfig(model_dir=str(model_dir), **options))
+    def __init__(self, model_dir: str, *, tp_group: TPGroup | None = None, **options) -> None:
+        """``options``: EngineConfig's fields. A tensor-parallel engine runs one ``LLM`` per rank, each with
+        ``tensor_parallel_size``, its ``tensor_parallel_rank`` and the ranks' ``tp_group``, and the same calls
+        on every rank in the same order (the ranks run every step together)."""
+        self.core = EngineCore(EngineConfig(model_dir=str(model_dir), **options), tp_group=tp_group)
         core = self.core
         self.config, self.model_config, self.tokenizer = core.config, core.model_config, core.tokenizer
         self.dtype, self.device, self.model = core.dtype, core.device, core.model

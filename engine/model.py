@@ -5,6 +5,11 @@ not change results beyond kernel rounding: q/k/v projections are one ``Linear`` 
 ``Linear`` (fewer, larger GEMMs: decode on CPU is bound by reading weights). Tokens arrive flattened
 (``[T]``), requests told apart by ``AttentionMetadata``, so one forward mixes prefill chunks and
 decodes. Logits are computed only for the rows that are sampled.
+
+Tensor parallelism (``splitserve.engine.tensor_parallel``): built with a ``TPGroup`` of size t, every
+layer holds rank r's shard (its heads, ``intermediate/t`` of the MLP) and ``o_proj`` and ``down_proj``
+are each followed by one in-place sum all-reduce; the embedding and the LM head stay whole. Without a
+group the model is the unsharded one and no collective runs.
 """
 
 from __future__ import annotations
@@ -16,9 +21,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from splitserve.engine.attention import AttentionMetadata, paged_attention
+from splitserve.engine.distributed import TPGroup
 from splitserve.engine.kv_cache import KVCache
 from splitserve.engine.model_config import ModelConfig
 from splitserve.engine.rope import RotaryEmbedding, apply_rotary
+from splitserve.engine.tensor_parallel import TPShard
 
 
 def onednn_runs(dtype: torch.dtype, device: torch.device | str = "cpu") -> bool:
@@ -104,15 +111,19 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+    """Self-attention over this rank's heads (all of them unsharded): ``qkv_proj`` column-parallel,
+    ``o_proj`` row-parallel and summed over the ranks."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, shard: TPShard, tp: TPGroup | None = None) -> None:
         super().__init__()
-        self.layer = layer
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_size, self.kv_size = cfg.q_size, cfg.kv_size
+        self.layer, self.tp = layer, tp
+        self.num_heads, self.num_kv_heads, self.head_dim = shard.num_heads, shard.num_kv_heads, cfg.head_dim
+        self.q_size, self.kv_size = shard.q_size, shard.kv_size
         self.scale = cfg.head_dim**-0.5
         self.window = cfg.sliding_windows[layer]
-        self.qkv_proj = Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.qkv_bias)
-        self.o_proj = Linear(cfg.q_size, cfg.hidden_size, bias=cfg.o_bias)
+        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
+        o_bias = cfg.o_bias and shard.holds_row_parallel_bias
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=o_bias)
 
     def forward(self, h, cos, sin, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         tokens = h.shape[0]
@@ -122,27 +133,34 @@ class Attention(nn.Module):
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = qkv[:, self.q_size + self.kv_size :].view(tokens, self.num_kv_heads, self.head_dim)
         out = paged_attention(q, k, v, kv_cache.layer(self.layer), meta, self.scale, self.window)
-        return self.o_proj(out.reshape(tokens, self.q_size))  # SDPA's CUDA output is not contiguous
+        out = self.o_proj(out.reshape(tokens, self.q_size))  # SDPA's CUDA output is not contiguous
+        return out if self.tp is None else self.tp.all_reduce(out)
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    """SwiGLU over this rank's intermediate columns: ``gate_up_proj`` column-parallel, ``down_proj``
+    row-parallel and summed over the ranks."""
+
+    def __init__(self, cfg: ModelConfig, shard: TPShard, tp: TPGroup | None = None) -> None:
         super().__init__()
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.tp = tp
+        inter = shard.intermediate_size
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * inter, bias=cfg.mlp_bias)
+        self.down_proj = Linear(inter, cfg.hidden_size, bias=cfg.mlp_bias and shard.holds_row_parallel_bias)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(h).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate).mul_(up))  # in place: one [T, intermediate] buffer fewer
+        out = self.down_proj(F.silu(gate).mul_(up))  # in place: one [T, intermediate] buffer fewer
+        return out if self.tp is None else self.tp.all_reduce(out)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int, shard: TPShard, tp: TPGroup | None = None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, layer)
+        self.self_attn = Attention(cfg, layer, shard, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg, shard, tp)
 
     def forward(self, h, cos, sin, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         # Residual adds into the sublayers' fresh outputs (the same sum, rounded once, as transformers'
@@ -152,11 +170,15 @@ class DecoderLayer(nn.Module):
 
 
 class CausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TPGroup | None = None) -> None:
+        """The whole model, or with ``tp`` (a group of size > 1) rank ``tp.rank``'s shard of it. A group of
+        size 1 is dropped: the unsharded model runs no collective."""
         super().__init__()
         self.config = cfg
+        self.tp = tp if tp is not None and tp.size > 1 else None
+        self.shard = TPShard.for_model(cfg, tp.size, tp.rank) if self.tp is not None else TPShard.for_model(cfg)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, self.shard, self.tp) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary: RotaryEmbedding | None = None  # set by ``init_rotary`` once the device is known

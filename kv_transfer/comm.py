@@ -1,8 +1,8 @@
 """Point-to-point byte transport for one (sender, receiver) pair, with deadlines.
 
 - ``choose_backend`` is the one place that picks NCCL (KV on CUDA) or gloo (KV on CPU).
-- ``bind_store`` hosts a rendezvous ``TCPStore`` on the advertised address only: a plain TCPStore
-  listens on every interface whatever host it is given, so it gets a socket already bound.
+- ``bind_store`` / ``connect_store`` (from ``splitserve.engine.distributed``) host and join the rendezvous
+  ``TCPStore`` on the advertised address only.
 - ``create_pair_group`` builds a 2-rank group from a ``PrefixStore`` without ``init_process_group``,
   so any number of pairs coexist in one process and workers come and go freely; the gloo device is
   built from the advertised address, never from hostname resolution.
@@ -13,9 +13,7 @@
 
 from __future__ import annotations
 
-import datetime
 import os
-import socket
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -23,6 +21,12 @@ from typing import Literal
 
 import torch
 import torch.distributed as dist
+
+# The store helpers live in the engine (its tensor-parallel group uses them too); imported here for the
+# pair groups and re-exported for the sender and receiver.
+from splitserve.engine.distributed import bind_store as bind_store
+from splitserve.engine.distributed import connect_store as connect_store
+from splitserve.engine.distributed import timeout_delta
 
 Backend = Literal["gloo", "nccl"]
 
@@ -45,33 +49,6 @@ def choose_backend(device: torch.device, configured: str = "auto") -> Backend:
     return "nccl" if nccl_ok else "gloo"
 
 
-def _timedelta(seconds: float) -> datetime.timedelta:
-    return datetime.timedelta(seconds=seconds)
-
-
-def bind_store(host: str, port: int = 0, timeout_s: float = 10.0) -> tuple[dist.TCPStore, int]:
-    """A rendezvous store serving on ``host:port`` only (port 0: any free port); returns (store, port)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    sock.listen(128)
-    bound_port = sock.getsockname()[1]
-    store = dist.TCPStore(
-        host,
-        bound_port,
-        is_master=True,
-        timeout=_timedelta(timeout_s),
-        wait_for_workers=False,
-        master_listen_fd=sock.detach(),
-    )
-    return store, bound_port
-
-
-def connect_store(host: str, port: int, timeout_s: float) -> dist.TCPStore:
-    return dist.TCPStore(host, port, is_master=False, timeout=_timedelta(timeout_s))
-
-
 def create_pair_group(
     backend: Backend, store: dist.Store, prefix: str, rank: int, local_host: str, timeout_s: float, device: torch.device
 ) -> dist.ProcessGroup:
@@ -79,11 +56,11 @@ def create_pair_group(
     prefixed = dist.PrefixStore(prefix, store)
     if backend == "gloo":
         opts = dist.ProcessGroupGloo._Options()
-        opts._timeout = _timedelta(timeout_s)
+        opts._timeout = timeout_delta(timeout_s)
         opts._devices = [dist.ProcessGroupGloo.create_device(hostname=local_host)]
         return dist.ProcessGroupGloo(prefixed, rank, 2, opts)
     opts = dist.ProcessGroupNCCL.Options()
-    opts._timeout = _timedelta(timeout_s)
+    opts._timeout = timeout_delta(timeout_s)
     group = dist.ProcessGroupNCCL(prefixed, rank, 2, opts)
     # NCCL creates its communicator on first use: do that now, inside the setup deadline.
     probe = torch.zeros(1, device=device)
@@ -112,7 +89,7 @@ class Pending:
     def wait(self, timeout_s: float) -> None:
         try:
             if isinstance(self._group, dist.ProcessGroupGloo):
-                self._work.wait(_timedelta(timeout_s))
+                self._work.wait(timeout_delta(timeout_s))
             else:  # NCCL: poll, so that the deadline is ours and not the watchdog's
                 deadline = time.monotonic() + timeout_s
                 while not self._work.is_completed():
