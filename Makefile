@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 MODELS := models
 PYTEST_ARGS ?=
 
-.PHONY: setup peer serve demo test lint format bench-engine bench-transfer bench-serve bench-cluster bench-disagg loadtest soak fault-drill bench-frontends proto gpu-check clean
+.PHONY: setup peer serve demo test lint format bench-engine bench-transfer bench-tp bench-serve bench-cluster bench-disagg loadtest soak fault-drill bench-frontends proto gpu-check clean
 
 setup: $(STAMP)
 
@@ -59,6 +59,10 @@ bench-engine: setup
 
 bench-transfer: setup
 	$(VPY) scripts/bench_transfer.py $(BENCH_ARGS)
+
+# Tensor parallelism on this CPU: TP 1 on 2 threads against TP 2 with one pinned thread per rank.
+bench-tp: setup
+	$(VPY) scripts/bench_tp.py $(BENCH_ARGS)
 
 bench-serve: setup
 	$(VPY) scripts/bench_serve.py $(BENCH_ARGS)
