@@ -6,6 +6,8 @@ only in how they schedule and where tokens go.
 A tensor-parallel engine is one ``EngineCore`` per rank, each given the ranks' ``TPGroup``: every rank
 holds its shard of the model and a KV cache of its KV heads, and all of them run the same steps in
 lockstep (the scheduler is deterministic and the logits, with the LM head replicated, identical).
+With ``tensor_parallel_step="plan"`` rank 0 drives instead: it alone schedules and samples, and sends each
+step's plan to the other ranks (followers: no block manager, no scheduler; ``splitserve.engine.tp_step``).
 """
 
 from __future__ import annotations
@@ -32,10 +34,12 @@ from splitserve.engine.scheduler import Scheduler, SchedulerConfig
 from splitserve.engine.static_decode import StaticDecodeInputs, batch_buckets
 from splitserve.engine.tensor_parallel import TPShard
 from splitserve.engine.tokenizer import Tokenizer
+from splitserve.engine.tp_step import PlanChannel
 
 log = logging.getLogger(__name__)
 
 DECODE_PATHS = ("auto", "dynamic", "static")
+TP_STEPS = ("lockstep", "plan")
 
 
 @dataclass(frozen=True)
@@ -80,9 +84,14 @@ class EngineConfig(EngineSettings):
     # (its TPGroup is handed to EngineCore: a group cannot live in a frozen config).
     tensor_parallel_size: int = 1
     tensor_parallel_rank: int = 0
+    # How the ranks agree on each step: "lockstep" (every rank schedules, deterministically) or "plan" (rank 0
+    # alone schedules, samples and sends each step's plan; the other ranks own no scheduler or block manager
+    # and run splitserve.engine.tp_step.follow).
+    tensor_parallel_step: str = "lockstep"
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        check_choice(self, "tensor_parallel_step", TP_STEPS)
         check_range(self, "tensor_parallel_size", min=1)
         check_range(self, "tensor_parallel_rank", min=0, max=self.tensor_parallel_size - 1)
         if not self.pack_weights and self.linear_kernel not in ("auto", "plain"):
@@ -124,11 +133,19 @@ class EngineCore:
         cache_blocks = num_blocks + 1 if self.static_decode else num_blocks
         cache_spec = KVCacheSpec.for_model(self.model_config, cache_blocks, cfg.block_size, self.dtype, *tp)
         self.kv_cache = KVCache(cache_spec, self.device)
-        self.blocks = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching, record_block_events)
+        # A follower's blocks are rank 0's: it holds the cache of its heads and runs the plans it is sent.
+        self.blocks = (
+            None
+            if self.is_follower
+            else BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching, record_block_events)
+        )
         self.eos_token_ids = tuple(self.tokenizer.eos_token_ids or self.model_config.eos_token_ids)
         self.max_model_len = cfg.max_model_len or self.model_config.max_position_embeddings
         static = self._static_decode_inputs(scratch_block=num_blocks) if self.static_decode else None
-        self.runner = ModelRunner(self.model, self.kv_cache, self.blocks, Sampler(self.eos_token_ids), static)
+        channel = PlanChannel(self.tp_group, self.device) if self.drives_followers else None
+        self.runner = ModelRunner(
+            self.model, self.kv_cache, self.blocks, Sampler(self.eos_token_ids), static, channel=channel
+        )
         self.graph_stats: CaptureStats | None = None
         # Collectives inside captured graphs are not validated yet: a tensor-parallel engine decodes eagerly.
         if static is not None and cfg.cuda_graphs and self.device.type == "cuda" and self.tp_group is None:
@@ -155,8 +172,29 @@ class EngineCore:
             )
         return group if size > 1 else None
 
+    @property
+    def plan_steps(self) -> bool:
+        """Rank 0 drives: a tensor-parallel engine (more than one rank) with ``tensor_parallel_step="plan"``."""
+        return self.tp_group is not None and self.config.tensor_parallel_step == "plan"
+
+    @property
+    def drives_followers(self) -> bool:
+        return self.plan_steps and self.tp_group.rank == 0
+
+    @property
+    def is_follower(self) -> bool:
+        return self.plan_steps and self.tp_group.rank > 0
+
+    def close(self) -> None:
+        """Rank 0 that drives: end the followers' loops (Stop). Idempotent; nothing to do otherwise."""
+        if self.runner.channel is not None:
+            self.runner.channel.close()
+
     def resolve_decode_path(self) -> str:
-        """ "static" or "dynamic" for this engine's device (see ``EngineConfig.decode_path``)."""
+        """ "static" or "dynamic" for this engine's device (see ``EngineConfig.decode_path``). A plan carries
+        the dynamic path's inputs only, so an engine whose rank 0 drives decodes dynamically."""
+        if self.plan_steps:
+            return "dynamic"
         if self.config.decode_path != "auto":
             return self.config.decode_path
         return "static" if self.device.type == "cuda" else "dynamic"
@@ -182,6 +220,11 @@ class EngineCore:
 
     def make_scheduler(self, **mode) -> Scheduler:
         cfg = self.config
+        if self.is_follower:
+            raise ValueError(
+                f"tensor_parallel_rank: rank {cfg.tensor_parallel_rank} follows rank 0's plans "
+                "(splitserve.engine.tp_step.follow) and has no scheduler"
+            )
         scheduler_config = SchedulerConfig(
             max_num_seqs=cfg.max_num_seqs,
             max_num_batched_tokens=cfg.max_num_batched_tokens,

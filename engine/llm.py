@@ -53,7 +53,10 @@ class LLM:
     def __init__(self, model_dir: str, *, tp_group: TPGroup | None = None, **options) -> None:
         """``options``: EngineConfig's fields. A tensor-parallel engine runs one ``LLM`` per rank, each with
         ``tensor_parallel_size``, its ``tensor_parallel_rank`` and the ranks' ``tp_group``, and the same calls
-        on every rank in the same order (the ranks run every step together)."""
+        on every rank in the same order (the ranks run every step together). With
+        ``tensor_parallel_step="plan"`` only rank 0 builds an ``LLM``; the other ranks build an ``EngineCore``
+        and run ``splitserve.engine.tp_step.follow`` on it until rank 0's ``close()`` (or the end of its
+        ``with`` block) stops them."""
         self.core = EngineCore(EngineConfig(model_dir=str(model_dir), **options), tp_group=tp_group)
         core = self.core
         self.config, self.model_config, self.tokenizer = core.config, core.model_config, core.tokenizer
@@ -168,6 +171,16 @@ class LLM:
         return [done[rid] for rid in ids]
 
     # ---- status -------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Stop the followers of an engine whose rank 0 drives; nothing otherwise. Idempotent."""
+        self.core.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def kv_status(self) -> dict[str, int]:
         """Block figures read from the allocator: total, in use, cached (evictable), free."""

@@ -10,6 +10,11 @@ The only engine module that touches tensors on the device besides the model itse
   a replay of the bucket's captured graph (``splitserve.engine.cuda_graphs``). A step with a prefill chunk, a
   layer hook (a prefill worker streaming layer groups) or more decodes than the largest bucket takes
   the dynamic path.
+
+The dynamic path is two halves: ``plan`` turns the scheduled items into a ``StepPlan`` (host arrays, no
+tensors) and ``run_plan`` runs its forward. Rank 0 of a tensor-parallel engine whose rank 0 drives sends
+each plan to the other ranks between the two (``splitserve.engine.tp_step``); unsharded, the plan goes
+straight to ``run_plan``, with no encoding. Such an engine decodes on the dynamic path only.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from splitserve.engine.model import CausalLM
 from splitserve.engine.sampler import Sampler
 from splitserve.engine.scheduler import ScheduledRequest, SchedulerOutput
 from splitserve.engine.static_decode import StaticDecodeInputs
+from splitserve.engine.tp_step import PlanChannel, StepPlan
 
 
 class ModelRunner:
@@ -36,16 +42,20 @@ class ModelRunner:
         self,
         model: CausalLM,
         kv_cache: KVCache,
-        blocks: BlockManager,
+        blocks: BlockManager | None,
         sampler: Sampler,
         static_decode: StaticDecodeInputs | None = None,
+        channel: PlanChannel | None = None,
     ) -> None:
+        """``blocks`` is None on a follower rank, which only runs plans (``run_plan``); ``channel`` is rank 0's
+        of a tensor-parallel engine whose rank 0 drives (``splitserve.engine.tp_step``)."""
         self.model = model
         self.kv_cache = kv_cache
         self.blocks = blocks
         self.sampler = sampler
         self.device = kv_cache.device
-        self.block_size = blocks.block_size
+        self.block_size = kv_cache.spec.block_size
+        self.channel = channel
         self.static = static_decode
         self.graphs: DecodeGraphs | None = None
         self.num_static_steps = 0  # decode steps the static path ran, for tests and stats
@@ -59,24 +69,32 @@ class ModelRunner:
     def execute(self, output: SchedulerOutput, on_layer_done: Callable[[int], None] | None = None) -> dict[str, int]:
         """Compute every scheduled token's K/V; returns the sampled token of each request that samples.
 
-        ``on_layer_done`` is passed to the model (see ``CausalLM.forward``)."""
+        ``on_layer_done`` is passed to the model (see ``CausalLM.forward``). With a ``channel`` (rank 0 of a
+        tensor-parallel engine whose rank 0 drives) the step's plan goes to the other ranks first."""
         if output.is_empty:
             return {}
         if self._takes_static_path(output, on_layer_done):
             return self._execute_static(list(output.scheduled))
         items = [s for s in output.scheduled if s.num_new_tokens == 1]
         items += [s for s in output.scheduled if s.num_new_tokens > 1]
-        input_ids, positions, meta, sample_rows = self._prepare(items)
-        max_position = max(s.request.num_computed_tokens + s.num_new_tokens for s in items) - 1
-        hidden = self.model(input_ids, positions, max_position, self.kv_cache, meta, on_layer_done)
-        if not sample_rows:
+        plan, sampled = self.plan(items)
+        if self.channel is not None:
+            self.channel.send(plan)
+        hidden = self.run_plan(plan, on_layer_done)
+        if not sampled:
             return {}
-        if len(sample_rows) < hidden.shape[0]:  # else every row samples, in order (a pure decode step)
-            hidden = hidden.index_select(0, torch.tensor([row for row, _ in sample_rows], device=self.device))
+        if len(sampled) < hidden.shape[0]:  # else every row samples, in order (a pure decode step)
+            hidden = hidden.index_select(0, self._to_device(plan.sample_rows))
         logits = self.model.compute_logits(hidden)
-        requests = [s.request for _, s in sample_rows]
+        requests = [s.request for s in sampled]
         tokens = self.sampler(logits, requests)
         return {r.request_id: t for r, t in zip(requests, tokens)}
+
+    @torch.inference_mode()
+    def run_plan(self, plan: StepPlan, on_layer_done: Callable[[int], None] | None = None) -> torch.Tensor:
+        """The forward of one plan on this rank's shard: hidden states [tokens, hidden] (no logits)."""
+        input_ids, positions, meta = self._inputs(plan)
+        return self.model(input_ids, positions, plan.max_position, self.kv_cache, meta, on_layer_done)
 
     def _takes_static_path(self, output: SchedulerOutput, on_layer_done) -> bool:
         return (
@@ -150,11 +168,16 @@ class ModelRunner:
 
     def _prepare(self, items: list[ScheduledRequest]):
         """The flattened batch of ``items`` (decodes first): input ids, positions, attention metadata, and
-        the (row, item) pairs to sample.
+        the (row, item) pairs to sample."""
+        plan, sampled = self.plan(items)
+        return (*self._inputs(plan), list(zip(plan.sample_rows.tolist(), sampled)))
+
+    def plan(self, items: list[ScheduledRequest]) -> tuple[StepPlan, list[ScheduledRequest]]:
+        """The step's plan for ``items`` (decodes first), and the items it samples, in its sample rows' order.
 
         Built on whole arrays: one padded table of the requests' blocks, and every token's position,
-        slot block and offset computed from it at once (no per-token Python), then moved to the device
-        in one copy per tensor. Block table entries past a request's context are 0, as padding."""
+        slot block and offset computed from it at once (no per-token Python). Block table entries past a
+        request's context are 0, as padding."""
         bs = self.block_size
         num_items = len(items)
         starts = np.fromiter((s.request.num_computed_tokens for s in items), np.int64, num_items)
@@ -166,27 +189,47 @@ class ModelRunner:
         for i, item in enumerate(items):
             tables[i, : num_blocks[i]] = self.blocks.block_table(item.request.request_id)[: num_blocks[i]]
         owner = np.repeat(np.arange(num_items), counts)  # the item of every token
-        positions = np.arange(int(counts.sum())) - np.repeat(offsets - starts, counts)
+        num_tokens = int(counts.sum())
+        positions = np.arange(num_tokens) - np.repeat(offsets - starts, counts)
         num_decodes = int(np.count_nonzero(counts == 1))  # decodes (one new token) come first
-        input_ids = list(
+        input_ids = np.fromiter(
             itertools.chain.from_iterable(
                 s.request.token_ids[a:b] for s, a, b in zip(items, starts.tolist(), ends.tolist())
-            )
+            ),
+            np.int64,
+            num_tokens,
         )
+        width = int(num_blocks[:num_decodes].max()) if num_decodes else 0
+        sampled = [i for i, item in enumerate(items) if item.samples]
+        plan = StepPlan(
+            input_ids=input_ids,
+            positions=positions,
+            slot_blocks=tables[owner, positions // bs],
+            slot_offsets=positions % bs,
+            decode_context_lens=ends[:num_decodes],
+            decode_tables=tables[:num_decodes, :width],
+            prefill_chunks=np.stack([offsets, offsets + counts, starts], axis=1)[num_decodes:],
+            prefill_tables=tables[num_decodes:],
+            sample_rows=(offsets + counts - 1)[sampled],
+            max_position=int(ends.max()) - 1,
+        )
+        return plan, [items[i] for i in sampled]
+
+    def _inputs(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """The plan's tensors on the device: input ids, positions and attention metadata, one copy per tensor."""
+        num_decodes = plan.num_decodes
         meta = AttentionMetadata(
-            slot_blocks=self._to_device(tables[owner, positions // bs]),
-            slot_offsets=self._to_device(positions % bs),
+            slot_blocks=self._to_device(plan.slot_blocks),
+            slot_offsets=self._to_device(plan.slot_offsets),
             num_decodes=num_decodes,
-            decode_context_lens=ends[:num_decodes].tolist(),
+            decode_context_lens=plan.decode_context_lens.tolist(),
         )
         if num_decodes:
-            width = int(num_blocks[:num_decodes].max())
-            meta.decode_rows = self._rows(tables[:num_decodes, :width].reshape(-1))
-        for i in range(num_decodes, num_items):
-            rows = self._rows(tables[i, : num_blocks[i]]) if starts[i] else None
-            meta.prefills.append(PrefillChunk(int(offsets[i]), int(offsets[i] + counts[i]), int(starts[i]), rows))
-        sample_rows = [(int(offsets[i] + counts[i] - 1), item) for i, item in enumerate(items) if item.samples]
-        return torch.tensor(input_ids, device=self.device), self._to_device(positions), meta, sample_rows
+            meta.decode_rows = self._rows(plan.decode_tables.reshape(-1))
+        for (start, end, computed), table in zip(plan.prefill_chunks.tolist(), plan.prefill_tables):
+            rows = self._rows(table[: ceil_div(computed + end - start, self.block_size)]) if computed else None
+            meta.prefills.append(PrefillChunk(start, end, computed, rows))
+        return self._to_device(plan.input_ids), self._to_device(plan.positions), meta
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(array)).to(self.device)

@@ -135,3 +135,90 @@ def rank_stalls(group: TPGroup) -> dict:
     except CollectiveError as e:
         return {"error": str(e), "elapsed": time.monotonic() - start}
     return {"error": None, "elapsed": time.monotonic() - start}
+
+
+def _plan_engine(group: TPGroup, model_dir: str, options: dict):
+    """Rank 0: an ``LLM`` that drives; another rank: the ``EngineCore`` that follows it."""
+    from splitserve.engine import LLM
+    from splitserve.engine.core import EngineConfig, EngineCore
+
+    options = {
+        "tensor_parallel_size": group.size,
+        "tensor_parallel_rank": group.rank,
+        "tensor_parallel_step": "plan",
+        "dtype": "float32",
+        "block_size": 16,
+        "num_blocks": 256,
+        **options,
+    }
+    if group.rank == 0:
+        return LLM(model_dir, tp_group=group, **options)
+    return EngineCore(EngineConfig(model_dir=model_dir, **options), tp_group=group)
+
+
+def lead_or_follow(group: TPGroup, runs: list[tuple[str, list[list[int]], dict, dict]]) -> list[dict]:
+    """For each (model_dir, prompts, sampling kwargs, engine options): rank 0 runs ``generate`` and closes;
+    the others ``follow`` until then. Rank 0 reports tokens and blocks in use, the others steps run."""
+    from splitserve.engine import SamplingParams
+    from splitserve.engine.tp_step import follow
+
+    out = []
+    for model_dir, prompts, sampling, options in runs:
+        engine = _plan_engine(group, model_dir, options)
+        if group.rank > 0:
+            out.append({"steps": follow(engine, group), "blocks": engine.blocks})
+            continue
+        with engine as llm:
+            outputs = llm.generate(prompts, SamplingParams(**sampling))
+        llm.check_integrity()
+        out.append({"tokens": [o.token_ids for o in outputs], "in_use": llm.kv_status()["in_use"]})
+    return out
+
+
+def follower_exits(group: TPGroup, model_dir: str, prompts: list[list[int]]) -> dict:
+    """The follower exits once its engine is built; rank 0 times ``generate``, which must fail."""
+    from splitserve.engine import SamplingParams
+
+    engine = _plan_engine(group, model_dir, {})
+    if group.rank > 0:
+        os._exit(0)
+    start = time.monotonic()
+    try:
+        engine.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    except CollectiveError as e:
+        return {"error": str(e), "elapsed": time.monotonic() - start}
+    finally:
+        engine.close()  # after a failed collective: sends nothing
+    return {"error": None, "elapsed": time.monotonic() - start}
+
+
+def leader_exits(group: TPGroup, model_dir: str, prompts: list[list[int]], stall: bool) -> dict:
+    """Rank 0 runs one ``generate`` and then exits (or, with ``stall``, stays silent past the timeout)
+    without Stop; the follower's loop must fail. It reports when its last plan arrived and when it failed."""
+    from splitserve.engine import SamplingParams
+    from splitserve.engine.tp_step import follow
+
+    engine = _plan_engine(group, model_dir, {})
+    if group.rank == 0:
+        engine.generate(prompts, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+        if stall:
+            time.sleep(group.timeout_s + 1)
+        os._exit(0)
+    runner = _TimedRunner(engine.runner)
+    try:
+        follow(runner, group)
+    except CollectiveError as e:
+        return {"error": str(e), "steps": runner.steps, "waited": time.monotonic() - runner.last}
+    return {"error": None, "steps": runner.steps, "waited": time.monotonic() - runner.last}
+
+
+class _TimedRunner:
+    """A follower's runner that counts the plans it ran and notes when the last one ended."""
+
+    def __init__(self, runner) -> None:
+        self.inner, self.device, self.steps, self.last = runner, runner.device, 0, time.monotonic()
+
+    def run_plan(self, plan):
+        hidden = self.inner.run_plan(plan)
+        self.steps, self.last = self.steps + 1, time.monotonic()
+        return hidden
