@@ -26,7 +26,7 @@ import torch.distributed as dist
 # pair groups and re-exported for the sender and receiver.
 from splitserve.engine.distributed import bind_store as bind_store
 from splitserve.engine.distributed import connect_store as connect_store
-from splitserve.engine.distributed import timeout_delta
+from splitserve.engine.distributed import create_group, timeout_delta
 
 Backend = Literal["gloo", "nccl"]
 
@@ -53,12 +53,9 @@ def create_pair_group(
     backend: Backend, store: dist.Store, prefix: str, rank: int, local_host: str, timeout_s: float, device: torch.device
 ) -> dist.ProcessGroup:
     """Build this side of a 2-rank group; blocks until the peer joins, at most ``timeout_s``."""
-    prefixed = dist.PrefixStore(prefix, store)
     if backend == "gloo":
-        opts = dist.ProcessGroupGloo._Options()
-        opts._timeout = timeout_delta(timeout_s)
-        opts._devices = [dist.ProcessGroupGloo.create_device(hostname=local_host)]
-        return dist.ProcessGroupGloo(prefixed, rank, 2, opts)
+        return create_group("gloo", store, prefix, rank, 2, local_host, timeout_s, device)
+    prefixed = dist.PrefixStore(prefix, store)
     opts = dist.ProcessGroupNCCL.Options()
     opts._timeout = timeout_delta(timeout_s)
     group = dist.ProcessGroupNCCL(prefixed, rank, 2, opts)

@@ -29,7 +29,7 @@ from splitserve.common.errors import ServingError
 from splitserve.engine.request import FinishReason, Request
 from splitserve.engine.wire import FINISH_TO_PB, stop_reason_text
 from splitserve.prefill_worker.cache_events import CacheEventFeed
-from splitserve.prefill_worker.jobs import PrefillJob, check_room, finish_job, job_from_pb, mark_scheduled
+from splitserve.prefill_worker.jobs import PrefillJob, add_job, check_room, finish_job, job_from_pb, mark_scheduled
 from splitserve.prefill_worker.service import PrefillServicer
 from splitserve.rpc import workers_pb2 as wpb
 from splitserve.rpc import workers_pb2_grpc as wpb_grpc
@@ -87,7 +87,7 @@ class ColocatedWorker(WorkerBase):
     def handle_command(self, command: Command) -> None:
         match command:
             case Add(job):
-                self._add(job)
+                add_job(self.jobs, self.lock, self.scheduler, job)
             case Cancel(job):
                 self._cancel(job)
             case Drain():  # hand back what has tokens; the rest is handed back at its first token
@@ -95,13 +95,6 @@ class ColocatedWorker(WorkerBase):
                     self._hand_back(job)
             case _:
                 raise unknown_command(command)
-
-    def _add(self, job: PrefillJob) -> None:
-        try:
-            with self.lock:
-                self.scheduler.add(job.request)
-        except ValueError as e:
-            self._finish_job(job, Fail(ServingError("INVALID_ARGUMENT", str(e))))
 
     def _cancel(self, job: PrefillJob) -> None:
         if self.jobs.get(job.request.request_id) is job:

@@ -12,12 +12,12 @@ from dataclasses import dataclass, field
 from splitserve.common.errors import ServingError
 from splitserve.engine.request import Request
 from splitserve.engine.sampling_params import SamplingParamsError
-from splitserve.engine.scheduler import SchedulerOutput
+from splitserve.engine.scheduler import Scheduler, SchedulerOutput
 from splitserve.engine.wire import sampling_from_pb
 from splitserve.kv_transfer.sender import PeerAddress, SendHandle
 from splitserve.rpc import workers_pb2 as wpb
 from splitserve.worker_common.base import WorkerBase
-from splitserve.worker_common.messages import Emit, End, Event, make_event_queue
+from splitserve.worker_common.messages import Emit, End, Event, Fail, make_event_queue
 
 
 @dataclass(eq=False)
@@ -89,3 +89,12 @@ def finish_job(jobs: dict[str, PrefillJob], lock: threading.RLock, job: PrefillJ
     job.events.put(last)
     if isinstance(last, Emit):
         job.events.put(End())
+
+
+def add_job(jobs: dict[str, PrefillJob], lock: threading.RLock, scheduler: Scheduler, job: PrefillJob) -> None:
+    """Give the job's request to the scheduler (loop thread); one it refuses ends its call as INVALID_ARGUMENT."""
+    try:
+        with lock:
+            scheduler.add(job.request)
+    except ValueError as e:
+        finish_job(jobs, lock, job, Fail(ServingError("INVALID_ARGUMENT", str(e))))

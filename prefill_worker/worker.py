@@ -33,7 +33,7 @@ from splitserve.kv_transfer.handles import TransferHandle, TransferState
 from splitserve.kv_transfer.sender import KVSender
 from splitserve.kv_transfer.service import GrpcConnection
 from splitserve.prefill_worker.cache_events import CacheEventFeed
-from splitserve.prefill_worker.jobs import PrefillJob, check_room, finish_job, job_from_pb, mark_scheduled
+from splitserve.prefill_worker.jobs import PrefillJob, add_job, check_room, finish_job, job_from_pb, mark_scheduled
 from splitserve.prefill_worker.service import PrefillServicer
 from splitserve.rpc import workers_pb2 as wpb
 from splitserve.rpc import workers_pb2_grpc as wpb_grpc
@@ -111,20 +111,13 @@ class PrefillWorker(WorkerBase):
     def handle_command(self, command: Command) -> None:
         match command:
             case Add(job):
-                self._add(job)
+                add_job(self.jobs, self.lock, self.scheduler, job)
             case Cancel(job):
                 self._cancel(job)
             case Drain():  # accept() refuses new requests; the ones here finish as usual
                 pass
             case _:
                 raise unknown_command(command)
-
-    def _add(self, job: PrefillJob) -> None:
-        try:
-            with self.lock:
-                self.scheduler.add(job.request)
-        except ValueError as e:
-            self._finish_job(job, Fail(ServingError("INVALID_ARGUMENT", str(e))))
 
     def _cancel(self, job: PrefillJob) -> None:
         request_id = job.request.request_id
