@@ -29,6 +29,7 @@ from splitserve.engine.sampling_params import SamplingParams, SamplingParamsErro
 from splitserve.engine.wire import FINISH_TO_PB, sampling_from_pb, stop_reason_text
 from splitserve.kv_transfer.handles import TransferHandle, TransferState
 from splitserve.kv_transfer.receiver import KVReceiver
+from splitserve.kv_transfer.sender import PeerAddress
 from splitserve.kv_transfer.service import KVTransferServicer
 from splitserve.observability.logs import request_context
 from splitserve.rpc import kv_transfer_pb2_grpc
@@ -50,6 +51,8 @@ from splitserve.worker_common.messages import (
     make_event_queue,
     unknown_command,
 )
+from splitserve.worker_common.rank_link import Ranks
+from splitserve.worker_common.tp_kv import TPReceiver
 
 log = logging.getLogger("splitserve.decode")
 
@@ -69,8 +72,8 @@ class DecodeJob:
 
 
 class DecodeWorker(WorkerBase):
-    def __init__(self, config: WorkerConfig) -> None:
-        super().__init__(config)
+    def __init__(self, config: WorkerConfig, ranks: Ranks | None = None) -> None:
+        super().__init__(config, ranks)
         self.scheduler = self.core.make_scheduler(preemption="hand_back")
         self.batch = Batch(self.core, self.scheduler, self.lock, self.metrics)
         self.receiver = KVReceiver(
@@ -81,6 +84,8 @@ class DecodeWorker(WorkerBase):
             config=config.transfer,
             faults=self.faults,
         )
+        # A tensor-parallel worker receives a request's KV as one part per rank, into the same block ids.
+        self.kv: KVReceiver | TPReceiver = self.receiver if ranks is None else TPReceiver(self.receiver, ranks)
         self.jobs: dict[str, DecodeJob] = {}
 
     @property
@@ -115,7 +120,7 @@ class DecodeWorker(WorkerBase):
             return None, wpb.DecodeEvent(refused=wpb.LeaseRefused(reason="draining", free_blocks=0))
         blocks = self.core.blocks
         with self.lock:
-            if message.request_id in self.jobs or self.receiver.has_transfer(message.request_id):
+            if message.request_id in self.jobs or self.kv.has_transfer(message.request_id):
                 raise ServingError("ALREADY_EXISTS", f"request_id: {message.request_id!r} is already here")
             if len(self.jobs) >= self.config.max_inflight:
                 refusal = wpb.LeaseRefused(
@@ -130,19 +135,33 @@ class DecodeWorker(WorkerBase):
             table = list(blocks.block_table(message.request_id))
             job = self.jobs[message.request_id] = DecodeJob(message.request_id, prompt, output, sampling)
         try:
-            job.transfer = self.receiver.expect(message.request_id, table)
-        except ValueError:  # an earlier request with this id is still being torn down
-            with self.lock:
+            job.transfer = self.kv.expect(message.request_id, table)
+        except (ValueError, ServingError) as e:  # an earlier request with this id is still being torn down,
+            with self.lock:  # or (tensor-parallel) a rank could not expect its part
                 blocks.free(message.request_id)
                 del self.jobs[message.request_id]
+            if isinstance(e, ServingError):
+                raise
             raise ServingError(
                 "ALREADY_EXISTS", f"request_id: {message.request_id!r} is still being released"
             ) from None
         job.transfer.on_terminal(lambda handle: self._kv_ended(job, handle))
-        destination = wpb.KVDestination(
-            receiver_id=self.config.worker_id, incarnation=self.receiver.incarnation, control_address=self.address
-        )
+        destination = self._destination()
         return job, wpb.DecodeEvent(lease=wpb.LeaseGranted(destination=destination, blocks=len(table)))
+
+    def _destination(self) -> wpb.KVDestination:
+        """Where the prefill worker sends the KV: this worker's KV-transfer endpoint, and with tensor
+        parallelism every rank's."""
+        rank0 = PeerAddress(self.config.worker_id, self.receiver.incarnation, self.address)
+        destination = wpb.KVDestination(
+            receiver_id=rank0.receiver_id, incarnation=rank0.incarnation, control_address=rank0.control
+        )
+        if isinstance(self.kv, TPReceiver):
+            for peer in self.kv.destinations(rank0):
+                destination.ranks.add(
+                    receiver_id=peer.receiver_id, incarnation=peer.incarnation, control_address=peer.control
+                )
+        return destination
 
     def _kv_ended(self, job: DecodeJob, handle: TransferHandle) -> None:
         """The transfer ended (transfer or caller thread): admit on success, else give the lease back."""
@@ -187,7 +206,7 @@ class DecodeWorker(WorkerBase):
                 self.scheduler.finish(job.request_id, FinishReason.ABORT)  # frees its blocks
             self._end(job, End())
         else:  # still waiting for its KV: _kv_ended frees the lease (or _admit, if the KV just landed)
-            self.receiver.cancel(job.request_id, "cancelled by the router")
+            self.kv.cancel(job.request_id, "cancelled by the router")
 
     def _admit(self, job: DecodeJob) -> None:
         if job.ended or job.cancelled:
@@ -244,7 +263,7 @@ class DecodeWorker(WorkerBase):
             job.ended = True
             if job.request is None:
                 self.core.blocks.free(job.request_id)
-        self.receiver.release(job.request_id)  # may call back into _end: it returns at once
+        self.kv.release(job.request_id)  # may call back into _end: it returns at once
         with self.lock:
             if self.jobs.get(job.request_id) is job:
                 del self.jobs[job.request_id]

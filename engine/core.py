@@ -61,10 +61,15 @@ class EngineSettings:
     # there: docs/performance.md).
     decode_path: str = "auto"
     cuda_graphs: bool = True  # CUDA with the static path: capture each bucket's decode step at start-up
+    # A tensor-parallel worker's ranks: a collective (or a follower's wait for rank 0's next message) that
+    # takes longer fails the whole worker, so a dead or stalled rank is noticed within this; an idle rank 0
+    # ticks its ranks at a quarter of it.
+    tensor_parallel_timeout_s: float = 10.0
 
     def __post_init__(self) -> None:
         check_choice(self, "decode_path", DECODE_PATHS)
         check_ranges(self, ("block_size", "num_blocks", "kv_cache_bytes"), min=1)
+        check_range(self, "tensor_parallel_timeout_s", above=0)
         check_choice(self, "linear_kernel", LINEAR_KERNELS)
 
 

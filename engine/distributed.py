@@ -106,6 +106,32 @@ class TPGroup:
         self.group, self.rank, self.size, self.backend, self.timeout_s = group, rank, size, backend, timeout_s
 
     @classmethod
+    def join(
+        cls,
+        backend: Backend,
+        store: dist.Store,
+        prefix: str,
+        rank: int,
+        size: int,
+        local_host: str,
+        timeout_s: float,
+        setup_timeout_s: float,
+        device: torch.device,
+    ) -> TPGroup:
+        """``create``, once every rank has reached the store (each waits at most ``setup_timeout_s``): ranks
+        that start seconds apart (a process to spawn, torch to import) meet first, so that the group's own,
+        short ``timeout_s`` measures only its collectives."""
+        barrier = dist.PrefixStore(f"{prefix}joined/", store)
+        barrier.set(str(rank), "1")
+        try:
+            barrier.wait([str(r) for r in range(size)], timeout_delta(setup_timeout_s))
+        except Exception as e:  # the store raises its own error types on a timeout
+            raise CollectiveError(
+                f"{prefix}: rank {rank} of {size}: the other ranks did not join within {setup_timeout_s:.0f}s ({e})"
+            ) from None
+        return cls.create(backend, store, prefix, rank, size, local_host, timeout_s, device)
+
+    @classmethod
     def create(
         cls,
         backend: Backend,

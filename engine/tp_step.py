@@ -13,13 +13,17 @@ broadcasts from rank 0: its length (an int64 tensor), then the bytes (uint8); bo
 group's timeout, so a dead rank 0 makes a follower raise ``CollectiveError`` and a dead follower makes rank
 0's next collective raise.
 
-A follower waits at most the group's timeout for the next plan: a rank 0 that stays idle longer (no
-request to run) fails its followers. ``LLM`` steps without pause while it has requests; a serving worker
-will need a keep-alive plan before it can idle.
+Besides plans, rank 0 sends ``Tick`` (a keep-alive while it has nothing to run: every rank then joins one
+all-reduce, so a dead or stalled rank fails the group even while idle) and ``Notice`` (opaque bytes for
+the layer above, in order with the plans: a serving worker tells its ranks which KV transfers start with
+the next step). A follower waits at most the group's timeout for the next message: a rank 0 idle longer
+without a tick fails its followers. ``LLM`` steps without pause while it has requests; a serving worker
+ticks while idle (``PlanChannel.tick``).
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, fields
 from typing import Any, Protocol
 
@@ -75,7 +79,19 @@ class Stop:
     """Ends a follower's loop (rank 0's engine closes)."""
 
 
-Message = StepPlan | Stop
+@dataclass(frozen=True)
+class Tick:
+    """Keep-alive: no forward; every rank joins one all-reduce (``PlanChannel.tick``/``receive``)."""
+
+
+@dataclass(frozen=True)
+class Notice:
+    """Bytes for the layer above the engine, delivered in order with the plans (the engine never reads them)."""
+
+    payload: bytes
+
+
+Message = StepPlan | Stop | Tick | Notice
 
 _ARRAY_DIMS = {
     "input_ids": 1,
@@ -94,8 +110,11 @@ _DTYPE = np.dtype(np.int64)
 
 
 def encode(message: Message) -> bytes:
-    if isinstance(message, Stop):
-        return msgpack.packb({"version": PLAN_VERSION, "kind": "stop"}, use_bin_type=True)
+    if isinstance(message, Stop | Tick):
+        kind = "stop" if isinstance(message, Stop) else "tick"
+        return msgpack.packb({"version": PLAN_VERSION, "kind": kind}, use_bin_type=True)
+    if isinstance(message, Notice):
+        return msgpack.packb({"version": PLAN_VERSION, "kind": "notice", "payload": message.payload}, use_bin_type=True)
     plan: dict[str, Any] = {name: _encode_array(getattr(message, name)) for name in _ARRAY_DIMS}
     plan["max_position"] = int(message.max_position)
     return msgpack.packb({"version": PLAN_VERSION, "kind": "step", "plan": plan}, use_bin_type=True)
@@ -118,13 +137,27 @@ def decode(payload: bytes) -> Message:
     if type(version) is not int or version != PLAN_VERSION:
         raise PlanError(f"version: expected {PLAN_VERSION}, got {version!r}")
     kind = message.get("kind")
-    expected = {"stop": {"version", "kind"}, "step": {"version", "kind", "plan"}}.get(kind)
+    expected = _MESSAGE_KEYS.get(kind)
     if expected is None:
-        raise PlanError(f"kind: expected 'step' or 'stop', got {kind!r}")
+        raise PlanError(f"kind: expected one of {', '.join(map(repr, _MESSAGE_KEYS))}, got {kind!r}")
     _check_keys(message, expected, "message")
     if kind == "stop":
         return Stop()
+    if kind == "tick":
+        return Tick()
+    if kind == "notice":
+        if not isinstance(message["payload"], bytes):
+            raise PlanError(f"payload: expected bytes, got {type(message['payload']).__name__}")
+        return Notice(message["payload"])
     return _decode_plan(message["plan"])
+
+
+_MESSAGE_KEYS = {
+    "step": {"version", "kind", "plan"},
+    "stop": {"version", "kind"},
+    "tick": {"version", "kind"},
+    "notice": {"version", "kind", "payload"},
+}
 
 
 def _check_keys(mapping: dict, expected: set[str] | frozenset[str], what: str) -> None:
@@ -183,6 +216,7 @@ class PlanChannel:
         self.group, self.device, self.max_bytes = group, torch.device(device), max_bytes
         self.broken = False  # a collective failed: the group is unusable, Stop cannot be sent
         self.stopped = False
+        self.last_sent = time.monotonic()  # rank 0: when it last sent anything (keep-alive)
 
     def send(self, message: Message) -> None:
         assert self.group.rank == 0, "only rank 0 sends plans"
@@ -191,17 +225,32 @@ class PlanChannel:
             self.group.broadcast(torch.tensor([len(payload)], dtype=torch.int64, device=self.device), src=0)
             data = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(self.device)
             self.group.broadcast(data, src=0)
+            if isinstance(message, Tick):
+                self._probe()
         except BaseException:
             self.broken = True
             raise
+        self.last_sent = time.monotonic()
+
+    def tick(self) -> None:
+        """Rank 0 idle: a keep-alive that every rank answers (one all-reduce), so a dead or stalled rank
+        raises ``CollectiveError`` here within the group's timeout, and the followers' wait starts again."""
+        self.send(Tick())
 
     def receive(self) -> Message:
+        """The next message from rank 0 (a follower); a ``Tick`` is answered before it is returned."""
         length = self.group.broadcast(torch.zeros(1, dtype=torch.int64, device=self.device), src=0)
         n = int(length.item())
         if not 0 < n <= self.max_bytes:
             raise PlanError(f"length: {n} bytes, expected 1 to {self.max_bytes}")
         data = self.group.broadcast(torch.empty(n, dtype=torch.uint8, device=self.device), src=0)
-        return decode(data.cpu().numpy().tobytes())
+        message = decode(data.cpu().numpy().tobytes())
+        if isinstance(message, Tick):
+            self._probe()
+        return message
+
+    def _probe(self) -> None:
+        self.group.all_reduce(torch.zeros(1, dtype=torch.float32, device=self.device))
 
     def close(self) -> None:
         """Send Stop once (not after a failed collective: the followers have failed already)."""
@@ -231,5 +280,6 @@ def follow(target: Any, group: TPGroup) -> int:
         message = channel.receive()
         if isinstance(message, Stop):
             return steps
-        runner.run_plan(message)
-        steps += 1
+        if isinstance(message, StepPlan):
+            runner.run_plan(message)
+            steps += 1

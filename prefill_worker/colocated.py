@@ -37,11 +37,12 @@ from splitserve.worker_common.base import WorkerBase
 from splitserve.worker_common.batch import Batch
 from splitserve.worker_common.config import WorkerConfig
 from splitserve.worker_common.messages import Add, Cancel, Command, Drain, Emit, End, Event, Fail, unknown_command
+from splitserve.worker_common.rank_link import Ranks
 
 
 class ColocatedWorker(WorkerBase):
-    def __init__(self, config: WorkerConfig) -> None:
-        super().__init__(config)
+    def __init__(self, config: WorkerConfig, ranks: Ranks | None = None) -> None:
+        super().__init__(config, ranks)
         self.scheduler = self.core.make_scheduler()  # keeps requests to the end; recomputes when preempted
         self.batch = Batch(self.core, self.scheduler, self.lock, self.metrics)
         self.cache_events = CacheEventFeed(self.core.blocks, self.lock, self.core.config.block_size)

@@ -23,7 +23,7 @@ from splitserve.worker_common.messages import Emit, End, Event, Fail, make_event
 @dataclass(eq=False)
 class PrefillJob:
     request: Request
-    destination: PeerAddress | None
+    destination: tuple[PeerAddress, ...]  # the decode worker's ranks, rank 0 first; () when no KV moves
     events: queue.Queue[Event] = field(default_factory=make_event_queue)
     arrival: float = field(default_factory=time.monotonic)
     first_scheduled: float | None = None
@@ -56,10 +56,15 @@ def job_from_pb(worker: WorkerBase, message: wpb.PrefillRequest) -> PrefillJob:
         raise ServingError("UNAVAILABLE", f"prefill worker {worker.config.worker_id} is draining")
     prompt, output = list(message.prompt_token_ids), list(message.output_token_ids)
     worker.check_request(prompt + output, sampling)
-    destination = None
+    destination: tuple[PeerAddress, ...] = ()
     if message.HasField("destination"):
         d = message.destination
-        destination = PeerAddress(d.receiver_id, d.incarnation, d.control_address)
+        ranks = d.ranks or [d]  # a tensor-parallel decode worker lists every rank
+        destination = tuple(PeerAddress(r.receiver_id, r.incarnation, r.control_address) for r in ranks)
+        bad = next((i for i, r in enumerate(destination) if not (r.receiver_id and r.control)), None)
+        if bad is not None:
+            field = f"destination.ranks[{bad}]" if d.ranks else "destination"
+            raise ServingError("INVALID_ARGUMENT", f"{field}: receiver_id and control_address must be set")
     return PrefillJob(Request.resume(message.request_id, prompt, output, sampling, sampling.seed), destination)
 
 

@@ -41,17 +41,19 @@ from splitserve.worker_common.base import WorkerBase
 from splitserve.worker_common.batch import Batch
 from splitserve.worker_common.config import WorkerConfig
 from splitserve.worker_common.messages import Add, Cancel, Command, Drain, Emit, End, Event, Fail, unknown_command
+from splitserve.worker_common.rank_link import Ranks
+from splitserve.worker_common.tp_kv import TPSender
 
 log = logging.getLogger("splitserve.prefill")
 
 
 class PrefillWorker(WorkerBase):
-    def __init__(self, config: WorkerConfig) -> None:
-        super().__init__(config)
+    def __init__(self, config: WorkerConfig, ranks: Ranks | None = None) -> None:
+        super().__init__(config, ranks)
         self.scheduler = self.core.make_scheduler(hand_off_after_first_token=True)
         self.batch = Batch(self.core, self.scheduler, self.lock, self.metrics)
         self.cache_events = CacheEventFeed(self.core.blocks, self.lock, self.core.config.block_size)
-        self.sender = KVSender(
+        sender = KVSender(
             self.core.kv_cache,
             self.fingerprint,
             config.worker_id,
@@ -60,6 +62,8 @@ class PrefillWorker(WorkerBase):
             config=config.transfer,
             faults=self.faults,
         )
+        # The request's KV as one hand-off, whatever the TP sizes of this worker and of its destination.
+        self.sender = TPSender(sender, self.core.model_config.num_kv_heads, ranks, self.core.runner.channel)
         self.jobs: dict[str, PrefillJob] = {}
 
     @property
@@ -149,7 +153,7 @@ class PrefillWorker(WorkerBase):
         streaming: list[TransferHandle] = []
         for item in output.scheduled:
             job = self.jobs[item.request.request_id]
-            if item.samples and job.destination is not None and job.transfer is None:
+            if item.samples and job.destination and job.transfer is None:
                 request = item.request
                 blocks = self.core.blocks.block_table(request.request_id)[
                     : ceil_div(request.num_tokens, self.core.config.block_size)
@@ -195,7 +199,7 @@ class PrefillWorker(WorkerBase):
             log.warning(
                 "KV transfer of %s to %s failed: %s",
                 job.request.request_id,
-                job.destination.receiver_id,
+                job.destination[0].receiver_id,
                 handle.error,
                 extra={"request_id": job.request.request_id},
             )

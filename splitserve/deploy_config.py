@@ -63,9 +63,13 @@ class RoleConfig:
     # started with ``ray start --labels splitserve-role=decode``. None: no label constraint.
     label_selector: dict | None = None
     max_restarts: int = 3  # times Ray restarts a lost worker (-1: forever); it re-registers when back
+    # Processes (one per device) each worker spans, placed together on one node by a Ray placement group;
+    # each holds 1/tensor_parallel_size of every layer (docs/engine.md). With cpus, each worker's set is
+    # split evenly among its ranks; threads, num_cpus and num_gpus are per rank.
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
-        check_ranges(self, ("replicas", "threads", "max_inflight", "num_blocks"), min=1)
+        check_ranges(self, ("replicas", "threads", "max_inflight", "num_blocks", "tensor_parallel_size"), min=1)
         check_ranges(self, ("num_cpus", "num_gpus"), min=0)
         if self.cpus is not None:
             try:
@@ -77,8 +81,13 @@ class RoleConfig:
                     f"cpus: {len(self.cpus)} sets for {self.replicas} replicas; give one set (shared by "
                     f"all) or one per replica"
                 )
+            tp = self.tensor_parallel_size
             for cpus in self.cpus:
-                check_threads_fit(self.threads, cpus)
+                if len(cpus) % tp:
+                    raise ValueError(
+                        f"cpus: a set of {len(cpus)} cpus does not split evenly among tensor_parallel_size {tp} ranks"
+                    )
+                check_threads_fit(self.threads, cpus[: len(cpus) // tp])
         if self.resources is not None and not all(
             isinstance(k, str) and isinstance(v, (int, float)) and v >= 0 for k, v in self.resources.items()
         ):
@@ -94,17 +103,21 @@ class RoleConfig:
         """The most replicas the cpu sets can bind (one set each); None: any number."""
         return len(self.cpus) if self.cpus is not None and len(self.cpus) > 1 else None
 
-    def cpu_set(self, slot: int) -> CpuSet | None:
-        """The cores of the worker in this slot (0 .. replicas - 1); None: not pinned."""
+    def cpu_set(self, slot: int, rank: int = 0) -> CpuSet | None:
+        """The cores of rank ``rank`` of the worker in this slot (0 .. replicas - 1): its share of the slot's
+        set (the whole set without tensor parallelism); None: not pinned."""
         if self.cpus is None:
             return None
-        return self.cpus[0] if len(self.cpus) == 1 else self.cpus[slot]
+        cpus = self.cpus[0] if len(self.cpus) == 1 else self.cpus[slot]
+        share = len(cpus) // self.tensor_parallel_size
+        return cpus[rank * share : (rank + 1) * share]
 
     def worker_threads(self, slot: int) -> int | None:
+        """Torch threads of each rank of the worker in this slot."""
         return thread_count(self.threads, self.cpu_set(slot))
 
     def worker_num_cpus(self, slot: int) -> float:
-        """Ray CPUs the worker in this slot reserves: num_cpus if set, else one per pinned cpu."""
+        """Ray CPUs each rank of the worker in this slot reserves: num_cpus if set, else one per pinned cpu."""
         if self.num_cpus is not None:
             return self.num_cpus
         cpus = self.cpu_set(slot)
@@ -273,7 +286,23 @@ class DeploymentConfig:
             device=self.device,
             num_threads=role_config.worker_threads(slot),
             enable_prefix_caching=role != "decode",  # decode requests arrive with their KV: nothing to reuse
+            tensor_parallel_size=role_config.tensor_parallel_size,
+            # Rank 0 schedules and sends each step's plan: the other ranks own no requests.
+            tensor_parallel_step="plan" if role_config.tensor_parallel_size > 1 else "lockstep",
         )
+
+    def check_model(self, model_dir: str) -> None:
+        """Raise ConfigError naming ``<role>.tensor_parallel_size`` when a role's size does not split the
+        model in ``model_dir`` into whole heads and MLP columns (before any worker starts)."""
+        from splitserve.engine.model_config import ModelConfig
+        from splitserve.engine.tensor_parallel import TPShard
+
+        model = ModelConfig.from_model_dir(model_dir)
+        for role in self.roles:
+            try:
+                TPShard.for_model(model, getattr(self, role).tensor_parallel_size, 0)
+            except ValueError as e:
+                raise ConfigError(f"{role}.{e}") from None
 
 
 MODES = {"disaggregated": ("prefill", "decode"), "colocated": ("colocated",)}

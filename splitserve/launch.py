@@ -21,7 +21,7 @@ from pathlib import Path
 from splitserve.deploy_config import DeploymentConfig
 from splitserve.embedded_ray import TASK_EVENTS_FLUSH_ENV, EmbeddedRay, use_loopback_ray
 from splitserve.router.server import Router
-from splitserve.worker_common.config import WorkerConfig
+from splitserve.worker_common.config import RankSettings, WorkerConfig
 
 __all__ = ["Deployment", "WorkerActor", "default_model_dir", "use_loopback_ray"]
 log = logging.getLogger("splitserve.launch")
@@ -70,9 +70,11 @@ def _unwildcard(address: str) -> str:
 
 class WorkerActor:
     """A prefill, decode or colocated worker inside a Ray actor process. It binds and advertises the node's
-    address (or the configured one) and registers with the router itself."""
+    address (or the configured one) and registers with the router itself. A tensor-parallel worker's actor
+    is its rank 0: it starts the other ranks (``splitserve.rank_actors``) with ``rank_options``, their Ray
+    options, one per rank from 1."""
 
-    def __init__(self, config: WorkerConfig) -> None:
+    def __init__(self, config: WorkerConfig, rank_options: tuple[dict, ...] = ()) -> None:
         import ray
 
         from splitserve.observability.logs import configure_logging
@@ -84,9 +86,16 @@ class WorkerActor:
         context = ray.get_runtime_context()
         self.node = context.get_node_id()
         if context.was_current_actor_reconstructed:  # fault points that end the process fire once
-            config = replace(config, faults=config.faults.restarted())
-        host = config.host or ray.util.get_node_ip_address()
-        self.worker = cls(replace(config, node=self.node, host=host))
+            config = config.restarted()
+        config = replace(config, node=self.node, host=config.host or ray.util.get_node_ip_address())
+        self.followers = None
+        if config.engine.tensor_parallel_size > 1:
+            from splitserve.rank_actors import FollowerRanks
+
+            self.followers = FollowerRanks(config, rank_options)
+        self.worker = cls(config, self.followers.ranks if self.followers else None)
+        if self.followers is not None:
+            self.followers.connect()
         self.address = self.worker.start()
 
     def ready(self) -> dict:
@@ -97,8 +106,16 @@ class WorkerActor:
             "pid": os.getpid(),
         }
 
+    def rank_pids(self) -> list[int]:
+        """The process of every rank, rank 0 (this actor) first."""
+        return [os.getpid(), *(self.followers.pids() if self.followers else [])]
+
     def stop(self) -> None:
         self.worker.stop()
+
+
+# A placement group's bundle must hold some resource: a rank that reserves no CPU gets this sliver.
+MIN_BUNDLE_CPU = 0.001
 
 
 class Deployment:
@@ -111,6 +128,7 @@ class Deployment:
         self.openai_address = ""  # the OpenAI-compatible HTTP API ("host:port"), when openai_port is set
         self.actors: dict[str, object] = {}  # worker id -> Ray actor
         self.slots: dict[str, int] = {}  # worker id -> its replica slot: which of its role's cpu sets it pins to
+        self.placement_groups: dict[str, object] = {}  # worker id -> its ranks' placement group (TP > 1)
         self._counters = {"prefill": 0, "decode": 0, "colocated": 0}
         self._ray: EmbeddedRay | None = None  # the Ray this deployment started, if it started one
         self._joined_ray = False  # connected to a cluster (ray_address): disconnect on stop
@@ -135,6 +153,7 @@ class Deployment:
 
     def start(self) -> str:
         """Bring everything up; returns the router's "host:port" once every worker has registered."""
+        self.config.check_model(self.model_dir)  # tensor_parallel_size against the model's heads, before Ray
         self._init_ray()
         self.router = Router(self.config.router_config(self.model_dir), scaler=self.scale)
         self._loop = asyncio.new_event_loop()
@@ -239,14 +258,52 @@ class Deployment:
         threads = role_config.worker_threads(slot)
         if threads:
             env["OMP_NUM_THREADS"] = str(threads)  # Ray's default for actors is 1
+        options, rank_options = self.actor_options(role, slot), ()
+        if role_config.tensor_parallel_size > 1:
+            options, rank_options = self._place_ranks(worker_id, role, slot, options, env)
         actor = (
             ray.remote(WorkerActor)
-            .options(**self.actor_options(role, slot), runtime_env={"env_vars": env})
-            .remote(self._worker_config(role, worker_id, slot))
+            .options(**options, runtime_env={"env_vars": env})
+            .remote(self._worker_config(role, worker_id, slot), rank_options)
         )
         self.actors[worker_id] = actor
         self.slots[worker_id] = slot
         return worker_id
+
+    def _place_ranks(self, worker_id: str, role: str, slot: int, options: dict, env: dict) -> tuple[dict, tuple]:
+        """A tensor-parallel worker: a placement group of one bundle per rank, all on one node (STRICT_PACK),
+        each holding that rank's CPUs and GPUs (bundle 0 also the role's custom resources); the worker's actor
+        (rank 0) goes in bundle 0, and the Ray options of ranks 1 .. t-1 it starts place them in the others."""
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        role_config = getattr(self.config, role)
+        size = role_config.tensor_parallel_size
+        per_rank = {"CPU": max(options["num_cpus"], MIN_BUNDLE_CPU)}
+        if options["num_gpus"]:
+            per_rank["GPU"] = options["num_gpus"]
+        bundles = [{**per_rank, **options["resources"]}] + [dict(per_rank) for _ in range(1, size)]
+        selector = options.pop("label_selector", None)
+        group = placement_group(
+            bundles,
+            strategy="STRICT_PACK",
+            name=f"splitserve-{worker_id}-{os.getpid()}",
+            bundle_label_selector=[dict(selector)] * size if selector else None,
+        )
+        self.placement_groups[worker_id] = group
+        options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0)
+        rank_options = tuple(
+            {
+                "num_cpus": options["num_cpus"],
+                "num_gpus": options["num_gpus"],
+                "max_restarts": 0,  # a lost rank fails the worker; rank 0's restart starts new ranks
+                "max_task_retries": 0,
+                "scheduling_strategy": PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=rank),
+                "runtime_env": {"env_vars": env},
+            }
+            for rank in range(1, size)
+        )
+        return options, rank_options
 
     def actor_options(self, role: str, slot: int = 0) -> dict:
         """Where and how Ray runs the worker of this role in this replica slot: CPUs (by default one per
@@ -288,6 +345,10 @@ class Deployment:
             log_format=c.log_format,
             metrics_port=None if c.metrics_port is None else 0,
             cpus=role_config.cpu_set(slot),
+            follower_ranks=tuple(
+                RankSettings(faults=c.faults.for_worker(worker_id, rank), cpus=role_config.cpu_set(slot, rank))
+                for rank in range(1, role_config.tensor_parallel_size)
+            ),
         )
 
     # ---- scale ----------------------------------------------------------------------------------
@@ -351,6 +412,23 @@ class Deployment:
         except Exception:
             pass
         ray.kill(actor, no_restart=True)
+        self._remove_placement_group(worker_id)
+
+    def _remove_placement_group(self, worker_id: str) -> None:
+        from ray.util.placement_group import remove_placement_group
+
+        group = self.placement_groups.pop(worker_id, None)
+        if group is not None:
+            try:
+                remove_placement_group(group)
+            except Exception as e:  # the cluster is going away
+                log.warning("placement group of %s: %s", worker_id, e)
+
+    def rank_pids(self, worker_id: str) -> list[int]:
+        """The processes of a worker's ranks, rank 0 first (one for a worker without tensor parallelism)."""
+        import ray
+
+        return ray.get(self.actors[worker_id].rank_pids.remote(), timeout=30)
 
     def worker_pid(self, worker_id: str) -> int:
         import ray
@@ -388,6 +466,10 @@ class Deployment:
                 log.warning("worker kill: %s", e)
         self.actors.clear()
         self.slots.clear()
+        if self._joined_ray:  # an embedded Ray goes as a whole
+            for worker_id in list(self.placement_groups):
+                self._remove_placement_group(worker_id)
+        self.placement_groups.clear()
         if self._ray is not None:
             self._ray.stop(RAY_KILL_S)
             self._ray = None

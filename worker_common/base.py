@@ -18,6 +18,7 @@ that could call back into code taking it.
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import socket
 import threading
@@ -25,7 +26,6 @@ import time
 import traceback
 from collections.abc import Callable, Iterator
 from concurrent import futures
-from pathlib import Path
 
 import grpc
 import torch
@@ -33,7 +33,7 @@ from google.protobuf.message import Message
 
 from splitserve.common.errors import ServingError
 from splitserve.engine.core import EngineCore
-from splitserve.kv_transfer.descriptor import LayoutFingerprint
+from splitserve.engine.distributed import CollectiveError
 from splitserve.observability.exporter import MetricsServer
 from splitserve.rpc import workers_pb2 as wpb
 from splitserve.rpc.auth import server_interceptors
@@ -42,31 +42,35 @@ from splitserve.rpc.status import abort
 from splitserve.v1 import splitserve_pb2 as pb
 from splitserve.worker_common.affinity import format_cpu_list, pin, usable_cpus
 from splitserve.worker_common.config import WorkerConfig
+from splitserve.worker_common.layout import layout_fingerprint
 from splitserve.worker_common.messages import Command, Drain, Emit, End, Event, Fail, unknown_event
 from splitserve.worker_common.metrics import WorkerMetrics
+from splitserve.worker_common.rank_link import GROUP_FAILED_EXIT, Ranks
 from splitserve.worker_common.registration import Registration
 
 log = logging.getLogger("splitserve.worker")
 
 
 class WorkerBase:
-    def __init__(self, config: WorkerConfig) -> None:
+    def __init__(self, config: WorkerConfig, ranks: Ranks | None = None) -> None:
+        """``ranks``: this process is rank 0 of a tensor-parallel worker (``engine.tensor_parallel_size`` > 1)
+        whose other ranks have joined the group and run ``splitserve.worker_common.follower``."""
         self.config = config
         if config.cpus is not None:  # before the engine: its torch threads start on these cores
             pin(config.cpus)
         self.cpus = format_cpu_list(usable_cpus())  # where this process runs, pinned or not
         self.threads = 0  # torch threads of the loop thread, which runs the model (set as it starts)
-        self.core = EngineCore(config.engine, record_block_events=config.role == "prefill")
-        self.lock = threading.RLock()
-        self.fingerprint = LayoutFingerprint(
-            config.model_name or Path(config.engine.model_dir).name,
-            str(self.core.dtype).removeprefix("torch."),
-            config.engine.block_size,
-            self.core.model_config.num_layers,
-            self.core.model_config.num_kv_heads,
-            self.core.model_config.head_dim,
-            self.core.weights_checksum,
+        self.ranks = ranks
+        self.core = EngineCore(
+            config.engine, record_block_events=config.role == "prefill", tp_group=ranks.group if ranks else None
         )
+        self.lock = threading.RLock()
+        self.fingerprint = layout_fingerprint(config, self.core)
+        # A tensor-parallel worker fails as a whole when one of its ranks does: the process ends (Ray
+        # restarts it, with new followers) and the router retries or migrates what it held.
+        self.exit_process: Callable[[int], object] = os._exit
+        if ranks is not None:
+            ranks.on_lost = self.group_failed
         self.address = ""
         self._inbox: queue.Queue[Command] = queue.Queue()
         self._wake = threading.Event()
@@ -138,6 +142,12 @@ class WorkerBase:
             self._server.stop(grace_s).wait(grace_s + 1)
         if self._thread is not None:
             self._thread.join(5)
+        if self.ranks is not None:
+            try:  # the loop has ended: this thread may use the plan channel now
+                self.core.close()  # Stop: the followers' loops end
+            except Exception as e:  # a group broken already: its followers are failing by themselves
+                log.warning("%s: could not stop the other ranks: %s", self.config.worker_id, e)
+            self.ranks.close()
         self.metrics_server.stop()
 
     def add_services(self, server: grpc.Server) -> None:
@@ -179,13 +189,37 @@ class WorkerBase:
                     except queue.Empty:
                         break
                 busy = self.step()
+                if not busy:
+                    self._keep_alive()
             except Exception as e:  # a bug must surface, fail the requests in flight, and not kill the loop
+                if self._group_broken(e):
+                    self.group_failed(f"{type(e).__name__}: {e}")
+                    return
                 log.error("%s loop failed: %s", self.config.role, traceback.format_exc())
                 self.fail_all(f"internal error in the {self.config.role} worker: {type(e).__name__}: {e}")
                 busy = False
             if not busy:
                 self._wake.wait(0.05)
                 self._wake.clear()
+
+    def _keep_alive(self) -> None:
+        """Rank 0 of a tensor-parallel worker, idle: tick the other ranks before their wait for the next
+        plan runs out (a quarter of the group's timeout); a dead or stalled rank makes this raise."""
+        channel = self.core.runner.channel
+        if channel is not None and time.monotonic() - channel.last_sent > self.core.tp_group.timeout_s / 4:
+            channel.tick()
+
+    def _group_broken(self, error: Exception) -> bool:
+        channel = self.core.runner.channel
+        return isinstance(error, CollectiveError) or (channel is not None and channel.broken)
+
+    def group_failed(self, reason: str) -> None:
+        """A rank of this tensor-parallel worker died or stalled (any thread): the worker fails as a whole.
+        The process ends at once, as a crash would: its calls break, so the router takes the worker out of
+        its pool and retries or migrates its requests, and Ray restarts it with a new group."""
+        log.error("%s worker %s: tensor-parallel group failed: %s", self.config.role, self.config.worker_id, reason)
+        logging.shutdown()
+        self.exit_process(GROUP_FAILED_EXIT)
 
     def handle_command(self, command: Command) -> None:
         """Act on one command (loop thread); raises TypeError (``unknown_command``) on one it has no case for."""
@@ -238,6 +272,7 @@ class WorkerBase:
             cpus=self.cpus,
             threads=self.threads,
             decode_graphs=self.core.decode_graphs,
+            tensor_parallel_size=self.config.engine.tensor_parallel_size,
         )
 
     @property

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from splitserve.common.faults import Faults
@@ -15,6 +15,15 @@ from splitserve.worker_common.affinity import check_cpu_set
 # Requests one worker holds at once, by role (prefill, colocated: the router's credit; decode: leases):
 # the one place these defaults live (the deployment file's roles and the worker CLI read them here).
 MAX_INFLIGHT = {"prefill": 16, "decode": 128, "colocated": 64}
+
+
+@dataclass(frozen=True)
+class RankSettings:
+    """What differs between the ranks of a tensor-parallel worker besides the rank itself (rank 0's are
+    the ``WorkerConfig``'s own fields)."""
+
+    faults: Faults = field(default_factory=Faults)
+    cpus: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -36,6 +45,9 @@ class WorkerConfig:
     # The cores this process pins itself to before its torch threads start (worker_common/affinity.py);
     # None: no pinning. engine.num_threads, when set, is at most len(cpus).
     cpus: tuple[int, ...] | None = None
+    # A tensor-parallel worker (engine.tensor_parallel_size > 1): ranks 1 .. size-1, in order; () gives each
+    # the defaults (no faults, no pinning).
+    follower_ranks: tuple[RankSettings, ...] = ()
 
     def __post_init__(self) -> None:
         check_choice(self, "role", ("prefill", "decode", "colocated"))
@@ -50,6 +62,31 @@ class WorkerConfig:
             except ValueError as e:
                 raise ValueError(f"cpus: {e}") from None
             check_threads_fit(self.engine.num_threads, self.cpus)
+        followers = self.engine.tensor_parallel_size - 1
+        if self.follower_ranks and len(self.follower_ranks) != followers:
+            raise ValueError(f"follower_ranks: {len(self.follower_ranks)} entries for {followers} follower ranks")
+
+    def for_rank(self, rank: int) -> WorkerConfig:
+        """The config of rank ``rank`` (>= 1) of this tensor-parallel worker: its engine rank, faults and cpus."""
+        followers = self.engine.tensor_parallel_size - 1
+        if not 1 <= rank <= followers:
+            raise ValueError(f"rank: must be 1 to {followers}, got {rank}")
+        settings = self.follower_ranks[rank - 1] if self.follower_ranks else RankSettings()
+        return replace(
+            self,
+            engine=replace(self.engine, tensor_parallel_rank=rank),
+            faults=settings.faults,
+            cpus=settings.cpus,
+            follower_ranks=(),
+        )
+
+    def restarted(self) -> WorkerConfig:
+        """This config in a worker Ray restarted: its fault points that end a process fired already."""
+        return replace(
+            self,
+            faults=self.faults.restarted(),
+            follower_ranks=tuple(replace(r, faults=r.faults.restarted()) for r in self.follower_ranks),
+        )
 
 
 def check_threads_fit(threads: int | None, cpus: tuple[int, ...]) -> None:

@@ -93,6 +93,7 @@ class KillPoint:
     target: str
     at: str
     after: int = 0
+    rank: int = 0  # a tensor-parallel worker's rank that dies (0: the worker's own process)
 
     def __post_init__(self) -> None:
         role = "router" if self.target == "router" else self.target.rpartition("-")[0]
@@ -101,6 +102,9 @@ class KillPoint:
         if self.at not in KILL_PHASES[role]:
             raise ValueError(f"at: a {role} dies at {' or '.join(KILL_PHASES[role])}, not {self.at!r}")
         check_range(self, "after", min=0)
+        check_range(self, "rank", min=0)
+        if self.rank and self.target == "router":
+            raise ValueError("rank: the router has no ranks")
 
 
 @dataclass(frozen=True)
@@ -115,16 +119,17 @@ class FaultPlan:
     def __post_init__(self) -> None:
         check_ranges(self, ("prefill_delay_s", "decode_step_delay_s"), min=0)
 
-    def for_worker(self, worker_id: str) -> Faults:
-        """The faults of the worker with this id (``prefill-0``): its phase's delay, its kill point, and
-        the transfer points (a kill ``at: transfer`` becomes a ``die`` point on its side of the transfer)."""
+    def for_worker(self, worker_id: str, rank: int = 0) -> Faults:
+        """The faults of the worker with this id (``prefill-0``), or of one rank of it: its phase's delay, its
+        kill point, and the transfer points (a kill ``at: transfer`` becomes a ``die`` point on its side of
+        the transfer). A rank other than 0 delays nothing: it runs rank 0's steps."""
         role = worker_id.rpartition("-")[0]
-        kills = [k for k in self.kill if k.target == worker_id]
+        kills = [k for k in self.kill if k.target == worker_id and k.rank == rank]
         step = next((k for k in kills if k.at != "transfer"), None)
         side: Role = "sender" if role == "prefill" else "receiver"
         return Faults(
-            prefill_delay_s=self.prefill_delay_s if role == "prefill" else 0.0,
-            decode_step_delay_s=0.0 if role == "prefill" else self.decode_step_delay_s,
+            prefill_delay_s=self.prefill_delay_s if role == "prefill" and not rank else 0.0,
+            decode_step_delay_s=0.0 if role == "prefill" or rank else self.decode_step_delay_s,
             die_at=step.at if step else "",
             die_after=step.after if step else 0,
             transfer=self.transfer + tuple(FaultPoint(side, "die", k.after) for k in kills if k.at == "transfer"),

@@ -61,6 +61,18 @@ class ScaleReply(_message.Message):
     def __init__(self, prefill: _Optional[int] = ..., decode: _Optional[int] = ..., colocated: _Optional[int] = ...) -> None: ...
 
 class KVDestination(_message.Message):
+    __slots__ = ("receiver_id", "incarnation", "control_address", "ranks")
+    RECEIVER_ID_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    CONTROL_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    receiver_id: str
+    incarnation: str
+    control_address: str
+    ranks: _containers.RepeatedCompositeFieldContainer[KVRankEndpoint]
+    def __init__(self, receiver_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., control_address: _Optional[str] = ..., ranks: _Optional[_Iterable[_Union[KVRankEndpoint, _Mapping]]] = ...) -> None: ...
+
+class KVRankEndpoint(_message.Message):
     __slots__ = ("receiver_id", "incarnation", "control_address")
     RECEIVER_ID_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
@@ -69,6 +81,46 @@ class KVDestination(_message.Message):
     incarnation: str
     control_address: str
     def __init__(self, receiver_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., control_address: _Optional[str] = ...) -> None: ...
+
+class RankExpect(_message.Message):
+    __slots__ = ("transfer_id", "block_ids", "timeout_s")
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    transfer_id: str
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    timeout_s: float
+    def __init__(self, transfer_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+
+class RankRelease(_message.Message):
+    __slots__ = ("transfer_id", "reason")
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    transfer_id: str
+    reason: str
+    def __init__(self, transfer_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class RankAck(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class RankEventsRequest(_message.Message):
+    __slots__ = ("group",)
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    group: str
+    def __init__(self, group: _Optional[str] = ...) -> None: ...
+
+class RankEvent(_message.Message):
+    __slots__ = ("transfer_id", "state", "error", "bytes")
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    transfer_id: str
+    state: str
+    error: str
+    bytes: int
+    def __init__(self, transfer_id: _Optional[str] = ..., state: _Optional[str] = ..., error: _Optional[str] = ..., bytes: _Optional[int] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "output_token_ids", "sampling", "destination")

@@ -461,3 +461,174 @@ class DecodeWorker:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class TensorParallelRankStub:
+    """Served by every rank but rank 0 of a tensor-parallel worker, to its rank 0 only. Rank 0 schedules;
+    the other ranks run each step's plan (sent over the ranks' own process group) and move the KV of
+    their heads. A transfer part exists on a rank until it ends; its end is reported on Events.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Expect = channel.unary_unary(
+                '/splitserve.internal.v1.TensorParallelRank/Expect',
+                request_serializer=splitserve_dot_rpc_dot_workers__pb2.RankExpect.SerializeToString,
+                response_deserializer=splitserve_dot_rpc_dot_workers__pb2.RankAck.FromString,
+                _registered_method=True)
+        self.Release = channel.unary_unary(
+                '/splitserve.internal.v1.TensorParallelRank/Release',
+                request_serializer=splitserve_dot_rpc_dot_workers__pb2.RankRelease.SerializeToString,
+                response_deserializer=splitserve_dot_rpc_dot_workers__pb2.RankAck.FromString,
+                _registered_method=True)
+        self.Events = channel.unary_stream(
+                '/splitserve.internal.v1.TensorParallelRank/Events',
+                request_serializer=splitserve_dot_rpc_dot_workers__pb2.RankEventsRequest.SerializeToString,
+                response_deserializer=splitserve_dot_rpc_dot_workers__pb2.RankEvent.FromString,
+                _registered_method=True)
+
+
+class TensorParallelRankServicer:
+    """Served by every rank but rank 0 of a tensor-parallel worker, to its rank 0 only. Rank 0 schedules;
+    the other ranks run each step's plan (sent over the ranks' own process group) and move the KV of
+    their heads. A transfer part exists on a rank until it ends; its end is reported on Events.
+    """
+
+    def Expect(self, request, context):
+        """A decode rank: expect a part of a KV hand-off into these blocks (rank 0's block ids, the same on
+        every rank). Answers once the part is expected.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Release(self, request, context):
+        """Either role: end a part (cancel it if still live). A part not seen yet is ended as it starts.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Events(self, request, context):
+        """Every part this rank moves, as it ends (rank 0 keeps this call open as long as the group lives).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_TensorParallelRankServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Expect': grpc.unary_unary_rpc_method_handler(
+                    servicer.Expect,
+                    request_deserializer=splitserve_dot_rpc_dot_workers__pb2.RankExpect.FromString,
+                    response_serializer=splitserve_dot_rpc_dot_workers__pb2.RankAck.SerializeToString,
+            ),
+            'Release': grpc.unary_unary_rpc_method_handler(
+                    servicer.Release,
+                    request_deserializer=splitserve_dot_rpc_dot_workers__pb2.RankRelease.FromString,
+                    response_serializer=splitserve_dot_rpc_dot_workers__pb2.RankAck.SerializeToString,
+            ),
+            'Events': grpc.unary_stream_rpc_method_handler(
+                    servicer.Events,
+                    request_deserializer=splitserve_dot_rpc_dot_workers__pb2.RankEventsRequest.FromString,
+                    response_serializer=splitserve_dot_rpc_dot_workers__pb2.RankEvent.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'splitserve.internal.v1.TensorParallelRank', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('splitserve.internal.v1.TensorParallelRank', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class TensorParallelRank:
+    """Served by every rank but rank 0 of a tensor-parallel worker, to its rank 0 only. Rank 0 schedules;
+    the other ranks run each step's plan (sent over the ranks' own process group) and move the KV of
+    their heads. A transfer part exists on a rank until it ends; its end is reported on Events.
+    """
+
+    @staticmethod
+    def Expect(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/splitserve.internal.v1.TensorParallelRank/Expect',
+            splitserve_dot_rpc_dot_workers__pb2.RankExpect.SerializeToString,
+            splitserve_dot_rpc_dot_workers__pb2.RankAck.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Release(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/splitserve.internal.v1.TensorParallelRank/Release',
+            splitserve_dot_rpc_dot_workers__pb2.RankRelease.SerializeToString,
+            splitserve_dot_rpc_dot_workers__pb2.RankAck.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Events(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/splitserve.internal.v1.TensorParallelRank/Events',
+            splitserve_dot_rpc_dot_workers__pb2.RankEventsRequest.SerializeToString,
+            splitserve_dot_rpc_dot_workers__pb2.RankEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
