@@ -28,6 +28,10 @@ class Endpoint:
     def num_pairs(self) -> int:
         return len(self._pairs)
 
+    def num_transfers(self) -> int:
+        """Transfers registered here (live, or ended but not released)."""
+        return len(self._transfers)
+
     def has_transfer(self, transfer_id: str) -> bool:
         """Whether a transfer with this id is registered (live, or ended but not released)."""
         return transfer_id in self._transfers

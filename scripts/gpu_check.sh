@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU checks, as one prepared script: the engine's parity tests against transformers, the engine
-# benchmark, and where a GPU's time goes (scripts/gpu_bench.py: decode and prefill against the device's
-# measured bounds and transformers, for the qwen2.5-0.5b and llama3.1-8b presets; under 8 minutes).
+# benchmark, the tensor-parallel engine on every visible GPU (scripts/gpu_tp_check.py), and where a GPU's
+# time goes (scripts/gpu_bench.py: decode and prefill against the device's measured bounds and
+# transformers, for the qwen2.5-0.5b and llama3.1-8b presets; under 8 minutes).
 #
 #   scripts/gpu_check.sh                 # on a GPU machine: --device cuda
 #   scripts/gpu_check.sh --device cpu    # CI's rehearsal (make test runs it)
@@ -74,6 +75,12 @@ for b, d in r["splitserve"]["decode"].items():
           f"{d['fraction_of_linear_bound']:.2f} of the F.linear bound")
 PYEOF
 fi
+
+echo "== tensor parallelism on $DEVICE (scripts/gpu_tp_check.py)"
+# One rank per visible GPU over NCCL; on a one-GPU machine two ranks share it over gloo (the table says
+# which): the sharded loader, rank 0's step plans and the all-reduce on the device, greedy output = TP 1.
+timeout 240 "$PY" scripts/gpu_tp_check.py --device "${DEVICE%%:*}" --json-out "$RESULTS/gpu_tp_check.json" \
+  2>&1 | grep -v "linear_tuner" | tee "$RESULTS/gpu_tp_check.txt"
 
 echo "== where the time goes on $DEVICE (scripts/gpu_bench.py)"
 if [[ "$DEVICE" == cuda* ]]; then

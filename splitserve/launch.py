@@ -15,6 +15,7 @@ import os
 import shutil
 import tempfile
 import threading
+import uuid
 from dataclasses import replace
 from pathlib import Path
 
@@ -106,9 +107,18 @@ class WorkerActor:
             "pid": os.getpid(),
         }
 
-    def rank_pids(self) -> list[int]:
-        """The process of every rank, rank 0 (this actor) first."""
-        return [os.getpid(), *(self.followers.pids() if self.followers else [])]
+    def rank_status(self) -> list[dict[str, int]]:
+        """Every rank's pid and the KV transfer parts it holds (rank 0: its own endpoint's, and its KV
+        blocks in use), rank 0 first: a tensor-parallel worker at rest holds none on any rank."""
+        worker = self.worker
+        endpoint = getattr(worker, "receiver", None) or getattr(getattr(worker, "sender", None), "sender", None)
+        rank0 = {
+            "rank": 0,
+            "pid": os.getpid(),
+            "parts": endpoint.num_transfers() if endpoint is not None else 0,
+            "blocks_in_use": worker.kv_figures()[1],
+        }
+        return [rank0, *(self.followers.status() if self.followers else [])]
 
     def stop(self) -> None:
         self.worker.stop()
@@ -287,7 +297,7 @@ class Deployment:
         group = placement_group(
             bundles,
             strategy="STRICT_PACK",
-            name=f"splitserve-{worker_id}-{os.getpid()}",
+            name=f"splitserve-{worker_id}-{uuid.uuid4().hex[:8]}",
             bundle_label_selector=[dict(selector)] * size if selector else None,
         )
         self.placement_groups[worker_id] = group
@@ -424,11 +434,11 @@ class Deployment:
             except Exception as e:  # the cluster is going away
                 log.warning("placement group of %s: %s", worker_id, e)
 
-    def rank_pids(self, worker_id: str) -> list[int]:
-        """The processes of a worker's ranks, rank 0 first (one for a worker without tensor parallelism)."""
+    def rank_status(self, worker_id: str) -> list[dict[str, int]]:
+        """A worker's ranks (one without tensor parallelism), rank 0 first: ``WorkerActor.rank_status``."""
         import ray
 
-        return ray.get(self.actors[worker_id].rank_pids.remote(), timeout=30)
+        return ray.get(self.actors[worker_id].rank_status.remote(), timeout=30)
 
     def worker_pid(self, worker_id: str) -> int:
         import ray
@@ -466,7 +476,7 @@ class Deployment:
                 log.warning("worker kill: %s", e)
         self.actors.clear()
         self.slots.clear()
-        if self._joined_ray:  # an embedded Ray goes as a whole
+        if self._ray is None:  # an embedded Ray goes as a whole; a Ray this deployment only uses stays
             for worker_id in list(self.placement_groups):
                 self._remove_placement_group(worker_id)
         self.placement_groups.clear()

@@ -74,6 +74,9 @@ class RankActor:
     def pid(self) -> int:
         return os.getpid()
 
+    def status(self) -> dict[str, int]:
+        return {**self.follower.status(), "pid": os.getpid()}
+
 
 class FollowerRanks:
     """Rank 0's side: the follower actors it starts and owns, and its ``Ranks`` (the group and the links)."""
@@ -102,7 +105,8 @@ class FollowerRanks:
         self.ranks.connect(ray.get([a.rank_info.remote() for a in self.actors], timeout=SETUP_TIMEOUT_S))
         ray.get([a.follow.remote() for a in self.actors], timeout=30)
 
-    def pids(self) -> list[int]:
+    def status(self) -> list[dict[str, int]]:
+        """Each follower's ``Follower.status`` and pid, in rank order."""
         import ray
 
-        return ray.get([a.pid.remote() for a in self.actors], timeout=30)
+        return ray.get([a.status.remote() for a in self.actors], timeout=30)

@@ -165,6 +165,11 @@ def test_from_file(tmp_path):
         ({"engine": {"block_size": 0}}, "engine.block_size: must be >= 1, got 0"),
         ({"router": {"routing_policy": 3}}, "router.routing_policy: expected Policy"),
         ({"faults": {"decode_step_delay_s": -1}}, "faults.decode_step_delay_s: must be >= 0"),
+        ({"prefill": {"tensor_parallel_size": 0}}, "prefill.tensor_parallel_size: must be >= 1, got 0"),
+        ({"decode": {"tensor_parallel_size": 2, "cpus": "0-2"}}, "decode.cpus: a set of 3 cpus does not split evenly"),
+        ({"decode": {"tensor_parallel_size": 2, "cpus": "0-1", "threads": 2}}, "decode.threads: 2 threads on 1"),
+        ({"engine": {"tensor_parallel_timeout_s": 0}}, "engine.tensor_parallel_timeout_s: must be > 0"),
+        ({"faults": {"kill": [{"target": "router", "at": "decode", "rank": 1}]}}, "faults.kill: rank: the router"),
     ],
 )
 def test_errors_name_the_field(raw, field):
@@ -257,3 +262,46 @@ def test_a_section_keeps_its_own_defaults_for_the_keys_it_leaves_out():
     assert (config.decode.replicas, config.decode.max_inflight) == (2, DeploymentConfig().decode.max_inflight)
     assert config.decode.max_inflight != config.prefill.max_inflight  # each role's own default, not RoleConfig's
     assert config.colocated.max_inflight == DeploymentConfig().colocated.max_inflight
+
+
+def test_a_tensor_parallel_worker_splits_its_cpus_and_gives_each_rank_its_faults():
+    from splitserve.launch import Deployment
+
+    config = DeploymentConfig.from_dict(
+        {
+            "model": "m",
+            "prefill": {"tensor_parallel_size": 2, "cpus": "0-3|4-7", "replicas": 2},
+            "decode": {"tensor_parallel_size": 4},
+            "faults": {"kill": [{"target": "prefill-1", "at": "prefill", "after": 2, "rank": 1}]},
+        }
+    )
+    p = config.prefill
+    assert [p.cpu_set(1, rank) for rank in (0, 1)] == [(4, 5), (6, 7)]
+    assert (p.worker_threads(1), p.worker_num_cpus(1)) == (2, 2.0), "threads and Ray CPUs are per rank"
+    worker = Deployment(config)._worker_config("prefill", "prefill-1", slot=1)
+    engine = worker.engine
+    assert (engine.tensor_parallel_size, engine.tensor_parallel_rank, engine.tensor_parallel_step) == (2, 0, "plan")
+    assert worker.cpus == (4, 5) and worker.faults.die_at == ""
+    (rank1,) = worker.follower_ranks
+    assert rank1.cpus == (6, 7) and (rank1.faults.die_at, rank1.faults.die_after) == ("prefill", 2)
+    follower = worker.for_rank(1)
+    assert (follower.engine.tensor_parallel_rank, follower.cpus, follower.faults.die_at) == (1, (6, 7), "prefill")
+    assert worker.restarted().for_rank(1).faults.die_at == "", "a restarted worker's ranks run clean"
+    with pytest.raises(ValueError, match="^rank: must be 1 to 1"):
+        worker.for_rank(2)
+    decode = Deployment(config)._worker_config("decode", "decode-0")
+    assert len(decode.follower_ranks) == 3 and decode.engine.tensor_parallel_step == "plan"
+    plain = Deployment(config)._worker_config("decode", "decode-0")
+    assert DeploymentConfig().engine_config("m", "decode").tensor_parallel_step == "lockstep"
+    assert plain.engine.tensor_parallel_timeout_s == 10.0
+
+
+def test_tensor_parallel_sizes_are_checked_against_the_model_by_name(tiny_model_dir):
+    """The tiny preset has 4 attention heads, 2 KV heads and an MLP of 128 columns."""
+    DeploymentConfig.from_dict({"prefill": {"tensor_parallel_size": 4}}).check_model(str(tiny_model_dir))
+    with pytest.raises(ConfigError, match=r"^decode\.tensor_parallel_size: 3 does not divide the model's 4 attention"):
+        DeploymentConfig.from_dict({"decode": {"tensor_parallel_size": 3}}).check_model(str(tiny_model_dir))
+    with pytest.raises(ConfigError, match=r"^colocated\.tensor_parallel_size: 8 does not divide"):
+        DeploymentConfig.from_dict({"mode": "colocated", "colocated": {"tensor_parallel_size": 8}}).check_model(
+            str(tiny_model_dir)
+        )

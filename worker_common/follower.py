@@ -117,6 +117,12 @@ class Follower:
         self._thread = threading.Thread(target=self._loop, name=f"rank{self.rank}-loop", daemon=True)
         self._thread.start()
 
+    def status(self) -> dict[str, int]:
+        """This rank's figures: its rank, the plans it ran, and the transfer parts it holds (live or ending)."""
+        endpoint = self.sender or self.receiver
+        parts = endpoint.num_transfers() if endpoint is not None else 0
+        return {"rank": self.rank, "steps": self.steps, "parts": parts + len(self._pending)}
+
     def stop(self) -> None:
         if self._server is not None:
             self._server.stop(0.5)

@@ -32,9 +32,12 @@ class RemotePart(TransferHandle):
 
     def report(self, state: TransferState, error: str = "", nbytes: int = 0) -> bool:
         """The moving rank says the part ended; False when it had ended already."""
-        if nbytes:
-            self.nbytes = nbytes
-            self._start()
+        with self.lock:
+            if self.terminal:
+                return False
+            if nbytes:
+                self.nbytes = nbytes
+                self._start()
         return self._end(state, error)
 
 

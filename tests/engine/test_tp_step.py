@@ -17,7 +17,7 @@ import pytest
 
 from splitserve.engine import LLM, SamplingParams
 from splitserve.engine.core import EngineConfig, EngineCore
-from splitserve.engine.tp_step import PLAN_VERSION, PlanError, StepPlan, Stop, decode, encode
+from splitserve.engine.tp_step import PLAN_VERSION, Notice, PlanError, StepPlan, Stop, Tick, decode, encode
 from tests.engine import tp_ranks
 from tests.engine.parity import make_prompts, torch_threads
 from tests.engine.test_model_runner_prep import make_item, make_runner
@@ -116,6 +116,17 @@ def as_float32(message: dict) -> None:
 def test_malformed_plan_is_refused_by_name(edit, field):
     with pytest.raises(PlanError, match=f"^{field}: "):
         decode(tamper(edit))
+
+
+def test_tick_stop_and_notice_round_trip_and_are_checked():
+    assert decode(encode(Tick())) == Tick() and decode(encode(Stop())) == Stop()
+    assert decode(encode(Notice(b"\x00for the worker"))) == Notice(b"\x00for the worker")
+    notice = msgpack.packb({"version": PLAN_VERSION, "kind": "notice", "payload": "text"}, use_bin_type=True)
+    with pytest.raises(PlanError, match="^payload: expected bytes"):
+        decode(notice)
+    tick = msgpack.packb({"version": PLAN_VERSION, "kind": "tick", "plan": {}}, use_bin_type=True)
+    with pytest.raises(PlanError, match="^plan: not a field"):
+        decode(tick)
 
 
 def test_inconsistent_plan_is_refused_by_name():
