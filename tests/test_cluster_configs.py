@@ -256,3 +256,61 @@ def test_raycluster_passes_the_kuberay_autoscaler():
         resources = types[role]["resources"]
         assert resources[resource] == resources["GPU"] == 8
         assert set(ROLES.values()) & set(resources) == {resource}
+
+
+# ---- the 70B example: tensor parallelism per phase on 8-GPU nodes ---------------------------------------
+
+LLAMA_70B = {  # Llama-3.1-70B's config.json, as published (the shape only: no weights are needed here)
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 8192,
+    "intermediate_size": 28672,
+    "num_hidden_layers": 80,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 8,
+    "vocab_size": 128256,
+    "max_position_embeddings": 131072,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 500000.0,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+}
+GPU_BYTES = {"p5.48xlarge": 80e9, "p5en.48xlarge": 141e9}  # H100 80 GB, H200 141 GB
+
+
+def rank_weight_bytes(cfg: dict, tp: int) -> float:
+    """bf16 weights one rank holds: the embedding and the LM head whole (replicated), 1/tp of the rest."""
+    h, i, layers, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"], cfg["vocab_size"]
+    kv = cfg["num_key_value_heads"] * h // cfg["num_attention_heads"]
+    per_layer = h * h * 2 + h * kv * 2 + h * i * 3  # q, o; k, v; gate, up, down
+    return 2 * (2 * v * h + layers * (per_layer / tp + 2 * h) + h)
+
+
+def test_the_70b_example_splits_each_phase_and_fits_its_nodes(tmp_path):
+    import torch
+
+    from splitserve.deploy_config import DeploymentConfig
+    from splitserve.engine.kv_cache import KVCacheSpec
+    from splitserve.engine.model_config import ModelConfig
+
+    config = DeploymentConfig.from_file(ROOT / "cluster_configs" / "gpu-cluster-70b.yaml")
+    assert (config.prefill.tensor_parallel_size, config.decode.tensor_parallel_size) == (4, 2)
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA_70B))
+    config.check_model(str(tmp_path))  # both sizes split the model into whole heads and MLP columns
+    model = ModelConfig.from_model_dir(tmp_path)
+    weights = 2 * (2 * LLAMA_70B["vocab_size"] * 8192 + 80 * (8192 * 8192 * 2 + 8192 * 1024 * 2 + 8192 * 28672 * 3))
+    assert 140e9 < weights < 142e9, "the shape above is Llama-3.1-70B's"
+
+    nodes = load(AWS)["available_node_types"]
+    for role, node_type in (("prefill", "prefill_gpu"), ("decode", "decode_gpu")):
+        role_config, node = getattr(config, role), nodes[node_type]
+        tp = role_config.tensor_parallel_size
+        gpus_per_node = node["resources"]["GPU"]
+        assert role_config.num_gpus == 1 and gpus_per_node % tp == 0, f"{role}: whole workers per node"
+        assert role_config.replicas * tp <= gpus_per_node * node["max_workers"], f"{role}: enough GPUs"
+        block = KVCacheSpec.for_model(model, 1, config.engine.block_size, torch.bfloat16, tp, 0).bytes_per_block
+        blocks = role_config.num_blocks or config.engine.kv_cache_bytes // block
+        used = rank_weight_bytes(LLAMA_70B, tp) + blocks * block
+        memory = GPU_BYTES[node["node_config"]["InstanceType"]]
+        assert used < 0.95 * memory, f"{role}: {used / 1e9:.1f} GB of weights and KV on a {memory / 1e9:.0f} GB GPU"
+        assert blocks * config.engine.block_size >= 128 * 1024, f"{role}: room for one 128k-token context"

@@ -201,7 +201,7 @@ def test_local_yaml_is_the_embedded_default_and_names_every_setting():
     assert not missing, f"local.yaml must document every setting; missing {missing}"
 
 
-@pytest.mark.parametrize("name", ["gpu-cluster.yaml", "onprem-cpu.yaml"])
+@pytest.mark.parametrize("name", ["gpu-cluster.yaml", "gpu-cluster-70b.yaml", "onprem-cpu.yaml"])
 def test_cluster_deployment_examples_load(name):
     config = DeploymentConfig.from_file(CONFIGS / name)
     assert config.ray_address == "auto" and config.host == "0.0.0.0"
