@@ -143,10 +143,11 @@ class WorkerBase:
         if self._thread is not None:
             self._thread.join(5)
         if self.ranks is not None:
-            try:  # the loop has ended: this thread may use the plan channel now
-                self.core.close()  # Stop: the followers' loops end
-            except Exception as e:  # a group broken already: its followers are failing by themselves
-                log.warning("%s: could not stop the other ranks: %s", self.config.worker_id, e)
+            if not (self._thread is not None and self._thread.is_alive()):
+                try:  # the loop has ended: this thread may use the plan channel now
+                    self.core.close()  # Stop: the followers' loops end
+                except Exception as e:  # a group broken already: its followers are failing by themselves
+                    log.warning("%s: could not stop the other ranks: %s", self.config.worker_id, e)
             self.ranks.close()
         self.metrics_server.stop()
 
