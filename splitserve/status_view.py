@@ -1,11 +1,12 @@
 """``splitserve status`` as a person reads it: a summary line, then one row per worker.
 
     router 127.0.0.1:50051  model tiny  queued 0  running 2  workers 2/2 healthy  metrics 127.0.0.1:9400
-    WORKER     ROLE     NODE          HEALTH  RUN  WAIT  KV USED          CACHED  CPUS  THREADS  ADDRESS          METRICS
-    prefill-0  prefill  4c1d9a0e21f3  ok        0     0  0/2048 (0%)          12  0           1  127.0.0.1:41023  127.0.0.1:38811
-    decode-0   decode   4c1d9a0e21f3  ok        2     0  24/2048 (1%)          0  1           1  127.0.0.1:40117  127.0.0.1:35291
+    WORKER     ROLE     NODE          HEALTH  RUN  WAIT  KV USED          CACHED  CPUS  THREADS  TP  ADDRESS          METRICS
+    prefill-0  prefill  4c1d9a0e21f3  ok        0     0  0/2048 (0%)          12  0           1   2  127.0.0.1:41023  127.0.0.1:38811
+    decode-0   decode   4c1d9a0e21f3  ok        2     0  24/2048 (1%)          0  1           1   1  127.0.0.1:40117  127.0.0.1:35291
 
-CPUS is the set the worker's process may run on (its ``cpus`` when pinned), THREADS its torch threads.
+CPUS is the set the worker's process may run on (its ``cpus`` when pinned), THREADS its torch threads, TP
+the ranks (processes, one per device) it spans: its rank 0's figures are the worker's.
 
 then, for each worker that captured CUDA graphs of its decode step (``decode_graphs``), one line:
 ``decode-0 decode graphs: 7 graphs (batch 1-64), captured in 2.10 s, 120.0 MiB``.
@@ -30,10 +31,11 @@ COLUMNS = (
     "CACHED",
     "CPUS",
     "THREADS",
+    "TP",
     "ADDRESS",
     "METRICS",
 )
-_NUMERIC = {"RUN", "WAIT", "CACHED", "THREADS"}
+_NUMERIC = {"RUN", "WAIT", "CACHED", "THREADS", "TP"}
 
 
 def status_json(status: pb.GetStatusResponse) -> dict:
@@ -65,6 +67,7 @@ def format_status(status: pb.GetStatusResponse, address: str) -> str:
             str(w.kv_blocks_cached),
             w.cpus or "-",
             str(w.threads),
+            str(w.tensor_parallel_size or 1),
             w.address,
             w.metrics_address or "-",
         )

@@ -25,7 +25,7 @@ def test_table_rows_summary_and_alignment():
     status = make_status(
         [
             make_worker("prefill-10", kv_blocks_total=1000, kv_blocks_in_use=250, kv_blocks_cached=40, running=3),
-            make_worker("prefill-2", metrics_address="10.0.0.9:9100", cpus="0-3,8", threads=5),
+            make_worker("prefill-2", metrics_address="10.0.0.9:9100", cpus="0-3,8", threads=5, tensor_parallel_size=4),
             make_worker("decode-0", healthy=False, waiting=12),
         ],
         queued_requests=5,
@@ -41,7 +41,7 @@ def test_table_rows_summary_and_alignment():
     decode, small, big = (line.split() for line in lines[2:])
     assert decode[3] == "DOWN" and decode[5] == "12" and decode[2] == "ab" * 6 and decode[-1] == "-"
     assert big[6:8] == ["250/1000", "(25%)"] and big[8] == "40" and big[4] == "3"
-    assert small[-1] == "10.0.0.9:9100" and small[9:11] == ["0-3,8", "5"] and big[9:11] == ["-", "0"]
+    assert small[-1] == "10.0.0.9:9100" and small[9:12] == ["0-3,8", "5", "4"] and big[9:12] == ["-", "0", "1"]
     for column, prefix in [
         ("ROLE", ("decode", "prefill")),
         ("CPUS", ("-", "0-3,8")),

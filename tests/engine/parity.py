@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import random
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -29,19 +31,28 @@ def make_prompts(seed: int, lengths: list[int], vocab: int = 2000) -> list[list[
 
 
 @torch.inference_mode()
-def hf_greedy(model, prompt: list[int], n: int) -> tuple[list[int], list[float]]:
-    """transformers' own greedy loop with its KV cache; returns tokens and the top-1 minus top-2 gaps."""
+def hf_greedy(model, prompt: list[int], n: int, in_bf16_steps: bool = False) -> tuple[list[int], list[float]]:
+    """transformers' own greedy loop with its KV cache; returns tokens and the top-1 minus top-2 gaps.
+
+    ``in_bf16_steps``: each gap in units of the bf16 spacing at the top logit's magnitude (2^(e-7) for a
+    top logit in [2^e, 2^(e+1))), so that "adjacent bf16 values" means the same whatever the logits' scale."""
     device = model.device
     out = model(torch.tensor([prompt], device=device), use_cache=True)
     tokens, gaps = [], []
     for _ in range(n):
         logits = out.logits[0, -1].float()
         top = logits.topk(2).values
-        gaps.append(float(top[0] - top[1]))
+        gap = float(top[0] - top[1])
+        gaps.append(gap / bf16_step(float(top[0])) if in_bf16_steps else gap)
         token = int(logits.argmax())
         tokens.append(token)
         out = model(torch.tensor([[token]], device=device), past_key_values=out.past_key_values, use_cache=True)
     return tokens, gaps
+
+
+def bf16_step(value: float) -> float:
+    """The distance between adjacent bfloat16 values at ``value``'s magnitude (8 significant bits)."""
+    return 2.0 ** (math.floor(math.log2(max(abs(value), 2.0**-126))) - 7)
 
 
 def first_tie(gaps: list[float], tie_gap: float) -> int:
