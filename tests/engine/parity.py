@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-
 import random
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
