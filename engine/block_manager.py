@@ -173,6 +173,10 @@ class BlockManager:
             self._events.append(BlockEvent("cleared", removed))
         return len(dropped)
 
+    def holds_hash(self, block_hash: int) -> bool:
+        """Whether the prefix cache holds a block of this hash now (in use or evictable)."""
+        return block_hash in self._hash_to_block
+
     def cached_hashes(self) -> list[int]:
         """Every block hash the prefix cache holds now (in use or evictable): a router's snapshot."""
         return list(self._hash_to_block)

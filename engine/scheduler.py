@@ -142,14 +142,19 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         self.waiting.appendleft(request)
 
-    def add_running(self, request: Request) -> None:
-        """Admit a request whose KV for all but its last token is already in its blocks (a decode
-        worker's request after the transfer); its next step decodes that last token."""
+    def add_running(self, request: Request, num_computed: int | None = None) -> None:
+        """Admit a request whose KV for its first ``num_computed`` tokens is already in its blocks; None:
+        all but its last token (a decode worker's request after the transfer), so its next step decodes
+        that last token. Fewer: its next steps compute the rest as prompt chunks (a profile's step with a
+        cached context)."""
         if request.request_id in self.requests:
             raise ValueError(f"request_id: {request.request_id!r} is already in the engine")
         if not self.blocks.has_request(request.request_id):
             raise ValueError(f"request {request.request_id!r} holds no blocks")
-        request.num_computed_tokens = request.num_tokens - 1
+        computed = request.num_tokens - 1 if num_computed is None else num_computed
+        if not 0 <= computed < request.num_tokens:
+            raise ValueError(f"num_computed: must be 0 to {request.num_tokens - 1}, got {computed}")
+        request.num_computed_tokens = computed
         request.status = RequestStatus.RUNNING
         self.requests[request.request_id] = request
         self.running.append(request)

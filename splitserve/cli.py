@@ -525,6 +525,39 @@ def _bench(args: argparse.Namespace) -> int:
     return run_bench(args)
 
 
+def _add_profile(sub: argparse._SubParsersAction) -> None:
+    from splitserve.planning.options import add_profile_arguments
+
+    p = sub.add_parser(
+        "profile", help="measure a model's steps and KV transfer on this device and write a profile (JSON)"
+    )
+    add_profile_arguments(p)
+    p.set_defaults(func=_profile)
+
+
+def _profile(args: argparse.Namespace) -> int:
+    from splitserve.planning.options import run_profile
+
+    return run_profile(args)
+
+
+def _add_simulate(sub: argparse._SubParsersAction) -> None:
+    from splitserve.planning.options import add_simulate_arguments
+
+    p = sub.add_parser(
+        "simulate",
+        help="simulate a deployment on a workload, timed by profiles; prints what `splitserve bench` would",
+    )
+    add_simulate_arguments(p)
+    p.set_defaults(func=_simulate)
+
+
+def _simulate(args: argparse.Namespace) -> int:
+    from splitserve.planning.options import run_simulate
+
+    return run_simulate(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="splitserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -534,6 +567,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_status(sub)
     _add_scale(sub)
     _add_bench(sub)
+    _add_profile(sub)
+    _add_simulate(sub)
     _add_make_certs(sub)
     return parser
 

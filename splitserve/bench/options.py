@@ -37,6 +37,29 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="with --backend openai: the served model name (default: the first id of GET /v1/models)",
     )
+    add_workload_arguments(p)
+    a = p.add_argument_group("load")
+    a.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most (closed loop)")
+    a.add_argument("--temperature", type=float, default=0.0)
+    a.add_argument(
+        "--ignore-eos",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="ignore EOS so that every output is exactly as long as asked (default: on)",
+    )
+    a.add_argument("--request-timeout", type=float, default=600.0, help="deadline of each call, seconds")
+    r = p.add_argument_group("results")
+    add_result_arguments(r)
+    r.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    s = p.add_argument_group("sweep (with the action sweep)")
+    s.add_argument("--rates", help="comma-separated request rates, e.g. 1,2,4,8")
+    s.add_argument("--attainment", type=float, default=None, help="SLO attainment target for goodput (default 0.9)")
+    s.add_argument("--out-dir", help="folder for sweep.json, rate_<R>.json and the plots")
+    add_client_security_arguments(p)
+
+
+def add_workload_arguments(p: argparse.ArgumentParser) -> None:
+    """The requests and their arrivals: what ``splitserve bench`` sends and ``splitserve simulate`` replays."""
     p.add_argument("--num-prompts", type=int, default=1000, help="requests to send (mooncake: the trace's first N)")
     d = p.add_argument_group("dataset")
     d.add_argument("--dataset", default="random", choices=DATASETS)
@@ -62,34 +85,52 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     d.add_argument(
         "--vocab-size", type=int, default=None, help="draw token ids for this vocabulary (default: the server's)"
     )
-    a = p.add_argument_group("load")
+    a = p.add_argument_group("arrivals")
     a.add_argument("--request-rate", type=float, default=float("inf"), help="requests per second; inf: all at once")
     a.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the gaps: 1 Poisson, <1 burstier")
-    a.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most (closed loop)")
     a.add_argument("--seed", type=int, default=0, help="seeds the dataset, the arrivals and the sampling")
-    a.add_argument("--temperature", type=float, default=0.0)
-    a.add_argument(
-        "--ignore-eos",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="ignore EOS so that every output is exactly as long as asked (default: on)",
-    )
-    a.add_argument("--request-timeout", type=float, default=600.0, help="deadline of each call, seconds")
-    r = p.add_argument_group("results")
+
+
+def add_result_arguments(r) -> None:
     r.add_argument("--goodput", nargs="+", default=[], metavar="KEY:MS", help="SLOs, e.g. ttft:500 tpot:50 e2el:5000")
     r.add_argument("--percentiles", default="90,95,99", help="comma-separated percentiles to report")
     r.add_argument("--save-result", metavar="FILE", help="write the result as JSON (vLLM's keys)")
-    r.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
-    s = p.add_argument_group("sweep (with the action sweep)")
-    s.add_argument("--rates", help="comma-separated request rates, e.g. 1,2,4,8")
-    s.add_argument("--attainment", type=float, default=None, help="SLO attainment target for goodput (default 0.9)")
-    s.add_argument("--out-dir", help="folder for sweep.json, rate_<R>.json and the plots")
-    add_client_security_arguments(p)
+
+
+def dataset_options(args: argparse.Namespace, max_model_len: int | None):
+    """The ``DatasetOptions`` of the workload flags; the context is the smaller of --max-model-len and the
+    server's (or the model's) ``max_model_len``, else 2048."""
+    from splitserve.bench.datasets import DatasetOptions
+
+    limits = [n for n in (args.max_model_len, max_model_len) if n]
+    return DatasetOptions(
+        name=args.dataset,
+        num_prompts=args.num_prompts,
+        input_len=args.input_len,
+        output_len=args.output_len,
+        range_ratio=args.range_ratio,
+        random_prefix_len=args.random_prefix_len,
+        shared_prefix_groups=args.shared_prefix_groups,
+        shared_prefix_len=args.shared_prefix_len,
+        dataset_path=args.dataset_path,
+        time_scale=args.time_scale,
+        max_model_len=min(limits, default=2048),
+        seed=args.seed,
+    )
+
+
+def request_offsets(args: argparse.Namespace, requests: list[BenchRequest]) -> list[float]:
+    """When each request is due: a trace's own times, else the arrival process of --request-rate."""
+    from splitserve.bench.arrivals import arrival_offsets
+
+    if args.dataset == "mooncake":
+        return [r.arrival_s for r in requests]
+    return arrival_offsets(len(requests), args.request_rate, args.burstiness, args.seed)
 
 
 def run_bench(args: argparse.Namespace) -> int:
     """``splitserve bench`` and ``splitserve bench sweep``."""
-    from splitserve.bench.datasets import DatasetOptions, TokenRange, make_requests
+    from splitserve.bench.datasets import TokenRange, make_requests
     from splitserve.bench.metrics import parse_goodput, parse_percentiles
     from splitserve.bench.runner import BenchConfig
     from splitserve.rpc.security import ClientSecurity
@@ -132,21 +173,7 @@ def run_bench(args: argparse.Namespace) -> int:
     vocab_size = args.vocab_size or vocab_size
     if not vocab_size:
         raise ValueError("--vocab-size: the server does not report its vocabulary size; give it")
-    limits = [n for n in (args.max_model_len, max_model_len) if n]
-    options = DatasetOptions(
-        name=args.dataset,
-        num_prompts=args.num_prompts,
-        input_len=args.input_len,
-        output_len=args.output_len,
-        range_ratio=args.range_ratio,
-        random_prefix_len=args.random_prefix_len,
-        shared_prefix_groups=args.shared_prefix_groups,
-        shared_prefix_len=args.shared_prefix_len,
-        dataset_path=args.dataset_path,
-        time_scale=args.time_scale,
-        max_model_len=min(limits, default=2048),
-        seed=args.seed,
-    )
+    options = dataset_options(args, max_model_len)
     tokens = TokenRange.for_vocab(vocab_size)
     if sweep:  # fresh prompts per rate: the prefix cache must not carry over from one rate to the next
         return _sweep(args, lambda i: make_requests(replace(options, seed=options.seed + i), tokens), config, model_id)
@@ -194,15 +221,11 @@ def _openai_server(args: argparse.Namespace, api_key: str | None) -> tuple[str, 
 
 
 def _single(args: argparse.Namespace, requests: list[BenchRequest], config: BenchConfig, model_id: str) -> int:
-    from splitserve.bench.arrivals import arrival_offsets
     from splitserve.bench.metrics import format_summary
     from splitserve.bench.runner import benchmark
 
     trace = args.dataset == "mooncake"
-    if trace:
-        offsets = [r.arrival_s for r in requests]
-    else:
-        offsets = arrival_offsets(len(requests), config.request_rate, config.burstiness, config.seed)
+    offsets = request_offsets(args, requests)
     result = benchmark(requests, offsets, config, model_id, args.dataset)
     if trace:
         result |= {"request_rate": "trace", "time_scale": args.time_scale}

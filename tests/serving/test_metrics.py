@@ -193,6 +193,7 @@ def test_status_table_and_json(served, capsys):
         "CACHED",
         "CPUS",
         "THREADS",
+        "TP",
         "ADDRESS",
         "METRICS",
     ]
@@ -205,7 +206,8 @@ def test_status_table_and_json(served, capsys):
         row = rows[w["worker_id"]]
         assert row[1] == w["role"] and row[3] == "ok" and row[-2] == w["address"] and row[-1] == w["metrics_address"]
         assert row[6] == f"{w['kv_blocks_in_use']}/{w['kv_blocks_total']}"
-        assert (row[9], row[10]) == (w["cpus"], str(w["threads"])) and w["threads"] >= 1
+        assert (row[9], row[10], row[11]) == (w["cpus"], str(w["threads"]), "1") and w["threads"] >= 1
+        assert w["tensor_parallel_size"] == 1
         assert w["metrics_address"].startswith("127.0.0.1:") and w["node_id"] and w["healthy"]
 
 

@@ -1,0 +1,413 @@
+"""``splitserve profile``: measure a model's steps on its device through the real engine, and the real KV
+transfer between two processes, then fit ``splitserve.planning.profile.Profile``.
+
+Steps are timed as a worker takes them (``worker_common.batch.Batch``): schedule, run the model, apply the
+results, on an ``EngineCore`` built as the workers build theirs. Grids:
+
+- prefill: ``tokens`` new prompt tokens of one request over ``contexts`` tokens already in its cache;
+- decode: ``batches`` sequences of ``contexts`` tokens each, one new token each, several steps;
+- mixed (a colocated worker's steps): a prompt chunk beside running decodes.
+
+A step with context does not compute that context first: its blocks are allocated and zeroed and the
+scheduler admits the request as holding them (``Scheduler.add_running``), since what a step costs does
+not depend on the values in the cache. The KV transfer runs the real ``KVSender`` here and a real
+``KVReceiver`` behind its gRPC service in a spawned process, on the model's KV layout, for several sizes.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import statistics
+import time
+from dataclasses import dataclass, field
+from datetime import datetime
+
+from splitserve.planning.profile import (
+    ModelShape,
+    Profile,
+    StepSample,
+    StepShape,
+    TransferSample,
+    fit_steps,
+    fit_transfer,
+)
+
+
+@dataclass(frozen=True)
+class Grid:
+    prefill_tokens: tuple[int, ...] = (16, 64, 256, 1024)
+    prefill_contexts: tuple[int, ...] = (0, 512)
+    decode_batches: tuple[int, ...] = (1, 4, 16, 32)
+    decode_contexts: tuple[int, ...] = (64, 512)
+    mixed: tuple[tuple[int, int, int], ...] = ((256, 8, 256), (64, 16, 128))  # (prompt tokens, decodes, context)
+    transfer_tokens: tuple[int, ...] = (16, 256, 2048)
+    repeats: int = 3
+    decode_steps: int = 4
+
+    def scaled(self, factor: float) -> Grid:
+        """A smaller grid (factor < 1) for a quick profile: fewer and shorter points."""
+
+        def cut(values: tuple[int, ...]) -> tuple[int, ...]:
+            kept = tuple(v for v in values if v <= max(values) * factor) or values[:1]
+            return kept
+
+        return Grid(
+            cut(self.prefill_tokens),
+            self.prefill_contexts,
+            cut(self.decode_batches),
+            self.decode_contexts,
+            self.mixed,
+            cut(self.transfer_tokens),
+            max(1, round(self.repeats * factor)),
+            self.decode_steps,
+        )
+
+
+@dataclass
+class Measurer:
+    """One engine, stepped by hand."""
+
+    model_dir: str
+    dtype: str = "float32"
+    device: str = "cpu"
+    threads: int | None = None
+    block_size: int = 16
+    grid: Grid = field(default_factory=Grid)
+
+    def __post_init__(self) -> None:
+        import torch
+
+        from splitserve.engine.core import EngineConfig, EngineCore
+
+        if self.threads:
+            torch.set_num_threads(self.threads)
+        largest = max(
+            max(self.grid.prefill_tokens) + max(self.grid.prefill_contexts),
+            max(self.grid.decode_batches) * (max(self.grid.decode_contexts) + 2 * self.grid.decode_steps + 8),
+            max(t + b * (c + 8) for t, b, c in self.grid.mixed),
+        )
+        self.core = EngineCore(
+            EngineConfig(
+                model_dir=self.model_dir,
+                dtype=self.dtype,
+                device=self.device,
+                num_threads=self.threads,
+                block_size=self.block_size,
+                num_blocks=largest // self.block_size + 64,
+                max_num_seqs=max(max(self.grid.decode_batches), max(b for _, b, _ in self.grid.mixed)) + 1,
+                max_num_batched_tokens=max(self.grid.prefill_tokens) + max(self.grid.decode_batches) + 64,
+                enable_prefix_caching=False,
+                max_model_len=largest + 64,
+            )
+        )
+        self.core.kv_cache.tensor.zero_()
+        self.scheduler = self.core.make_scheduler()
+        self.torch = torch
+        self._ids = 0
+        self._vocab = self.core.model_config.vocab_size
+
+    # ---- one step -----------------------------------------------------------------------------
+
+    def _request(self, prompt_len: int, max_tokens: int, computed: int | None):
+        """A request holding the KV of its first ``computed`` tokens (None: all but the last), admitted."""
+        from splitserve.engine.request import Request
+        from splitserve.engine.sampling_params import SamplingParams
+
+        self._ids += 1
+        rid = f"profile-{self._ids}"
+        prompt = [(7 + 31 * i + self._ids) % (self._vocab - 1) for i in range(prompt_len)]
+        request = Request(rid, prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+        assert self.core.blocks.allocate(rid, prompt_len + 1), "the profile's cache is too small"
+        self.scheduler.add_running(request, computed)
+        return request
+
+    def _step(self) -> tuple[StepShape, float]:
+        """One step as a worker takes it: schedule, run, apply; its shape and seconds."""
+        sync = self.torch.cuda.synchronize if self.core.device.type == "cuda" else (lambda: None)
+        sync()
+        start = time.perf_counter()
+        output = self.scheduler.schedule()
+        sampled = self.core.runner.execute(output)
+        self.scheduler.update(output, sampled)
+        sync()
+        seconds = time.perf_counter() - start
+        # As the model runner sees them: an item of one new token decodes, any other is a prompt chunk.
+        chunks = [(s.request.num_computed_tokens - s.num_new_tokens, s.num_new_tokens) for s in output.scheduled]
+        prefill = [(c, n) for c, n in chunks if n > 1]
+        decodes = [c + 1 for c, n in chunks if n == 1]
+        return StepShape.of(prefill, decodes), seconds
+
+    def _clear(self) -> None:
+        from splitserve.engine.request import FinishReason
+
+        for rid in list(self.scheduler.requests):
+            self.scheduler.finish(rid, FinishReason.ABORT)
+        assert self.core.blocks.num_used_blocks == 0
+
+    # ---- the grid -----------------------------------------------------------------------------
+
+    def warm_up(self) -> None:
+        for _ in range(2):
+            self._request(64, 2, 0)
+            self._step()
+            self._step()
+            self._clear()
+
+    def prefill(self, tokens: int, context: int) -> StepSample:
+        times = []
+        for _ in range(self.grid.repeats):
+            self._request(context + tokens, 1, context)
+            shape, seconds = self._step()
+            times.append(seconds)
+            self._clear()
+        return StepSample(shape, statistics.median(times))
+
+    def decode(self, batch: int, context: int) -> StepSample:
+        for _ in range(batch):
+            self._request(context, self.grid.decode_steps + 2, None)
+        self._step()  # the first step after admission: warm
+        samples = [self._step() for _ in range(self.grid.decode_steps)]
+        self._clear()
+        shape = samples[len(samples) // 2][0]
+        return StepSample(shape, statistics.median(s for _, s in samples))
+
+    def mixed(self, tokens: int, batch: int, context: int) -> StepSample:
+        times, shape = [], None
+        for _ in range(self.grid.repeats):
+            for _ in range(batch):
+                self._request(context, 4, None)
+            self._request(tokens, 1, 0)
+            shape, seconds = self._step()
+            times.append(seconds)
+            self._clear()
+        return StepSample(shape, statistics.median(times))
+
+    def steps(self) -> list[StepSample]:
+        g = self.grid
+        self.warm_up()
+        samples = [self.prefill(t, c) for c in g.prefill_contexts for t in g.prefill_tokens]
+        samples += [self.decode(b, c) for c in g.decode_contexts for b in g.decode_batches]
+        samples += [self.mixed(t, b, c) for t, b, c in g.mixed]
+        return samples
+
+    def model_shape(self, name: str) -> ModelShape:
+        m = self.core.model_config
+        return ModelShape(
+            name=name,
+            architecture=m.architecture,
+            num_layers=m.num_layers,
+            hidden_size=m.hidden_size,
+            num_heads=m.num_heads,
+            num_kv_heads=m.num_kv_heads,
+            head_dim=m.head_dim,
+            intermediate_size=m.intermediate_size,
+            vocab_size=m.vocab_size,
+            max_position_embeddings=m.max_position_embeddings,
+        )
+
+
+# ---- the KV transfer, between two processes ---------------------------------------------------------
+
+
+def _receiver_main(conn, spec: dict, dtype: str) -> None:
+    """A spawned process: a KVReceiver behind its gRPC service; answers expect / received commands."""
+    import torch
+
+    from splitserve.engine.kv_cache import KVCache, KVCacheSpec
+    from splitserve.kv_transfer.receiver import KVReceiver
+    from splitserve.kv_transfer.service import serve
+
+    torch.set_num_threads(1)
+    torch_dtype = getattr(torch, dtype)
+    cache = KVCache(KVCacheSpec(dtype=torch_dtype, **spec), torch.device("cpu"))
+    receiver = KVReceiver(cache, _fingerprint(spec, dtype), "profile-receiver")
+    server, port = serve(receiver)
+    conn.send(("profile-receiver", receiver.incarnation, f"127.0.0.1:{port}"))
+    handles = {}
+    while True:
+        command, *args = conn.recv()
+        if command == "expect":
+            handles[args[0]] = receiver.expect(args[0], args[1])
+            conn.send(True)
+        elif command == "received":
+            handle = handles.pop(args[0])
+            handle.wait(120)
+            receiver.release(args[0])
+            conn.send((handle.state.value, handle.error, handle.finished_at))
+        else:
+            server.stop(0)
+            conn.send(True)
+            return
+
+
+def _fingerprint(spec: dict, dtype: str):
+    from splitserve.kv_transfer.descriptor import LayoutFingerprint
+
+    return LayoutFingerprint(
+        "profile", dtype, spec["block_size"], spec["num_layers"], spec["num_kv_heads"], spec["head_dim"], "profile"
+    )
+
+
+def measure_transfers(model: ModelShape, dtype: str, block_size: int, grid: Grid) -> list[TransferSample]:
+    """The real transfer path (gather, gRPC control, gloo payload, scatter) from here to a spawned receiver."""
+    import torch
+
+    from splitserve.common.arith import ceil_div
+    from splitserve.engine.kv_cache import KVCache, KVCacheSpec
+    from splitserve.kv_transfer.sender import KVSender, PeerAddress
+    from splitserve.kv_transfer.service import GrpcConnection
+
+    most = ceil_div(max(grid.transfer_tokens), block_size)
+    spec = {
+        "num_layers": model.num_layers,
+        "num_kv_heads": model.num_kv_heads,
+        "head_dim": model.head_dim,
+        "num_blocks": most + 8,
+        "block_size": block_size,
+    }
+    ctx = multiprocessing.get_context("spawn")
+    conn, child = ctx.Pipe()
+    process = ctx.Process(target=_receiver_main, args=(child, spec, dtype), daemon=True)
+    process.start()
+    try:
+        if not conn.poll(120):
+            raise TimeoutError("the profile's KV receiver did not start within 120 s")
+        peer = PeerAddress(*conn.recv())
+        cache = KVCache(KVCacheSpec(dtype=getattr(torch, dtype), **spec), torch.device("cpu"))
+        sender = KVSender(
+            cache, _fingerprint(spec, dtype), "profile-sender", connect=lambda p: GrpcConnection(p.control)
+        )
+        samples = []
+        for tokens in grid.transfer_tokens:
+            blocks = list(range(ceil_div(tokens, block_size)))
+            times = []
+            for r in range(grid.repeats + 1):  # the first builds the pair group
+                tid = f"profile-{tokens}-{r}"
+                conn.send(("expect", tid, blocks))
+                conn.recv()
+                start = time.monotonic()
+                handle = sender.start(tid, peer, blocks, tokens)
+                sender.finish(handle)
+                handle.wait(120)
+                sender.release(tid)
+                conn.send(("received", tid))
+                state, error, finished = conn.recv()
+                if state != "done":
+                    raise RuntimeError(f"profile transfer of {tokens} tokens failed: {error or handle.error}")
+                if r:
+                    times.append(finished - start)
+            nbytes = len(blocks) * block_size * model.kv_elements_per_token * cache.tensor.element_size()
+            samples.append(TransferSample(nbytes, statistics.median(times)))
+        sender.close()
+        conn.send(("exit",))
+        conn.recv()
+        return samples
+    finally:
+        process.join(5)
+        if process.is_alive():
+            process.kill()
+
+
+# ---- what serving adds: a real deployment at no load --------------------------------------------------
+
+
+def measure_serving(profile: Profile, model_dir: str, threads: int | None, requests: int = 8) -> dict[str, float]:
+    """One prefill and one decode worker on an embedded Ray (each with ``threads``), requests one at a time
+    through the router: what a first token waits beyond its prefill step (the router, the gRPC calls, the
+    lease), and what a step costs in a serving worker beyond the profile's (its loop, streaming its tokens),
+    from decode steps. Medians, in seconds."""
+    import math
+
+    from splitserve.bench.config import BenchConfig
+    from splitserve.bench.datasets import BenchRequest
+    from splitserve.bench.runner import benchmark
+    from splitserve.deploy_config import DeploymentConfig
+    from splitserve.launch import Deployment
+
+    role = {"threads": threads} if threads else {}
+    config = DeploymentConfig.from_dict(
+        {"model": model_dir, "dtype": profile.dtype, "port": 0, "prefill": role, "decode": role}
+    )
+    deployment = Deployment(config)
+    prompt_len, output_len = 64, 16
+    vocab = profile.model.vocab_size
+    batch = [
+        BenchRequest([(11 + 97 * i + 13 * j) % (vocab - 1) for j in range(prompt_len)], output_len)
+        for i in range(requests + 1)
+    ]
+    try:
+        deployment.start()
+        bench = BenchConfig(addr=deployment.address, max_concurrency=1, request_rate=math.inf, progress=False)
+        result = benchmark(batch, [0.0] * len(batch), bench)
+    finally:
+        deployment.stop()
+    ttfts, itls = result["ttfts"][1:], [gap for gaps in result["itls"][1:] for gap in gaps]  # the first warms up
+    prefill_s = profile.step_s(StepShape.of([(0, prompt_len)]))
+    decode_s = profile.step_s(StepShape.of([], [prompt_len + output_len // 2]))
+    return {
+        "ttft_overhead_s": max(0.0, statistics.median(ttfts) - prefill_s),
+        "step_overhead_s": max(0.0, statistics.median(itls) - decode_s),
+        "serving_ttft_s": statistics.median(ttfts),
+        "serving_itl_s": statistics.median(itls),
+    }
+
+
+# ---- the whole profile ------------------------------------------------------------------------------
+
+
+def measure_profile(
+    model_dir: str,
+    dtype: str = "float32",
+    device: str = "cpu",
+    threads: int | None = None,
+    grid: Grid | None = None,
+    name: str | None = None,
+    transfers: bool = True,
+) -> Profile:
+    """Measure and fit; a CPU profile's ``threads`` is the torch threads of each rank it stands for."""
+    from pathlib import Path
+
+    from splitserve.engine.hardware import describe_machine
+
+    grid = grid or Grid()
+    measurer = Measurer(model_dir, dtype, device, threads, grid=grid)
+    shape = measurer.model_shape(name or Path(model_dir).name)
+    steps = measurer.steps()
+    dtype_name = str(measurer.core.dtype).removeprefix("torch.")
+    dtype_bytes = measurer.core.kv_cache.tensor.element_size()
+    machine = describe_machine(probe_torch=True)
+    device_name = _device_name(measurer.core.device, machine)
+    threads_used = measurer.torch.get_num_threads()
+    del measurer
+    transfer_samples = measure_transfers(shape, dtype_name, 16, grid) if transfers else []
+    latency, bandwidth = fit_transfer(transfer_samples) if transfer_samples else (0.0, 1e12)
+    return Profile(
+        model=shape,
+        dtype=dtype_name,
+        dtype_bytes=dtype_bytes,
+        device=measurer_device(device),
+        device_name=device_name,
+        threads=threads_used,
+        tensor_parallel_size=1,
+        step_coefficients=fit_steps(steps),
+        transfer_latency_s=latency,
+        transfer_bytes_per_s=bandwidth,
+        steps=tuple(steps),
+        transfers=tuple(transfer_samples),
+        source="measured",
+        created=datetime.now().isoformat(timespec="seconds"),
+        notes={"machine": machine, "pid": os.getpid()},
+    )
+
+
+def measurer_device(device: str) -> str:
+    return "cuda" if device.startswith("cuda") else "cpu"
+
+
+def _device_name(device, machine: dict) -> str:
+    if device.type == "cuda":
+        import torch
+
+        return torch.cuda.get_device_name(device)
+    return str(machine.get("cpu_model") or "cpu")

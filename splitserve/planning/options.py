@@ -1,0 +1,180 @@
+"""The command lines of ``splitserve profile`` and ``splitserve simulate`` (docs/planning.md).
+
+``simulate`` takes ``splitserve bench``'s workload flags (the same datasets, seeds and arrivals, so the
+same requests) and prints the same summary and JSON keys; the deployment comes from a deployment config
+(``--config``, as ``splitserve serve`` takes it) with the role counts and TP sizes overridable, and its
+timing from profiles.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+from splitserve.bench.options import add_result_arguments, add_workload_arguments, dataset_options, request_offsets
+
+ROLES = ("prefill", "decode", "colocated")
+
+
+def add_profile_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="a Hugging Face checkpoint folder")
+    p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 | auto")
+    p.add_argument("--device", default="cpu", help="cpu | cuda")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (CPU), as each worker rank runs")
+    p.add_argument("--out", required=True, help="the profile to write (JSON)")
+    p.add_argument("--quick", action="store_true", help="a smaller grid (a first look; the fit is coarser)")
+    p.add_argument("--no-transfer", action="store_true", help="skip the KV-transfer measurement")
+    p.add_argument(
+        "--serving",
+        action="store_true",
+        help="also start a 1P+1D deployment (embedded Ray) and measure what serving adds to a first token and a step",
+    )
+
+
+def run_profile(args: argparse.Namespace) -> int:
+    from splitserve.planning.measure import Grid, measure_profile
+    from splitserve.planning.profile import relative_errors
+
+    grid = Grid().scaled(0.3) if args.quick else Grid()
+    profile = measure_profile(args.model, args.dtype, args.device, args.threads, grid, transfers=not args.no_transfer)
+    if args.serving:
+        from dataclasses import replace as replace_fields
+
+        from splitserve.planning.measure import measure_serving
+
+        profile = replace_fields(profile, notes={**profile.notes, **measure_serving(profile, args.model, args.threads)})
+    profile.save(args.out)
+    errors = relative_errors(profile)
+    c = profile.step_coefficients
+    print(f"profile of {profile.model.name} ({profile.dtype}, {profile.device_name}, {profile.threads} threads)")
+    print(
+        f"step = {c['const'] * 1e3:.3f} ms + {c['prefill_tokens'] * 1e6:.2f} us/prompt token + "
+        f"{c['prefill_attention'] * 1e6:.2f} us/1k attention pairs + {c['decodes'] * 1e6:.2f} us/decode + "
+        f"{c['decode_context'] * 1e6:.2f} us/1k context tokens"
+    )
+    print(f"fit: {len(errors)} steps, median error {sorted(errors)[len(errors) // 2]:.1%}, worst {max(errors):.1%}")
+    if profile.transfers:
+        print(
+            f"KV transfer = {profile.transfer_latency_s * 1e3:.2f} ms + bytes / "
+            f"{profile.transfer_bytes_per_s / 1e9:.2f} GB/s"
+        )
+    if args.serving:
+        print(
+            f"serving adds {profile.ttft_overhead_s * 1e3:.2f} ms to a first token and "
+            f"{profile.step_overhead_s * 1e3:.2f} ms to a step"
+        )
+    print(f"written to {args.out}")
+    return 0
+
+
+def add_simulate_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--profile", required=True, help="the profile of every role (splitserve profile)")
+    for role in ROLES:
+        p.add_argument(f"--{role}-profile", help=f"the {role} workers' own profile (default: --profile)")
+    p.add_argument("--config", help="a deployment config, as `splitserve serve --config` takes (default: the defaults)")
+    p.add_argument("--mode", choices=["disaggregated", "colocated"], help="override the config's mode")
+    for role in ROLES:
+        p.add_argument(f"--{role}", type=int, help=f"{role} workers (override the config's replicas)")
+        p.add_argument(f"--{role}-tp", type=int, help=f"{role} workers' tensor_parallel_size")
+    p.add_argument(
+        "--ttft-overhead-ms",
+        type=float,
+        default=None,
+        help="time outside the steps before a first token (router, gRPC); default: the profile's measured one",
+    )
+    p.add_argument(
+        "--lose", action="append", default=[], metavar="WORKER@S", help="lose a worker at a time, e.g. decode-0@12.5"
+    )
+    add_workload_arguments(p)
+    r = p.add_argument_group("results")
+    add_result_arguments(r)
+    r.add_argument("--json", action="store_true", help="print the result as one JSON object instead of the summary")
+
+
+def run_simulate(args: argparse.Namespace) -> int:
+    from splitserve.bench.datasets import TokenRange, make_requests
+    from splitserve.bench.metrics import format_summary, parse_goodput, parse_percentiles
+    from splitserve.deploy_config import DeploymentConfig
+    from splitserve.planning.deployment import sim_config
+    from splitserve.planning.profile import Profile
+    from splitserve.planning.simulator import simulate, utilization
+
+    deployment = DeploymentConfig.from_file(args.config) if args.config else DeploymentConfig()
+    roles = {}
+    for role in ROLES:
+        changes = {
+            k: v
+            for k, v in (("replicas", getattr(args, role)), ("tensor_parallel_size", getattr(args, f"{role}_tp")))
+            if v is not None
+        }
+        if changes:
+            roles[role] = replace(getattr(deployment, role), **changes)
+    deployment = replace(deployment, **roles, **({"mode": args.mode} if args.mode else {}))
+    base = Profile.load(args.profile)
+    profiles = {
+        role: Profile.load(getattr(args, f"{role}_profile")) if getattr(args, f"{role}_profile") else base
+        for role in ROLES
+    }
+    overhead = None if args.ttft_overhead_ms is None else args.ttft_overhead_ms / 1e3
+    config = sim_config(deployment, profiles, ttft_overhead_s=overhead, losses=_losses(args.lose))
+    options = dataset_options(args, base.model.max_position_embeddings)
+    requests = make_requests(options, TokenRange.for_vocab(base.model.vocab_size))
+    offsets = request_offsets(args, requests)
+    percentiles = parse_percentiles(args.percentiles)
+    result, sim = simulate(
+        config, [(r.prompt, r.output_len) for r in requests], offsets, percentiles, parse_goodput(args.goodput)
+    )
+    result = {
+        "backend": "simulate",
+        "model_id": base.model.name,
+        "dataset": args.dataset,
+        "num_prompts": len(requests),
+        "request_rate": "trace" if args.dataset == "mooncake" else _rate(args.request_rate),
+        "burstiness": args.burstiness,
+        "deployment": describe(config),
+        "utilization": utilization(sim),
+        **result,
+    }
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(format_summary(result, percentiles))
+    if args.save_result:
+        path = Path(args.save_result)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(result, indent=2))
+        print(f"result written to {path}", file=sys.stderr)
+    return 0 if result["completed"] else 1
+
+
+def describe(config) -> dict:
+    roles = {}
+    for role in ROLES:
+        spec = getattr(config, role)
+        if spec is not None and (role == "colocated") == (config.mode == "colocated"):
+            roles[role] = {
+                "count": spec.count,
+                "tensor_parallel_size": spec.tensor_parallel_size,
+                "num_blocks": spec.num_blocks,
+            }
+    return {"mode": config.mode, **roles}
+
+
+def _rate(rate: float):
+    return "inf" if rate == float("inf") else rate
+
+
+def _losses(items: list[str]) -> tuple[tuple[float, str], ...]:
+    out = []
+    for item in items:
+        worker, sep, when = item.rpartition("@")
+        try:
+            out.append((float(when), worker))
+        except ValueError:
+            sep = ""
+        if not sep or not worker:
+            raise ValueError(f"--lose: expected WORKER@SECONDS such as decode-0@12.5, got {item!r}")
+    return tuple(out)

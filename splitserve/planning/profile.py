@@ -1,0 +1,261 @@
+"""A profile: what one worker's steps and one KV transfer cost on a device, measured and fitted.
+
+``splitserve profile`` (``splitserve.planning.measure``) times the real engine on a grid of steps and
+the real KV transfer on a grid of sizes, and writes one JSON file; ``splitserve simulate`` and
+``splitserve plan`` read it. Torch-free.
+
+A step of a continuous batch is described by five features (``StepShape``)::
+
+    1                      the step's fixed cost (weights read once, launch and Python overheads)
+    prefill_tokens         prompt tokens computed (GEMM rows)
+    prefill_attention      sum over prompt chunks of new x (cached + new / 2), in thousands of
+                           token pairs: attention's quadratic part
+    decodes                sequences decoding one token
+    decode_context         their context tokens, in thousands (attention reads the whole KV)
+
+and its time is the dot product with the fitted coefficients (least squares, each coefficient >= 0),
+so prefill-only, decode-only and mixed (colocated) steps share one model. A KV transfer costs
+``latency_s + bytes / bytes_per_s``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+PROFILE_VERSION = 1
+FEATURES = ("const", "prefill_tokens", "prefill_attention", "decodes", "decode_context")
+
+
+class ProfileError(ValueError):
+    """Not a valid profile; the message names the field."""
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """What one step computes, as the cost model sees it."""
+
+    prefill_tokens: int = 0
+    prefill_attention: float = 0.0  # thousands of token pairs
+    decodes: int = 0
+    decode_context: float = 0.0  # thousands of context tokens
+
+    @classmethod
+    def of(cls, chunks: list[tuple[int, int]] = (), contexts: list[int] = ()) -> StepShape:
+        """From prompt chunks ``(cached, new)`` and decode contexts (tokens in the KV, the new one included)."""
+        return cls(
+            prefill_tokens=sum(new for _, new in chunks),
+            prefill_attention=sum(new * (cached + new / 2) for cached, new in chunks) / 1e3,
+            decodes=len(contexts),
+            decode_context=sum(contexts) / 1e3,
+        )
+
+    def features(self) -> tuple[float, ...]:
+        return (1.0, float(self.prefill_tokens), self.prefill_attention, float(self.decodes), self.decode_context)
+
+    @property
+    def is_empty(self) -> bool:
+        return self.prefill_tokens == 0 and self.decodes == 0
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    name: str
+    architecture: str
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    max_position_embeddings: int = 4096
+
+    @property
+    def kv_elements_per_token(self) -> int:
+        """K and V of every layer's KV heads: elements one token adds to the cache (whole model)."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim
+
+
+@dataclass(frozen=True)
+class StepSample:
+    shape: StepShape
+    seconds: float
+
+
+@dataclass(frozen=True)
+class TransferSample:
+    bytes: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class Profile:
+    model: ModelShape
+    dtype: str
+    dtype_bytes: int
+    device: str  # cpu | cuda
+    device_name: str  # the CPU model or GPU name the figures were measured on
+    threads: int  # torch threads per rank (CPU)
+    tensor_parallel_size: int
+    step_coefficients: dict[str, float]  # FEATURES -> seconds per unit
+    transfer_latency_s: float
+    transfer_bytes_per_s: float
+    steps: tuple[StepSample, ...] = ()
+    transfers: tuple[TransferSample, ...] = ()
+    source: str = "measured"  # "measured", or where published figures came from
+    created: str = ""
+    notes: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if set(self.step_coefficients) != set(FEATURES):
+            raise ProfileError(
+                f"step_coefficients: expected {', '.join(FEATURES)}, got {sorted(self.step_coefficients)}"
+            )
+        bad = [k for k, v in self.step_coefficients.items() if not (math.isfinite(v) and v >= 0)]
+        if bad:
+            raise ProfileError(f"step_coefficients.{bad[0]}: must be a finite number >= 0")
+        if not self.transfer_bytes_per_s > 0 or not self.transfer_latency_s >= 0:
+            raise ProfileError("transfer_bytes_per_s: must be > 0 (and transfer_latency_s >= 0)")
+        if self.tensor_parallel_size < 1:
+            raise ProfileError(f"tensor_parallel_size: must be >= 1, got {self.tensor_parallel_size}")
+
+    # ---- what things cost ---------------------------------------------------------------------
+
+    def step_s(self, shape: StepShape) -> float:
+        """Seconds of one step of this shape (0 for an empty one)."""
+        if shape.is_empty:
+            return 0.0
+        c = self.step_coefficients
+        return sum(c[name] * x for name, x in zip(FEATURES, shape.features()))
+
+    def serving_step_s(self, shape: StepShape) -> float:
+        """A step as a serving worker takes it: the engine's, plus the worker's measured overhead."""
+        return self.step_s(shape) + (self.step_overhead_s if not shape.is_empty else 0.0)
+
+    def kv_bytes(self, tokens: int) -> int:
+        """Bytes of ``tokens`` tokens of KV, whole model (what a hand-off moves in all)."""
+        return tokens * self.model.kv_elements_per_token * self.dtype_bytes
+
+    def block_bytes(self, block_size: int, tensor_parallel_size: int = 1) -> int:
+        """Bytes of one KV block on one rank of a worker of this TP size (its share of the KV heads)."""
+        from splitserve.engine.tp_layout import kv_head_range
+
+        heads = kv_head_range(self.model.num_kv_heads, tensor_parallel_size, 0).count
+        return block_size * 2 * self.model.num_layers * heads * self.model.head_dim * self.dtype_bytes
+
+    @property
+    def step_overhead_s(self) -> float:
+        """Measured time a serving worker's step takes beyond the engine's (0 when not measured)."""
+        return float(self.notes.get("step_overhead_s", 0.0))
+
+    @property
+    def ttft_overhead_s(self) -> float:
+        """Measured time a request spends outside the steps before its first token (0 when not measured)."""
+        return float(self.notes.get("ttft_overhead_s", 0.0))
+
+    def transfer_s(self, nbytes: int) -> float:
+        return self.transfer_latency_s + nbytes / self.transfer_bytes_per_s
+
+    # ---- JSON ---------------------------------------------------------------------------------
+
+    def to_json(self) -> dict:
+        data = asdict(self)
+        data["version"] = PROFILE_VERSION
+        data["steps"] = [{**asdict(s.shape), "seconds": s.seconds} for s in self.steps]
+        data["transfers"] = [asdict(t) for t in self.transfers]
+        return data
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_json(), indent=1) + "\n")
+
+    @classmethod
+    def from_json(cls, data: dict) -> Profile:
+        if not isinstance(data, dict):
+            raise ProfileError("profile: expected a JSON object")
+        if data.get("version") != PROFILE_VERSION:
+            raise ProfileError(f"version: expected {PROFILE_VERSION}, got {data.get('version')!r}")
+        try:
+            model = ModelShape(**data["model"])
+            steps = tuple(
+                StepSample(StepShape(**{k: v for k, v in s.items() if k != "seconds"}), float(s["seconds"]))
+                for s in data.get("steps", [])
+            )
+            transfers = tuple(TransferSample(int(t["bytes"]), float(t["seconds"])) for t in data.get("transfers", []))
+            fields = {k: v for k, v in data.items() if k not in ("version", "model", "steps", "transfers")}
+            return cls(model=model, steps=steps, transfers=transfers, **fields)
+        except KeyError as e:
+            raise ProfileError(f"{e.args[0]}: missing from the profile") from None
+        except TypeError as e:
+            raise ProfileError(f"profile: {e}") from None
+
+    @classmethod
+    def load(cls, path: str | Path) -> Profile:
+        try:
+            data = json.loads(Path(path).read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise ProfileError(f"{path}: {e}") from None
+        return cls.from_json(data)
+
+
+# ---- fitting ----------------------------------------------------------------------------------------
+
+
+def fit_steps(samples: list[StepSample]) -> dict[str, float]:
+    """Non-negative least squares of step time on the features, weighted by 1/time (so that relative,
+    not absolute, errors count: a 1 ms decode step matters as much as a 1 s prefill)."""
+    rows = [s.shape.features() for s in samples]
+    target = [s.seconds for s in samples]
+    weights = [1.0 / max(t, 1e-6) for t in target]
+    coefficients = nnls(
+        [[x * w for x in row] for row, w in zip(rows, weights)], [t * w for t, w in zip(target, weights)]
+    )
+    return dict(zip(FEATURES, coefficients))
+
+
+def fit_transfer(samples: list[TransferSample]) -> tuple[float, float]:
+    """(latency_s, bytes_per_s) of ``latency + bytes / bandwidth``, non-negative, relative errors."""
+    weights = [1.0 / max(s.seconds, 1e-6) for s in samples]
+    latency, per_byte = nnls(
+        [[w, s.bytes * w] for s, w in zip(samples, weights)], [s.seconds * w for s, w in zip(samples, weights)]
+    )
+    return latency, (1.0 / per_byte if per_byte > 0 else math.inf)
+
+
+def relative_errors(profile: Profile) -> list[float]:
+    """The fit's relative error on each measured step (for the profile's own report)."""
+    return [abs(profile.step_s(s.shape) - s.seconds) / s.seconds for s in profile.steps if s.seconds > 0]
+
+
+def nnls(a: list[list[float]], b: list[float], iterations: int = 500) -> list[float]:
+    """min ||a x - b|| with x >= 0 (Lawson-Hanson active set; small problems). numpy only."""
+    import numpy as np
+
+    A, y = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    n = A.shape[1]
+    scale = np.linalg.norm(A, axis=0)
+    scale[scale == 0] = 1.0
+    A = A / scale
+    x = np.zeros(n)
+    passive = np.zeros(n, dtype=bool)
+    for _ in range(iterations):
+        gradient = A.T @ (y - A @ x)
+        candidates = ~passive & (gradient > 1e-12)
+        if not candidates.any():
+            break
+        passive[np.argmax(np.where(candidates, gradient, -np.inf))] = True
+        while True:
+            z = np.zeros(n)
+            z[passive] = np.linalg.lstsq(A[:, passive], y, rcond=None)[0]
+            if (z[passive] > 0).all():
+                x = z
+                break
+            negative = passive & (z <= 0)
+            alpha = np.min(x[negative] / (x[negative] - z[negative]))
+            x = x + alpha * (z - x)
+            passive &= x > 1e-15
+            x[~passive] = 0.0
+    return (x / scale).tolist()

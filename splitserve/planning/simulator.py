@@ -1,0 +1,401 @@
+"""``splitserve simulate``: a discrete-event simulation of a deployment, timed by profiles.
+
+The same workload as ``splitserve bench`` (its datasets and arrival process, or a Mooncake trace) meets
+a simulated router and simulated workers (``splitserve.planning.sim_workers``: the engine's real
+scheduler and block manager). The router follows the real one's path for each request::
+
+    arrival ─▶ queue (max_queue) ─▶ a prefill worker with credit (router.policy.choose_prefill) ─▶
+    a decode lease (choose_decode; waits up to lease_timeout_s) ─▶ prefill steps ─▶ first token
+    (credit back) ─▶ KV transfer (profile.transfer_s) ─▶ decode steps ─▶ finished
+                                                       └▶ handed back / worker lost: re-prefill
+
+Colocated workers take the prefill path's place and hold the credit to the end. A lost worker's
+requests are retried (no token out yet) or migrate (prompt and output re-prefilled), as the router does.
+
+Results have ``splitserve bench``'s JSON keys (``splitserve.bench.metrics.summarize`` on the same
+``RequestRecord``s), so a simulated run and a measured one can be diffed key by key.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+from splitserve.bench.metrics import RequestRecord, summarize
+from splitserve.common.arith import ceil_div
+from splitserve.engine.block_hash import block_hashes
+from splitserve.engine.request import Request
+from splitserve.engine.scheduler import SchedulerConfig
+from splitserve.planning.profile import Profile
+from splitserve.planning.sim_workers import SimColocated, SimDecode, SimPrefill, SimRequest, SimWorker
+from splitserve.router.policy import DecodeView, PrefillView, choose_decode, choose_prefill
+
+
+@dataclass(frozen=True)
+class RoleSpec:
+    """One role's workers: how many, of which TP size, timed by which profile, with how much KV."""
+
+    count: int
+    profile: Profile
+    num_blocks: int
+    max_inflight: int
+    tensor_parallel_size: int = 1
+
+    def __post_init__(self) -> None:
+        if self.count < 0 or self.num_blocks < 1 or self.max_inflight < 1:
+            raise ValueError(
+                f"count, num_blocks, max_inflight: got {self.count}, {self.num_blocks}, {self.max_inflight}"
+            )
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    mode: str = "disaggregated"  # disaggregated | colocated
+    prefill: RoleSpec | None = None
+    decode: RoleSpec | None = None
+    colocated: RoleSpec | None = None
+    block_size: int = 16
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    prefill_chunk_size: int | None = None
+    max_model_len: int = 4096
+    routing_policy: str = "prefix_aware"
+    overlap_weight: float = 16.0
+    max_queue: int = 4096
+    lease_timeout_s: float = 30.0
+    max_prefill_retries: int = 3
+    max_migrations: int = 3
+    ttft_overhead_s: float = 0.0  # what a request spends outside the steps before its first token (gRPC, router)
+    losses: tuple[tuple[float, str], ...] = ()  # (time, worker id): that worker is lost then
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("disaggregated", "colocated"):
+            raise ValueError(f"mode: expected disaggregated or colocated, got {self.mode!r}")
+        needed = ("prefill", "decode") if self.mode == "disaggregated" else ("colocated",)
+        missing = [r for r in needed if getattr(self, r) is None or getattr(self, r).count < 1]
+        if missing:
+            raise ValueError(f"{missing[0]}: the {self.mode} mode needs at least one {missing[0]} worker")
+
+
+@dataclass(order=True)
+class _Event:
+    time: float
+    seq: int
+    action: Callable[[], None] = field(compare=False)
+
+
+class Simulation:
+    def __init__(self, config: SimConfig) -> None:
+        self.config = c = config
+        self.time = 0.0
+        self._events: list[_Event] = []
+        self._seq = itertools.count()
+        self.queue: deque[SimRequest] = deque()  # waiting for a prefill worker with credit
+        self.leasing: deque[tuple[SimRequest, SimWorker]] = deque()  # holding a credit, waiting for a lease
+        self.done: list[SimRequest] = []
+        self._turn = 0
+        base = SchedulerConfig(
+            max_num_seqs=c.max_num_seqs,
+            max_num_batched_tokens=c.max_num_batched_tokens,
+            prefill_chunk_size=c.prefill_chunk_size,
+            max_model_len=c.max_model_len,
+        )
+        common = {"block_size": c.block_size, "clock": lambda: self.time, "at": self.at}
+        self.prefill: list[SimWorker] = []
+        self.decode: list[SimDecode] = []
+        self.views: dict[str, PrefillView] = {}
+        self.decode_views: dict[str, DecodeView] = {}
+        if c.mode == "colocated":
+            spec = c.colocated
+            for i in range(spec.count):
+                w = SimColocated(
+                    f"colocated-{i}",
+                    spec.profile,
+                    spec.num_blocks,
+                    scheduler=base,
+                    prefix_caching=True,
+                    on_token=self._colocated_token,
+                    **common,
+                )
+                self._add_prefill_view(w, spec)
+        else:
+            spec = c.prefill
+            handoff = SchedulerConfig(**{**vars(base), "hand_off_after_first_token": True})
+            for i in range(spec.count):
+                w = SimPrefill(
+                    f"prefill-{i}",
+                    spec.profile,
+                    spec.num_blocks,
+                    scheduler=handoff,
+                    prefix_caching=True,
+                    on_first_token=self._first_token,
+                    **common,
+                )
+                self._add_prefill_view(w, spec)
+            hand_back = SchedulerConfig(**{**vars(base), "preemption": "hand_back"})
+            spec = c.decode
+            for i in range(spec.count):
+                d = SimDecode(
+                    f"decode-{i}",
+                    spec.profile,
+                    spec.num_blocks,
+                    scheduler=hand_back,
+                    prefix_caching=False,
+                    on_token=self._decode_token,
+                    on_handed_back=self._handed_back,
+                    **common,
+                )
+                self.decode.append(d)
+                self.decode_views[d.worker_id] = DecodeView(d.worker_id, d.blocks.num_free_blocks, 0)
+        self.workers = {w.worker_id: w for w in [*self.prefill, *self.decode]}
+        for when, worker_id in c.losses:
+            if worker_id not in self.workers:
+                raise ValueError(f"losses: no worker {worker_id!r}")
+            self.at(when, lambda w=self.workers[worker_id]: self._lose(w))
+
+    def _add_prefill_view(self, worker: SimWorker, spec: RoleSpec) -> None:
+        self.prefill.append(worker)
+        view = PrefillView(worker.worker_id, credit=spec.max_inflight)
+        view.cached_hashes = _HeldHashes(worker)
+        self.views[worker.worker_id] = view
+
+    # ---- the clock ----------------------------------------------------------------------------
+
+    def at(self, when: float, action: Callable[[], None]) -> None:
+        heapq.heappush(self._events, _Event(when, next(self._seq), action))
+
+    def run(self, requests: Iterable[SimRequest]) -> list[SimRequest]:
+        """Every request arrives at its ``arrival_s``; returns them once all have ended."""
+        pending = sorted(requests, key=lambda r: r.arrival_s)
+        for job in pending:
+            self.at(job.arrival_s, lambda job=job: self._arrive(job))
+        while self._events:
+            event = heapq.heappop(self._events)
+            self.time = event.time
+            event.action()
+        return pending
+
+    # ---- the router ---------------------------------------------------------------------------
+
+    def _arrive(self, job: SimRequest) -> None:
+        if len(self.queue) >= self.config.max_queue:
+            self._fail(job, "RESOURCE_EXHAUSTED")
+            return
+        self.queue.append(job)
+        self._dispatch()
+
+    def _dispatch(self) -> None:
+        c = self.config
+        while self.queue:
+            job = self.queue[0]
+            views = list(self.views.values())
+            hashes = block_hashes(job.prompt + job.output, c.block_size)
+            view = choose_prefill(views, c.routing_policy, hashes, c.block_size, c.overlap_weight, self._turn)
+            if view is None:
+                return
+            self._turn += 1
+            self.queue.popleft()
+            worker = self.workers[view.worker_id]
+            cached = view.cached_prefix_blocks(hashes) * c.block_size
+            job.legs += 1
+            job.leg += 1
+            job.prefill_worker, job.decode_worker = worker, None
+            job.queued_tokens = len(job.prompt) + len(job.output) - cached
+            job.holds_credit = True
+            view.credit -= 1
+            view.inflight += 1
+            view.queued_tokens += job.queued_tokens
+            if c.mode == "colocated" or job.output_len - len(job.output) <= 1:
+                worker.add(job)
+            else:
+                job.lease_deadline = self.time + c.lease_timeout_s
+                self.leasing.append((job, worker))
+                self._lease()
+
+    def _lease(self) -> None:
+        """Leases in order: a request takes the decode worker with room that the router's policy picks."""
+        while self.leasing:
+            job, prefill = self.leasing[0]
+            if not prefill.alive:
+                self.leasing.popleft()
+                continue
+            blocks = ceil_div(len(job.prompt) + len(job.output) + 1, self.config.block_size)
+            view = choose_decode([v for v in self.decode_views.values() if self.workers[v.worker_id].alive], blocks)
+            if view is None:
+                if self.time >= job.lease_deadline:
+                    self.leasing.popleft()
+                    self._credit_back(job)
+                    self._fail(job, "UNAVAILABLE")
+                    continue
+                self.at(job.lease_deadline, self._lease)
+                return
+            decode = self.workers[view.worker_id]
+            if not decode.lease(job):
+                self.at(self.time + 0.01, self._lease)  # the view was stale: look again shortly
+                return
+            self.leasing.popleft()
+            job.decode_worker = decode
+            self._decode_view(decode)
+            prefill.add(job)
+
+    def _credit_back(self, job: SimRequest) -> None:
+        """The router gives a prefill worker's credit back (at the first token; colocated: at the end)."""
+        if not job.holds_credit:
+            return
+        job.holds_credit = False
+        view = self.views[job.prefill_worker.worker_id]
+        view.credit += 1
+        view.inflight -= 1
+        view.queued_tokens -= job.queued_tokens
+
+    def _decode_view(self, decode: SimDecode) -> None:
+        view = self.decode_views[decode.worker_id]
+        view.free_blocks, view.requests = decode.blocks.num_free_blocks, decode.num_requests
+
+    # ---- the workers' events ------------------------------------------------------------------
+
+    def _first_token(self, prefill: SimPrefill, job: SimRequest, request: Request) -> None:
+        self._credit_back(job)
+        self._token(job)
+        if job.output_len - len(job.output) <= 0 or job.decode_worker is None:
+            prefill.release(job)
+            self._finish(job)
+        else:
+            leg, decode = job.leg, job.decode_worker
+            # A hand-off between TP p and TP d moves max(p, d) parts side by side, each its share of the heads.
+            ranks = max(self.config.prefill.tensor_parallel_size, self.config.decode.tensor_parallel_size)
+            seconds = prefill.profile.transfer_s(prefill.profile.kv_bytes(request.num_tokens - 1) // ranks)
+            self.at(self.time + seconds, lambda: self._landed(job, leg, prefill, decode))
+        self._dispatch()
+
+    def _landed(self, job: SimRequest, leg: int, prefill: SimPrefill, decode: SimDecode) -> None:
+        if job.leg != leg:
+            return
+        prefill.release(job)
+        if not decode.alive:
+            return
+        decode.admit(job)
+
+    def _decode_token(self, decode: SimDecode, job: SimRequest, request: Request) -> None:
+        self._token(job)
+        if request.is_finished:
+            self._finish(job)
+            self._decode_view(decode)
+            self._lease()
+
+    def _colocated_token(self, worker: SimColocated, job: SimRequest, request: Request) -> None:
+        self._token(job)
+        if request.is_finished:
+            self._credit_back(job)
+            self._finish(job)
+            self._dispatch()
+
+    def _handed_back(self, decode: SimDecode, job: SimRequest) -> None:
+        self._decode_view(decode)
+        self._again(job, "handed back")
+
+    def _token(self, job: SimRequest) -> None:
+        now = self.time
+        if job.first_token_s is None:
+            job.first_token_s = now + self.config.ttft_overhead_s
+        elif job.last_token_s is not None:
+            job.itls_s.append(now - job.last_token_s)
+        job.last_token_s = max(now, job.first_token_s)
+        job.output.append(1)
+
+    def _finish(self, job: SimRequest) -> None:
+        job.finished_s = job.last_token_s
+        self.done.append(job)
+
+    def _fail(self, job: SimRequest, code: str) -> None:
+        job.error = code
+        self.done.append(job)
+
+    def _again(self, job: SimRequest, why: str) -> None:
+        """A leg ended without finishing: retry the prefill (nothing out yet) or migrate, within the limits."""
+        c = self.config
+        job.leg += 1  # events of the old leg are ignored from now on
+        if not job.output and job.legs > c.max_prefill_retries or job.output and job.legs > c.max_migrations + 1:
+            self._fail(job, "UNAVAILABLE")
+            return
+        self.queue.appendleft(job)
+        self._dispatch()
+
+    def _lose(self, worker: SimWorker) -> None:
+        for job in worker.lose():
+            self._credit_back(job)
+            other = job.decode_worker if job.prefill_worker is worker else job.prefill_worker
+            if other is not None and other is not worker:
+                other.drop(job)
+            self._again(job, f"{worker.worker_id} lost")
+        if worker.worker_id in self.views:
+            self.views[worker.worker_id].healthy = False
+        if worker.worker_id in self.decode_views:
+            self.decode_views[worker.worker_id].healthy = False
+        self._dispatch()
+        self._lease()
+
+
+class _HeldHashes:
+    """A prefill view's ``cached_hashes``, read from the simulated worker's block manager itself (the real
+    router learns them from the worker's events)."""
+
+    def __init__(self, worker: SimWorker) -> None:
+        self.blocks = worker.blocks
+
+    def __contains__(self, block_hash: int) -> bool:
+        return self.blocks.holds_hash(block_hash)
+
+
+# ---- runs ---------------------------------------------------------------------------------------------
+
+
+def simulate(
+    config: SimConfig,
+    requests: Sequence[tuple[list[int], int]],
+    offsets_s: Sequence[float],
+    percentiles: Sequence[float] = (90, 95, 99),
+    goodput: dict[str, float] | None = None,
+) -> tuple[dict, Simulation]:
+    """Run ``requests`` (prompt token ids, output length) arriving at ``offsets_s``; returns
+    ``splitserve bench``'s summary of the run and the simulation (for its workers' figures)."""
+    sim = Simulation(config)
+    jobs = [SimRequest(i, list(p), n, o) for i, ((p, n), o) in enumerate(zip(requests, offsets_s, strict=True))]
+    sim.run(jobs)
+    records = [to_record(job) for job in jobs]
+    end = max((job.finished_s or job.arrival_s for job in jobs), default=0.0)
+    duration = max(end, 1e-9)
+    return summarize(records, duration, percentiles, goodput), sim
+
+
+def to_record(job: SimRequest) -> RequestRecord:
+    record = RequestRecord(len(job.prompt), job.output_len, due_s=job.arrival_s, sent_s=job.arrival_s)
+    if job.error or job.finished_s is None:
+        record.error_code = job.error or "DEADLINE_EXCEEDED"
+        record.error = record.error_code
+        return record
+    record.ttft_s = job.first_token_s - job.arrival_s
+    record.itls_s = job.itls_s
+    record.e2el_s = job.finished_s - job.arrival_s
+    record.output_len = len(job.output)
+    record.cached_tokens = job.cached_tokens or 0
+    return record
+
+
+def utilization(sim: Simulation) -> dict[str, float]:
+    """Each role's busy time over the run's (mean over its workers)."""
+    out: dict[str, float] = {}
+    end = sim.time or 1.0
+    for role in ("prefill", "decode", "colocated"):
+        workers = [w for w in sim.workers.values() if w.role == role]
+        if workers:
+            out[role] = sum(w.busy_s for w in workers) / (len(workers) * end)
+    return out
+
+
+def nan_to_none(result: dict) -> dict:
+    return {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in result.items()}
