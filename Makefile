@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 MODELS := models
 PYTEST_ARGS ?=
 
-.PHONY: setup peer serve demo test lint format bench-engine bench-transfer bench-tp bench-serve bench-cluster bench-disagg loadtest soak fault-drill bench-frontends proto gpu-check clean
+.PHONY: setup peer serve demo test lint format bench-engine bench-transfer bench-tp sim-fidelity bench-simulator bench-serve bench-cluster bench-disagg loadtest soak fault-drill bench-frontends proto gpu-check clean
 
 setup: $(STAMP)
 
@@ -63,6 +63,15 @@ bench-transfer: setup
 # Tensor parallelism on this CPU: TP 1 on 2 threads against TP 2 with one pinned thread per rank.
 bench-tp: setup
 	$(VPY) scripts/bench_tp.py $(BENCH_ARGS)
+
+# The simulator against real runs on this machine, side by side (docs/planning.md): profiles, real
+# deployments, bench and simulate on the same requests; prints the relative errors. Takes tens of minutes.
+sim-fidelity: setup
+	$(VPY) scripts/sim_fidelity.py $(BENCH_ARGS)
+
+# How fast the simulator runs: 1k to 100k requests on 10 to 1,000 workers, on one core.
+bench-simulator: setup
+	$(VPY) scripts/bench_simulator.py $(BENCH_ARGS)
 
 bench-serve: setup
 	$(VPY) scripts/bench_serve.py $(BENCH_ARGS)

@@ -558,6 +558,22 @@ def _simulate(args: argparse.Namespace) -> int:
     return run_simulate(args)
 
 
+def _add_plan(sub: argparse._SubParsersAction) -> None:
+    from splitserve.planning.options import add_plan_arguments
+
+    p = sub.add_parser(
+        "plan", help="search prefill and decode counts and TP (and colocated) for the most goodput per device"
+    )
+    add_plan_arguments(p)
+    p.set_defaults(func=_plan)
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from splitserve.planning.options import run_plan
+
+    return run_plan(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="splitserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -569,6 +585,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_bench(sub)
     _add_profile(sub)
     _add_simulate(sub)
+    _add_plan(sub)
     _add_make_certs(sub)
     return parser
 

@@ -36,10 +36,10 @@ from splitserve.planning.profile import (
 
 @dataclass(frozen=True)
 class Grid:
-    prefill_tokens: tuple[int, ...] = (16, 64, 256, 1024)
-    prefill_contexts: tuple[int, ...] = (0, 512)
-    decode_batches: tuple[int, ...] = (1, 4, 16, 32)
-    decode_contexts: tuple[int, ...] = (64, 512)
+    prefill_tokens: tuple[int, ...] = (16, 64, 256, 1024, 2048)
+    prefill_contexts: tuple[int, ...] = (0, 1024)
+    decode_batches: tuple[int, ...] = (1, 4, 16, 32, 64)
+    decode_contexts: tuple[int, ...] = (64, 512, 2048)
     mixed: tuple[tuple[int, int, int], ...] = ((256, 8, 256), (64, 16, 128))  # (prompt tokens, decodes, context)
     transfer_tokens: tuple[int, ...] = (16, 256, 2048)
     repeats: int = 3
@@ -312,45 +312,64 @@ def measure_transfers(model: ModelShape, dtype: str, block_size: int, grid: Grid
 # ---- what serving adds: a real deployment at no load --------------------------------------------------
 
 
-def measure_serving(profile: Profile, model_dir: str, threads: int | None, requests: int = 8) -> dict[str, float]:
-    """One prefill and one decode worker on an embedded Ray (each with ``threads``), requests one at a time
-    through the router: what a first token waits beyond its prefill step (the router, the gRPC calls, the
-    lease), and what a step costs in a serving worker beyond the profile's (its loop, streaming its tokens),
-    from decode steps. Medians, in seconds."""
-    import math
+def measure_serving(
+    profile: Profile, model_dir: str, threads: int | None, requests: int = 8, roles: dict | None = None
+) -> dict[str, float]:
+    """One prefill and one decode worker on an embedded Ray (each with ``threads``), through the router:
+    what a first token waits beyond its prefill step (the router, the gRPC calls, the lease), and what a
+    serving worker's step costs beyond the engine's: a fixed part (its loop) and a part per token it
+    streams (an event, a protobuf message, a gRPC stream write, and the router and client relaying it on
+    the same machine). Requests one at a time, then ``requests`` at once; medians, in seconds. ``roles``:
+    the deployment's ``prefill:`` and ``decode:`` sections (e.g. pinned cores), instead of ``threads``."""
 
-    from splitserve.bench.config import BenchConfig
     from splitserve.bench.datasets import BenchRequest
     from splitserve.bench.runner import benchmark
     from splitserve.deploy_config import DeploymentConfig
     from splitserve.launch import Deployment
 
     role = {"threads": threads} if threads else {}
-    config = DeploymentConfig.from_dict(
-        {"model": model_dir, "dtype": profile.dtype, "port": 0, "prefill": role, "decode": role}
-    )
-    deployment = Deployment(config)
-    prompt_len, output_len = 64, 16
+    roles = roles or {"prefill": role, "decode": role}
+    config = DeploymentConfig.from_dict({"model": model_dir, "dtype": profile.dtype, "port": 0, **roles})
+    prompt_len, output_len = 64, 32
     vocab = profile.model.vocab_size
-    batch = [
-        BenchRequest([(11 + 97 * i + 13 * j) % (vocab - 1) for j in range(prompt_len)], output_len)
-        for i in range(requests + 1)
-    ]
+
+    def batch(n: int, salt: int) -> list[BenchRequest]:
+        return [
+            BenchRequest([(11 + 97 * (i + salt) + 13 * j) % (vocab - 1) for j in range(prompt_len)], output_len)
+            for i in range(n)
+        ]
+
+    deployment = Deployment(config)
     try:
         deployment.start()
-        bench = BenchConfig(addr=deployment.address, max_concurrency=1, request_rate=math.inf, progress=False)
-        result = benchmark(batch, [0.0] * len(batch), bench)
+        address = deployment.address
+        one = benchmark(batch(requests + 1, 0), [0.0] * (requests + 1), _bench(address, 1))
+        many = benchmark(batch(requests, 1000), [0.0] * requests, _bench(address, requests))
     finally:
         deployment.stop()
-    ttfts, itls = result["ttfts"][1:], [gap for gaps in result["itls"][1:] for gap in gaps]  # the first warms up
-    prefill_s = profile.step_s(StepShape.of([(0, prompt_len)]))
-    decode_s = profile.step_s(StepShape.of([], [prompt_len + output_len // 2]))
+    ttfts = one["ttfts"][1:]  # the first request warms up
+    alone = statistics.median(gap for gaps in one["itls"][1:] for gap in gaps)
+    together = statistics.median(gap for gaps in many["itls"] for gap in gaps[2:])  # once all decode together
+    context = prompt_len + output_len // 2
+    extra_alone = alone - profile.step_s(StepShape.of([], [context]))
+    extra_together = together - profile.step_s(StepShape.of([], [context] * requests))
+    per_token = max(0.0, (extra_together - extra_alone) / (requests - 1))
     return {
-        "ttft_overhead_s": max(0.0, statistics.median(ttfts) - prefill_s),
-        "step_overhead_s": max(0.0, statistics.median(itls) - decode_s),
+        "ttft_overhead_s": max(0.0, statistics.median(ttfts) - profile.step_s(StepShape.of([(0, prompt_len)]))),
+        "step_overhead_s": max(0.0, extra_alone - per_token),
+        "token_overhead_s": per_token,
         "serving_ttft_s": statistics.median(ttfts),
-        "serving_itl_s": statistics.median(itls),
+        "serving_itl_s": alone,
+        f"serving_itl_{requests}_s": together,
     }
+
+
+def _bench(address: str, concurrency: int):
+    import math
+
+    from splitserve.bench.config import BenchConfig
+
+    return BenchConfig(addr=address, max_concurrency=concurrency, request_rate=math.inf, progress=False)
 
 
 # ---- the whole profile ------------------------------------------------------------------------------

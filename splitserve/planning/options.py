@@ -63,8 +63,8 @@ def run_profile(args: argparse.Namespace) -> int:
         )
     if args.serving:
         print(
-            f"serving adds {profile.ttft_overhead_s * 1e3:.2f} ms to a first token and "
-            f"{profile.step_overhead_s * 1e3:.2f} ms to a step"
+            f"serving adds {profile.ttft_overhead_s * 1e3:.2f} ms to a first token, and to a step "
+            f"{profile.step_overhead_s * 1e3:.2f} ms + {profile.token_overhead_s * 1e3:.3f} ms per streamed token"
         )
     print(f"written to {args.out}")
     return 0
@@ -178,3 +178,89 @@ def _losses(items: list[str]) -> tuple[tuple[float, str], ...]:
         if not sep or not worker:
             raise ValueError(f"--lose: expected WORKER@SECONDS such as decode-0@12.5, got {item!r}")
     return tuple(out)
+
+
+def add_plan_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--profile",
+        action="append",
+        required=True,
+        help="a profile of the device (splitserve profile); give one per tensor-parallel size to search TP",
+    )
+    p.add_argument("--config", help="the base deployment config whose engine and router settings the plan keeps")
+    p.add_argument(
+        "--slo", nargs="+", required=True, metavar="KEY:MS", help="ttft:MS and tpot:MS, e.g. ttft:500 tpot:50"
+    )
+    p.add_argument("--attainment", type=float, default=0.9, help="the fraction of requests that must meet the SLOs")
+    p.add_argument("--devices", type=int, default=None, help="the budget: devices (GPUs, or CPU sockets) in all")
+    p.add_argument("--devices-per-node", type=int, default=8, help="a worker's ranks stay on one node")
+    p.add_argument(
+        "--rate",
+        type=float,
+        default=None,
+        help="the inverse question: the fewest devices that serve this rate (req/s) within the SLOs",
+    )
+    p.add_argument("--out", help="write the winner as a deployment config (splitserve serve --config)")
+    p.add_argument("--top", type=int, default=8, help="candidates to print")
+    p.add_argument("--json", action="store_true", help="print the ranked candidates as JSON")
+    add_workload_arguments(p)
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    import yaml
+
+    from splitserve.bench.datasets import TokenRange, make_requests
+    from splitserve.bench.metrics import parse_goodput
+    from splitserve.deploy_config import DeploymentConfig
+    from splitserve.planning import plan
+    from splitserve.planning.profile import Profile
+
+    profiles = {}
+    for path in args.profile:
+        profile = Profile.load(path)
+        profiles[profile.tensor_parallel_size] = profile
+    slos = parse_goodput(args.slo)
+    if set(slos) != {"ttft", "tpot"}:
+        raise ValueError(f"--slo: give ttft:MS and tpot:MS, got {' '.join(args.slo)}")
+    slo = plan.Slo(slos["ttft"], slos["tpot"], args.attainment)
+    if (args.devices is None) == (args.rate is None):
+        raise ValueError("--devices, --rate: give one (the best use of a budget, or the fewest devices for a rate)")
+    base_raw = yaml.safe_load(Path(args.config).read_text()) if args.config else {}
+    base = DeploymentConfig.from_dict(base_raw or {})
+    first = next(iter(profiles.values()))
+    options = dataset_options(args, first.model.max_position_embeddings)
+    workload = [(r.prompt, r.output_len) for r in make_requests(options, TokenRange.for_vocab(first.model.vocab_size))]
+    if args.rate is not None:
+        best = plan.fewest_devices(base, profiles, workload, slo, args.rate, args.devices_per_node, seed=args.seed)
+        if best is None:
+            print(f"no deployment of up to 4096 devices serves {args.rate} req/s within the SLOs", file=sys.stderr)
+            return 1
+        ranked = [best]
+        print(f"fewest devices for {args.rate} req/s: {best.devices} ({best.describe()})")
+    else:
+        ranked = plan.search(base, profiles, workload, slo, plan.Budget(args.devices, args.devices_per_node), args.seed)
+    rows = [
+        {
+            "deployment": c.describe(),
+            "devices": c.devices,
+            "predicted_rate": c.rate,
+            "checked_rate": c.checked_rate,
+            "checked_attainment": c.checked_attainment,
+            "goodput_per_device": c.goodput_per_device,
+        }
+        for c in ranked
+    ]
+    if args.json:
+        print(json.dumps(rows))
+    else:
+        print(f"{'rank':>4}  {'deployment':<40} {'devices':>7} {'rate':>9} {'checked':>9} {'per device':>10}")
+        for i, row in enumerate(rows[: args.top], 1):
+            checked = "-" if row["checked_rate"] is None else f"{row['checked_rate']:.3g}"
+            print(
+                f"{i:>4}  {row['deployment']:<40} {row['devices']:>7} {row['predicted_rate']:>9.3g} "
+                f"{checked:>9} {row['goodput_per_device']:>10.3g}"
+            )
+    if args.out and ranked:
+        Path(args.out).write_text(plan.to_yaml(plan.deployment_config(base, ranked[0]), base_raw))
+        print(f"the winner written to {args.out}", file=sys.stderr)
+    return 0

@@ -132,9 +132,12 @@ class Profile:
         c = self.step_coefficients
         return sum(c[name] * x for name, x in zip(FEATURES, shape.features()))
 
-    def serving_step_s(self, shape: StepShape) -> float:
-        """A step as a serving worker takes it: the engine's, plus the worker's measured overhead."""
-        return self.step_s(shape) + (self.step_overhead_s if not shape.is_empty else 0.0)
+    def serving_step_s(self, shape: StepShape, tokens: int) -> float:
+        """A step as a serving worker takes it: the engine's, plus the measured overheads of serving, a
+        fixed part and a part for each of the ``tokens`` it streams."""
+        if shape.is_empty:
+            return 0.0
+        return self.step_s(shape) + self.step_overhead_s + tokens * self.token_overhead_s
 
     def kv_bytes(self, tokens: int) -> int:
         """Bytes of ``tokens`` tokens of KV, whole model (what a hand-off moves in all)."""
@@ -151,6 +154,11 @@ class Profile:
     def step_overhead_s(self) -> float:
         """Measured time a serving worker's step takes beyond the engine's (0 when not measured)."""
         return float(self.notes.get("step_overhead_s", 0.0))
+
+    @property
+    def token_overhead_s(self) -> float:
+        """Measured serving cost of one streamed token, in its worker's step (0 when not measured)."""
+        return float(self.notes.get("token_overhead_s", 0.0))
 
     @property
     def ttft_overhead_s(self) -> float:

@@ -103,7 +103,7 @@ class SimWorker:
         if output.is_empty:
             return
         self.busy = True
-        seconds = self.profile.serving_step_s(step_shape(output))
+        seconds = self.profile.serving_step_s(step_shape(output), sum(s.samples for s in output.scheduled))
         self.busy_s += seconds
         self.steps += 1
         self.at(self.now() + seconds, lambda: self._step_done(output))

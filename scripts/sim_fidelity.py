@@ -1,0 +1,261 @@
+#!/usr/bin/env python3
+"""How close ``splitserve simulate`` comes to ``splitserve bench`` on this machine: ``make sim-fidelity``.
+
+For each preset (random-weight checkpoints written when missing, float32):
+
+1. ``splitserve profile`` twice, as the workers will run: one torch thread (a disaggregated worker pinned
+   to a core of its own) with what serving adds measured on a real 1P+1D deployment, and two threads (a
+   colocated worker on both cores);
+2. for each mode, one real deployment on the embedded Ray: 1P+1D (prefill on core 0, decode on core 1,
+   one thread each) or one colocated worker (cores 0-1, two threads);
+3. for each workload (chat; a long prompt: the summarize preset's shape, scaled to the model) and three
+   rates (fractions of the capacity the simulator predicts for that mode and workload under the SLOs),
+   the same requests and arrivals through the real router (``splitserve.bench.runner.benchmark``) and
+   through the simulator timed by the profile;
+4. the relative error |sim - real| / real of TTFT p50 and p90, TPOT p50 and p90, and goodput (requests
+   meeting both SLOs per second) on every row.
+
+SLOs per model and workload: TTFT within 4x and TPOT within 3x what the profile predicts for one request
+alone (so that some requests miss at the higher rates). Nothing here is a timed assertion: the table is
+the result.
+
+    python scripts/sim_fidelity.py [--presets tiny,small,qwen2.5-0.5b] [--quick] [--json-out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+
+FRACTIONS = (0.3, 0.6, 0.9)
+# Per preset: (chat input/output medians, long-prompt input/output medians, requests per run).
+WORKLOADS = {
+    "tiny": ((256, 200), (2000, 100), 120),
+    "small": ((256, 200), (2000, 64), 80),
+    "qwen2.5-0.5b": ((128, 32), (1024, 16), 30),
+}
+METRICS = (
+    ("median_ttft_ms", "TTFT p50"),
+    ("p90_ttft_ms", "TTFT p90"),
+    ("median_tpot_ms", "TPOT p50"),
+    ("p90_tpot_ms", "TPOT p90"),
+    ("request_goodput", "goodput"),
+)
+
+
+def log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def ensure_model(preset: str) -> Path:
+    path = ROOT / "models" / preset
+    if not (path / "config.json").is_file():
+        from splitserve.make_model import make_model
+
+        log(f"writing the {preset} preset to {path} ...")
+        make_model(preset, path, dtype="float32", overwrite=True)
+    return path
+
+
+def profiles_for(model: Path, preset: str, quick: bool, cache: Path):
+    """(one-thread profile with serving overheads, two-thread profile with the same overheads)."""
+    from splitserve.planning.measure import Grid, measure_profile, measure_serving
+    from splitserve.planning.profile import Profile
+
+    grid = Grid().scaled(0.3) if quick else Grid()
+    out = []
+    for threads in (1, 2):
+        path = cache / f"{preset}-t{threads}.json"
+        if path.is_file():
+            out.append(Profile.load(path))
+            continue
+        log(f"{preset}: profile, {threads} thread(s) ...")
+        profile = measure_profile(str(model), "float32", "cpu", threads, grid, name=preset)
+        if threads == 1:  # serving measured on the deployment the disaggregated rows run (pinned cores)
+            roles = deployment_roles("disaggregated")
+            serving = measure_serving(profile, str(model), 1, roles=roles)
+            profile = replace(profile, notes={**profile.notes, **serving})
+        else:
+            overheads = {k: out[0].notes[k] for k in ("ttft_overhead_s", "step_overhead_s", "token_overhead_s")}
+            profile = replace(profile, notes={**profile.notes, **overheads})
+        profile.save(path)
+        out.append(profile)
+    return out
+
+
+def deployment_roles(mode: str) -> dict:
+    """The role sections of each mode: 1P+1D on a core each, or one colocated worker on both."""
+    usable = sorted(os.sched_getaffinity(0))
+    pin = len(usable) >= 2
+    if mode == "disaggregated":
+        return {
+            "prefill": {"threads": 1, **({"cpus": [usable[0]]} if pin else {})},
+            "decode": {"threads": 1, **({"cpus": [usable[1]]} if pin else {})},
+        }
+    return {"colocated": {"threads": 2, **({"cpus": usable[:2]} if pin else {})}}
+
+
+def deployment_for(model: Path, mode: str):
+    from splitserve.deploy_config import DeploymentConfig
+
+    raw = {"model": str(model), "dtype": "float32", "port": 0, "mode": mode, **deployment_roles(mode)}
+    return DeploymentConfig.from_dict(raw)
+
+
+def slos(profile, workload: tuple[int, int]) -> dict[str, float]:
+    from splitserve.planning.profile import StepShape
+
+    prompt, output = workload
+    ttft = profile.step_s(StepShape.of([(0, prompt)])) + profile.ttft_overhead_s
+    tpot = profile.serving_step_s(StepShape.of([], [prompt + output // 2]), 1)
+    return {"ttft": round(4 * ttft * 1e3, 1), "tpot": round(3 * tpot * 1e3, 1)}
+
+
+def requests_for(model_vocab: int, dataset: str, medians: tuple[int, int], n: int, seed: int, max_len: int):
+    from splitserve.bench.datasets import DatasetOptions, TokenRange, make_requests
+
+    options = DatasetOptions(
+        name=dataset, num_prompts=n, input_len=medians[0], output_len=medians[1], max_model_len=max_len, seed=seed
+    )
+    return make_requests(options, TokenRange.for_vocab(model_vocab))
+
+
+def simulated(config, requests, offsets, goodput):
+    from splitserve.planning.simulator import simulate
+
+    result, _ = simulate(config, [(r.prompt, r.output_len) for r in requests], offsets, (50, 90), goodput)
+    return result
+
+
+def capacity(config, requests, goodput) -> float:
+    """The highest rate at which the simulator has 90% of the requests meet the SLOs."""
+    from splitserve.bench.arrivals import arrival_offsets
+    from splitserve.planning.plan import max_rate
+
+    def meets(rate: float) -> bool:
+        result = simulated(config, requests, arrival_offsets(len(requests), rate, 1.0, 0), goodput)
+        return (result["good_requests"] or 0) >= 0.9 * len(requests)
+
+    return max_rate(meets, low=0.005, high=1.0, iterations=8)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--presets", default="tiny,small,qwen2.5-0.5b")
+    parser.add_argument("--modes", default="disaggregated,colocated")
+    parser.add_argument("--quick", action="store_true", help="a coarse profile grid and half the requests")
+    parser.add_argument("--json-out", default=str(ROOT / "models" / "sim_fidelity.json"))
+    parser.add_argument("--profiles", default=str(ROOT / "models" / "profiles"), help="where profiles are kept")
+    args = parser.parse_args()
+
+    from splitserve.bench.arrivals import arrival_offsets
+    from splitserve.bench.config import BenchConfig
+    from splitserve.bench.runner import benchmark
+    from splitserve.engine.hardware import describe_machine
+    from splitserve.launch import Deployment
+    from splitserve.planning.deployment import sim_config
+
+    machine = describe_machine(probe_torch=True)
+    log(f"cpu: {machine['cpu_model']}, {machine['usable_cores']} usable cores")
+    cache = Path(args.profiles)
+    cache.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for preset in args.presets.split(","):
+        model = ensure_model(preset)
+        one, two = profiles_for(model, preset, args.quick, cache)
+        chat, long, n = WORKLOADS[preset]
+        n = max(20, n // 2) if args.quick else n
+        for mode in args.modes.split(","):
+            deployment_config = deployment_for(model, mode)
+            profiles = {"prefill": one, "decode": one, "colocated": two}
+            config = sim_config(deployment_config, profiles)
+            deployment = Deployment(deployment_config)
+            deployment.start()
+            try:
+                for name, dataset, medians in (("chat", "chat", chat), ("long", "summarize", long)):
+                    goodput = slos(one if mode == "disaggregated" else two, medians)
+                    max_len = one.model.max_position_embeddings
+                    probe = requests_for(one.model.vocab_size, dataset, medians, n, 1000, max_len)
+                    top = capacity(config, probe, goodput)
+                    for i, fraction in enumerate(FRACTIONS):
+                        rate = round(max(top * fraction, 0.01), 3)
+                        requests = requests_for(one.model.vocab_size, dataset, medians, n, i, max_len)
+                        offsets = arrival_offsets(len(requests), rate, 1.0, i)
+                        sim = simulated(config, requests, offsets, goodput)
+                        log(f"{preset} {mode} {name} {rate} req/s: real run ({len(requests)} requests) ...")
+                        start = time.monotonic()
+                        bench = BenchConfig(
+                            addr=deployment.address,
+                            request_rate=rate,
+                            percentiles=(50, 90),
+                            goodput=goodput,
+                            progress=False,
+                            seed=i,
+                        )
+                        real = benchmark(requests, offsets, bench)
+                        row = {
+                            "preset": preset,
+                            "mode": mode,
+                            "workload": name,
+                            "rate": rate,
+                            "fraction_of_capacity": fraction,
+                            "slos_ms": goodput,
+                            "requests": len(requests),
+                            "real_seconds": time.monotonic() - start,
+                            "failed": real["failed"],
+                        }
+                        for key, _ in METRICS:
+                            r, s = real[key] or 0.0, sim[key] or 0.0
+                            row[f"real_{key}"], row[f"sim_{key}"] = r, s
+                            row[f"error_{key}"] = abs(s - r) / r if r else (0.0 if s == 0 else None)
+                        rows.append(row)
+                        log("  " + format_row(row))
+            finally:
+                deployment.stop()
+    print_table(rows)
+    Path(args.json_out).write_text(json.dumps({"machine": machine, "rows": rows}, indent=1))
+    log(f"written to {args.json_out}")
+    return 0
+
+
+def format_row(row: dict) -> str:
+    cells = []
+    for key, label in METRICS:
+        error = row[f"error_{key}"]
+        cells.append(
+            f"{label} {row[f'real_{key}']:.4g}/{row[f'sim_{key}']:.4g} ({'-' if error is None else f'{error:.0%}'})"
+        )
+    return ", ".join(cells)
+
+
+def print_table(rows: list[dict]) -> None:
+    head = "| preset | mode | workload | rate (req/s) | " + " | ".join(
+        f"{label} real / sim (err)" for _, label in METRICS
+    )
+    print(head + " |")
+    print("|" + "---|" * (4 + len(METRICS)))
+    for row in rows:
+        cells = []
+        for key, _ in METRICS:
+            error = row[f"error_{key}"]
+            err = "-" if error is None else f"{error:.0%}"
+            cells.append(f"{row[f'real_{key}']:.4g} / {row[f'sim_{key}']:.4g} ({err})")
+        print(f"| {row['preset']} | {row['mode']} | {row['workload']} | {row['rate']} | " + " | ".join(cells) + " |")
+    errors = [row[f"error_{key}"] for row in rows for key, _ in METRICS if row[f"error_{key}"] is not None]
+    if errors:
+        within = sum(e <= 0.15 for e in errors)
+        print(f"\n{within} of {len(errors)} figures within 15%; median error {sorted(errors)[len(errors) // 2]:.1%}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
