@@ -49,6 +49,8 @@ class SimRequest:
     holds_credit: bool = False  # this leg holds its prefill worker's credit (the router's view)
     queued_tokens: int = 0  # the uncached prompt tokens the router counts against that worker
     lease_deadline: float = 0.0
+    dispatched_s: float | None = None  # the first leg left the router's queue
+    landed_s: float | None = None  # the first leg's KV landed on its decode worker
 
     @property
     def request_id(self) -> str:

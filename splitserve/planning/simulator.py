@@ -204,6 +204,8 @@ class Simulation:
             job.legs += 1
             job.leg += 1
             job.prefill_worker, job.decode_worker = worker, None
+            if job.dispatched_s is None:
+                job.dispatched_s = self.time
             job.queued_tokens = len(job.prompt) + len(job.output) - cached
             job.holds_credit = True
             view.credit -= 1
@@ -278,6 +280,8 @@ class Simulation:
         prefill.release(job)
         if not decode.alive:
             return
+        if job.landed_s is None:
+            job.landed_s = self.time
         decode.admit(job)
 
     def _decode_token(self, decode: SimDecode, job: SimRequest, request: Request) -> None:
@@ -383,6 +387,16 @@ def to_record(job: SimRequest) -> RequestRecord:
     record.e2el_s = job.finished_s - job.arrival_s
     record.output_len = len(job.output)
     record.cached_tokens = job.cached_tokens or 0
+    first, dispatched = job.first_token_s, job.dispatched_s or job.arrival_s
+    record.server_timing = {  # the router's timing breakdown, as the last message of a real request carries it
+        "queue_ms": (dispatched - job.arrival_s) * 1e3,
+        "prefill_ms": (first - dispatched) * 1e3,
+        "transfer_ms": ((job.landed_s - first) * 1e3) if job.landed_s is not None else 0.0,
+        "first_token_ms": (first - job.arrival_s) * 1e3,
+        "decode_ms": (job.finished_s - first) * 1e3,
+        "total_ms": (job.finished_s - job.arrival_s) * 1e3,
+        "reprefills": job.legs - 1,
+    }
     return record
 
 

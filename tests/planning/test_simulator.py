@@ -48,6 +48,9 @@ def test_one_request_prefill_transfer_decode():
     assert result["mean_tpot_ms"] == pytest.approx(41 / 3)
     assert result["mean_e2el_ms"] == pytest.approx(61) and result["completed"] == 1
     assert all(w.blocks.num_used_blocks == 0 for w in sim.workers.values()), "no block held at the end"
+    assert result["mean_server_transfer_ms"] == pytest.approx(5) and result["mean_server_prefill_ms"] == pytest.approx(
+        20
+    )
 
 
 def test_two_requests_contend_for_the_token_budget():
