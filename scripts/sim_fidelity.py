@@ -4,8 +4,8 @@
 For each preset (random-weight checkpoints written when missing, float32):
 
 1. ``splitserve profile`` twice, as the workers will run: one torch thread (a disaggregated worker pinned
-   to a core of its own) with what serving adds measured on a real 1P+1D deployment, and two threads (a
-   colocated worker on both cores);
+   to a core of its own) and two threads (a colocated worker on both cores), each with what serving adds
+   measured on the real deployment of that mode;
 2. for each mode, one real deployment on the embedded Ray: 1P+1D (prefill on core 0, decode on core 1,
    one thread each) or one colocated worker (cores 0-1, two threads);
 3. for each workload (chat; a long prompt: the summarize preset's shape, scaled to the model) and three
@@ -81,13 +81,10 @@ def profiles_for(model: Path, preset: str, quick: bool, cache: Path):
             continue
         log(f"{preset}: profile, {threads} thread(s) ...")
         profile = measure_profile(str(model), "float32", "cpu", threads, grid, name=preset)
-        if threads == 1:  # serving measured on the deployment the disaggregated rows run (pinned cores)
-            roles = deployment_roles("disaggregated")
-            serving = measure_serving(profile, str(model), 1, roles=roles)
-            profile = replace(profile, notes={**profile.notes, **serving})
-        else:
-            overheads = {k: out[0].notes[k] for k in ("ttft_overhead_s", "step_overhead_s", "token_overhead_s")}
-            profile = replace(profile, notes={**profile.notes, **overheads})
+        # What serving adds, measured on the deployment the rows of that mode run (pinned cores).
+        mode = "disaggregated" if threads == 1 else "colocated"
+        serving = measure_serving(profile, str(model), threads, roles=deployment_roles(mode), mode=mode)
+        profile = replace(profile, notes={**profile.notes, **serving})
         profile.save(path)
         out.append(profile)
     return out

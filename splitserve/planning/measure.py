@@ -64,6 +64,41 @@ class Grid:
         )
 
 
+def engine_config(
+    model_dir: str,
+    dtype: str,
+    device: str,
+    threads: int | None,
+    block_size: int,
+    grid: Grid,
+    size: int = 1,
+    rank: int = 0,
+):
+    """The engine a profile measures, on every rank alike (the same cache size: block ids are rank 0's)."""
+    from splitserve.engine.core import EngineConfig
+
+    largest = max(
+        max(grid.prefill_tokens) + max(grid.prefill_contexts),
+        max(grid.decode_batches) * (max(grid.decode_contexts) + 2 * grid.decode_steps + 8),
+        max(t + b * (c + 8) for t, b, c in grid.mixed),
+    )
+    return EngineConfig(
+        model_dir=model_dir,
+        dtype=dtype,
+        device=device,
+        num_threads=threads,
+        block_size=block_size,
+        num_blocks=largest // block_size + 64,
+        max_num_seqs=max(max(grid.decode_batches), max(b for _, b, _ in grid.mixed)) + 1,
+        max_num_batched_tokens=max(grid.prefill_tokens) + max(grid.decode_batches) + 64,
+        enable_prefix_caching=False,
+        max_model_len=largest + 64,
+        tensor_parallel_size=size,
+        tensor_parallel_rank=rank,
+        tensor_parallel_step="plan" if size > 1 else "lockstep",
+    )
+
+
 @dataclass
 class Measurer:
     """One engine, stepped by hand."""
@@ -74,33 +109,18 @@ class Measurer:
     threads: int | None = None
     block_size: int = 16
     grid: Grid = field(default_factory=Grid)
+    tp_group: object | None = None  # rank 0's TPGroup of a tensor-parallel engine (the others follow_ranks)
 
     def __post_init__(self) -> None:
         import torch
 
-        from splitserve.engine.core import EngineConfig, EngineCore
+        from splitserve.engine.core import EngineCore
 
         if self.threads:
             torch.set_num_threads(self.threads)
-        largest = max(
-            max(self.grid.prefill_tokens) + max(self.grid.prefill_contexts),
-            max(self.grid.decode_batches) * (max(self.grid.decode_contexts) + 2 * self.grid.decode_steps + 8),
-            max(t + b * (c + 8) for t, b, c in self.grid.mixed),
-        )
-        self.core = EngineCore(
-            EngineConfig(
-                model_dir=self.model_dir,
-                dtype=self.dtype,
-                device=self.device,
-                num_threads=self.threads,
-                block_size=self.block_size,
-                num_blocks=largest // self.block_size + 64,
-                max_num_seqs=max(max(self.grid.decode_batches), max(b for _, b, _ in self.grid.mixed)) + 1,
-                max_num_batched_tokens=max(self.grid.prefill_tokens) + max(self.grid.decode_batches) + 64,
-                enable_prefix_caching=False,
-                max_model_len=largest + 64,
-            )
-        )
+        size = self.tp_group.size if self.tp_group is not None else 1
+        config = engine_config(self.model_dir, self.dtype, self.device, self.threads, self.block_size, self.grid, size)
+        self.core = EngineCore(config, tp_group=self.tp_group)
         self.core.kv_cache.tensor.zero_()
         self.scheduler = self.core.make_scheduler()
         self.torch = torch
@@ -313,9 +333,15 @@ def measure_transfers(model: ModelShape, dtype: str, block_size: int, grid: Grid
 
 
 def measure_serving(
-    profile: Profile, model_dir: str, threads: int | None, requests: int = 8, roles: dict | None = None
+    profile: Profile,
+    model_dir: str,
+    threads: int | None,
+    requests: int = 8,
+    roles: dict | None = None,
+    mode: str = "disaggregated",
 ) -> dict[str, float]:
-    """One prefill and one decode worker on an embedded Ray (each with ``threads``), through the router:
+    """One prefill and one decode worker (or, ``mode`` colocated, one colocated worker) on an embedded Ray,
+    each with ``threads``, through the router:
     what a first token waits beyond its prefill step (the router, the gRPC calls, the lease), and what a
     serving worker's step costs beyond the engine's: a fixed part (its loop) and a part per token it
     streams (an event, a protobuf message, a gRPC stream write, and the router and client relaying it on
@@ -328,8 +354,8 @@ def measure_serving(
     from splitserve.launch import Deployment
 
     role = {"threads": threads} if threads else {}
-    roles = roles or {"prefill": role, "decode": role}
-    config = DeploymentConfig.from_dict({"model": model_dir, "dtype": profile.dtype, "port": 0, **roles})
+    roles = roles or ({"prefill": role, "decode": role} if mode == "disaggregated" else {"colocated": role})
+    config = DeploymentConfig.from_dict({"model": model_dir, "dtype": profile.dtype, "port": 0, "mode": mode, **roles})
     prompt_len, output_len = 64, 32
     vocab = profile.model.vocab_size
 
@@ -375,6 +401,72 @@ def _bench(address: str, concurrency: int):
 # ---- the whole profile ------------------------------------------------------------------------------
 
 
+# ---- a tensor-parallel engine: rank 0 measures, the other ranks follow its plans -------------------
+
+HOST = "127.0.0.1"
+TP_SETUP_TIMEOUT_S = 120.0
+TP_GROUP_TIMEOUT_S = 60.0
+
+
+def _follower_main(measurer: dict, port: int, rank: int, size: int, errors) -> None:
+    """A spawned rank: join the group, build its shard as rank 0's engine is built, follow until Stop."""
+    try:
+        import torch
+
+        from splitserve.engine.core import EngineCore
+        from splitserve.engine.distributed import TPGroup, connect_store
+        from splitserve.engine.tp_step import follow
+
+        args = dict(measurer)
+        if args["threads"]:
+            torch.set_num_threads(args["threads"])
+        device = torch.device(args["device"])
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        if device.type == "cuda":
+            device = torch.device(f"cuda:{rank}")
+            torch.cuda.set_device(device)
+            args["device"] = str(device)
+        store = connect_store(HOST, port, TP_SETUP_TIMEOUT_S)
+        group = TPGroup.join(backend, store, "tp/", rank, size, HOST, TP_GROUP_TIMEOUT_S, TP_SETUP_TIMEOUT_S, device)
+        core = EngineCore(engine_config(**args, block_size=16, size=size, rank=rank), tp_group=group)
+        core.kv_cache.tensor.zero_()
+        follow(core, group)
+    except BaseException as e:  # reported to rank 0, which fails the profile
+        errors.put(f"rank {rank}: {type(e).__name__}: {e}")
+
+
+def _measure_tp(measurer_args: dict, size: int):
+    """Rank 0's ``Measurer`` of a TP-``size`` engine, with ranks 1.. spawned and following; and a closer."""
+    import torch
+    import torch.multiprocessing as mp
+
+    from splitserve.engine.distributed import TPGroup, bind_store
+
+    store, port = bind_store(HOST, 0, TP_SETUP_TIMEOUT_S)
+    ctx = mp.get_context("spawn")
+    errors = ctx.Queue()
+    procs = [ctx.Process(target=_follower_main, args=(measurer_args, port, r, size, errors)) for r in range(1, size)]
+    for process in procs:
+        process.start()
+    device = torch.device(measurer_args["device"])
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        device = torch.device("cuda:0")
+    group = TPGroup.join(backend, store, "tp/", 0, size, HOST, TP_GROUP_TIMEOUT_S, TP_SETUP_TIMEOUT_S, device)
+    measurer = Measurer(**measurer_args, tp_group=group)
+
+    def close() -> None:
+        measurer.core.close()  # Stop: the followers return
+        for process in procs:
+            process.join(30)
+            if process.is_alive():
+                process.kill()
+        if not errors.empty():
+            raise RuntimeError(errors.get())
+
+    return measurer, close, store
+
+
 def measure_profile(
     model_dir: str,
     dtype: str = "float32",
@@ -383,16 +475,26 @@ def measure_profile(
     grid: Grid | None = None,
     name: str | None = None,
     transfers: bool = True,
+    tensor_parallel_size: int = 1,
 ) -> Profile:
-    """Measure and fit; a CPU profile's ``threads`` is the torch threads of each rank it stands for."""
+    """Measure and fit; a CPU profile's ``threads`` is the torch threads of each rank it stands for. At
+    ``tensor_parallel_size`` > 1 the steps are a TP engine's whose rank 0 drives (its ranks spawned here,
+    one per GPU on CUDA); the KV transfer is one rank's part."""
     from pathlib import Path
 
     from splitserve.engine.hardware import describe_machine
 
     grid = grid or Grid()
-    measurer = Measurer(model_dir, dtype, device, threads, grid=grid)
+    args = {"model_dir": model_dir, "dtype": dtype, "device": device, "threads": threads, "grid": grid}
+    if tensor_parallel_size > 1:
+        measurer, close, _store = _measure_tp(args, tensor_parallel_size)
+    else:
+        measurer, close = Measurer(**args), (lambda: None)
     shape = measurer.model_shape(name or Path(model_dir).name)
-    steps = measurer.steps()
+    try:
+        steps = measurer.steps()
+    finally:
+        close()
     dtype_name = str(measurer.core.dtype).removeprefix("torch.")
     dtype_bytes = measurer.core.kv_cache.tensor.element_size()
     machine = describe_machine(probe_torch=True)
@@ -408,7 +510,7 @@ def measure_profile(
         device=measurer_device(device),
         device_name=device_name,
         threads=threads_used,
-        tensor_parallel_size=1,
+        tensor_parallel_size=tensor_parallel_size,
         step_coefficients=fit_steps(steps),
         transfer_latency_s=latency,
         transfer_bytes_per_s=bandwidth,

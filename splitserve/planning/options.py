@@ -24,6 +24,12 @@ def add_profile_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 | auto")
     p.add_argument("--device", default="cpu", help="cpu | cuda")
     p.add_argument("--threads", type=int, default=None, help="torch threads (CPU), as each worker rank runs")
+    p.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        help="tensor_parallel_size: a worker of this many ranks (spawned here; one GPU each on CUDA)",
+    )
     p.add_argument("--out", required=True, help="the profile to write (JSON)")
     p.add_argument("--quick", action="store_true", help="a smaller grid (a first look; the fit is coarser)")
     p.add_argument("--no-transfer", action="store_true", help="skip the KV-transfer measurement")
@@ -39,7 +45,15 @@ def run_profile(args: argparse.Namespace) -> int:
     from splitserve.planning.profile import relative_errors
 
     grid = Grid().scaled(0.3) if args.quick else Grid()
-    profile = measure_profile(args.model, args.dtype, args.device, args.threads, grid, transfers=not args.no_transfer)
+    profile = measure_profile(
+        args.model,
+        args.dtype,
+        args.device,
+        args.threads,
+        grid,
+        transfers=not args.no_transfer,
+        tensor_parallel_size=args.tp,
+    )
     if args.serving:
         from dataclasses import replace as replace_fields
 
@@ -49,7 +63,10 @@ def run_profile(args: argparse.Namespace) -> int:
     profile.save(args.out)
     errors = relative_errors(profile)
     c = profile.step_coefficients
-    print(f"profile of {profile.model.name} ({profile.dtype}, {profile.device_name}, {profile.threads} threads)")
+    print(
+        f"profile of {profile.model.name} ({profile.dtype}, {profile.device_name}, {profile.threads} threads, "
+        f"TP {profile.tensor_parallel_size})"
+    )
     print(
         f"step = {c['const'] * 1e3:.3f} ms + {c['prefill_tokens'] * 1e6:.2f} us/prompt token + "
         f"{c['prefill_attention'] * 1e6:.2f} us/1k attention pairs + {c['decodes'] * 1e6:.2f} us/decode + "

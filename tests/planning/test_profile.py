@@ -116,3 +116,14 @@ def test_a_measured_profile_of_the_tiny_preset(tiny_model_dir):
     # The fit describes what it was fitted on: median error within 50% on a machine shared by the suite.
     errors = sorted(relative_errors(profile))
     assert errors[len(errors) // 2] < 0.5, errors
+
+
+def test_a_tensor_parallel_profile_runs_rank_0s_plans_on_every_rank(tiny_model_dir):
+    """TP 2: rank 0 measures, a spawned rank follows each step's plan; the profile says its TP size."""
+    from splitserve.planning.measure import Grid, measure_profile
+
+    grid = Grid((16, 64), (0,), (1, 4), (32,), ((16, 2, 32),), (16,), 1, 2)
+    profile = measure_profile(str(tiny_model_dir), "float32", "cpu", 1, grid, transfers=False, tensor_parallel_size=2)
+    assert profile.tensor_parallel_size == 2 and len(profile.steps) == 2 + 2 + 1
+    assert all(s.seconds > 0 for s in profile.steps)
+    assert profile.block_bytes(16, 2) * 2 == profile.block_bytes(16, 1), "a rank holds half the KV heads"
