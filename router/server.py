@@ -28,6 +28,7 @@ from splitserve.observability.logs import request_context
 from splitserve.router.config import RouterConfig
 from splitserve.router.dispatcher import Dispatcher
 from splitserve.router.generate import RequestRun
+from splitserve.router.load import LoadWindow
 from splitserve.router.metrics import RequestSummary, RouterMetrics, log_request
 from splitserve.router.workers import WorkerAddress, WorkerPool
 from splitserve.rpc import workers_pb2 as wpb
@@ -68,6 +69,8 @@ class Router(pb_grpc.SplitServeServicer):
         self.address = ""
         self.metrics = RouterMetrics()
         self.metrics.watch(self)
+        self.load = LoadWindow()  # recent arrivals, lengths and latencies (a live planner reads them)
+        self.planner_status = ""  # a live planner's last decision, shown by GetStatus
         self.metrics_server = MetricsServer(self.metrics.registry)
         self.metrics_address = ""  # "" when metrics are off
         self.openai: OpenAIServer | None = None  # the OpenAI-compatible HTTP API, when openai_port is set
@@ -173,6 +176,7 @@ class Router(pb_grpc.SplitServeServicer):
         except ServingError as e:
             self._ended(RequestSummary(request.request_id or "-", "error", e.code, e.message, "", 0, 0, 0, None))
             raise
+        self.load.arrived()
         try:
             yield run
         finally:
@@ -207,6 +211,7 @@ class Router(pb_grpc.SplitServeServicer):
 
     def _ended(self, summary: RequestSummary) -> None:
         self.metrics.ended(summary)
+        self.load.ended(summary)
         log_request(summary)
 
     @property
@@ -284,6 +289,7 @@ class Router(pb_grpc.SplitServeServicer):
             vocab_size=self.tokenizer.vocab_size,
             max_model_len=self.model_config.max_position_embeddings,
             metrics_address=self.metrics_address,
+            planner=self.planner_status,
         )
 
 

@@ -356,12 +356,12 @@ def measure_serving(
     role = {"threads": threads} if threads else {}
     roles = roles or ({"prefill": role, "decode": role} if mode == "disaggregated" else {"colocated": role})
     config = DeploymentConfig.from_dict({"model": model_dir, "dtype": profile.dtype, "port": 0, "mode": mode, **roles})
-    prompt_len, output_len = 64, 32
+    prompt_len, long_len, output_len = 64, 512, 32
     vocab = profile.model.vocab_size
 
-    def batch(n: int, salt: int) -> list[BenchRequest]:
+    def batch(n: int, salt: int, length: int = prompt_len) -> list[BenchRequest]:
         return [
-            BenchRequest([(11 + 97 * (i + salt) + 13 * j) % (vocab - 1) for j in range(prompt_len)], output_len)
+            BenchRequest([(11 + 97 * (i + salt) + 13 * j) % (vocab - 1) for j in range(length)], output_len)
             for i in range(n)
         ]
 
@@ -371,9 +371,17 @@ def measure_serving(
         address = deployment.address
         one = benchmark(batch(requests + 1, 0), [0.0] * (requests + 1), _bench(address, 1))
         many = benchmark(batch(requests, 1000), [0.0] * requests, _bench(address, requests))
+        long = benchmark(batch(requests // 2, 2000, long_len), [0.0] * (requests // 2), _bench(address, 1))
     finally:
         deployment.stop()
     ttfts = one["ttfts"][1:]  # the first request warms up
+    # A prompt's step as the serving worker takes it may cost more than the engine's alone (its transfer
+    # threads, the other worker, the router on the same cores): the slope of TTFT against the profile's
+    # prefill step, from prompts of two lengths one at a time, scales the prompt part of a step.
+    short_step = profile.step_s(StepShape.of([(0, prompt_len)]))
+    long_step = profile.step_s(StepShape.of([(0, long_len)]))
+    factor = (statistics.median(long["ttfts"]) - statistics.median(ttfts)) / (long_step - short_step)
+    factor = min(max(factor, 1.0), 3.0)
     alone = statistics.median(gap for gaps in one["itls"][1:] for gap in gaps)
     together = statistics.median(gap for gaps in many["itls"] for gap in gaps[2:])  # once all decode together
     context = prompt_len + output_len // 2
@@ -381,7 +389,8 @@ def measure_serving(
     extra_together = together - profile.step_s(StepShape.of([], [context] * requests))
     per_token = max(0.0, (extra_together - extra_alone) / (requests - 1))
     return {
-        "ttft_overhead_s": max(0.0, statistics.median(ttfts) - profile.step_s(StepShape.of([(0, prompt_len)]))),
+        "ttft_overhead_s": max(0.0, statistics.median(ttfts) - factor * short_step),
+        "prefill_factor": factor,
         "step_overhead_s": max(0.0, extra_alone - per_token),
         "token_overhead_s": per_token,
         "serving_ttft_s": statistics.median(ttfts),

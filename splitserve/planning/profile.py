@@ -133,11 +133,20 @@ class Profile:
         return sum(c[name] * x for name, x in zip(FEATURES, shape.features()))
 
     def serving_step_s(self, shape: StepShape, tokens: int) -> float:
-        """A step as a serving worker takes it: the engine's, plus the measured overheads of serving, a
-        fixed part and a part for each of the ``tokens`` it streams."""
+        """A step as a serving worker takes it: the engine's, its prompt part scaled by the measured
+        ``prefill_factor``, plus the measured overheads of serving, a fixed part and a part for each of the
+        ``tokens`` it streams."""
         if shape.is_empty:
             return 0.0
-        return self.step_s(shape) + self.step_overhead_s + tokens * self.token_overhead_s
+        c = self.step_coefficients
+        prompt = c["prefill_tokens"] * shape.prefill_tokens + c["prefill_attention"] * shape.prefill_attention
+        extra = (self.prefill_factor - 1.0) * prompt
+        return self.step_s(shape) + extra + self.step_overhead_s + tokens * self.token_overhead_s
+
+    @property
+    def prefill_factor(self) -> float:
+        """How much more a prompt's tokens cost in a serving worker than in the engine alone (1: as much)."""
+        return float(self.notes.get("prefill_factor", 1.0))
 
     def kv_bytes(self, tokens: int) -> int:
         """Bytes of ``tokens`` tokens of KV, whole model (what a hand-off moves in all)."""
