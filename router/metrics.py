@@ -126,6 +126,12 @@ class RouterMetrics:
             "Requests a decode worker handed back (out of KV blocks, or draining) and the router re-prefilled",
             registry=r,
         )
+        self.planner_decisions = Counter(
+            "splitserve_planner_decisions",
+            "Live planner decisions, by outcome: applied (a scale), held (hysteresis, cool-down) or steady",
+            ["outcome"],
+            registry=r,
+        )
         self.prefill_retries = Counter(
             "splitserve_request_prefill_retries", "Prefills retried after their prefill worker was lost", registry=r
         )

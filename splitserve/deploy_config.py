@@ -20,6 +20,7 @@ from splitserve.common.validate import check_choice, check_range, check_ranges, 
 from splitserve.engine.core import EngineConfig, EngineSettings
 from splitserve.kv_transfer.config import TransferConfig
 from splitserve.observability.logs import LOG_FORMATS
+from splitserve.planning.settings import PlannerSettings
 from splitserve.router.config import RouterConfig, RouterSettings
 from splitserve.rpc.security import InternalSecurity, PublicSecurity
 from splitserve.worker_common.affinity import CpuSet, format_cpu_list, parse_cpu_sets, thread_count
@@ -208,6 +209,7 @@ class DeploymentConfig:
     transfer: TransferConfig = field(default_factory=TransferConfig)
     faults: FaultPlan = field(default_factory=FaultPlan)
     security: SecuritySettings = field(default_factory=SecuritySettings)
+    planner: PlannerSettings = field(default_factory=PlannerSettings)  # the live planner (off by default)
 
     def __post_init__(self) -> None:
         from splitserve.engine.loader import canonical_dtype
@@ -215,6 +217,8 @@ class DeploymentConfig:
         object.__setattr__(self, "dtype", canonical_dtype(self.dtype))  # vLLM's names; the canonical one kept
         check_choice(self, "mode", MODES)
         check_choice(self, "log_format", LOG_FORMATS)
+        if self.planner.enabled and self.mode != "disaggregated":
+            raise ValueError("planner.enabled: the live planner sizes prefill and decode (mode disaggregated)")
 
     @property
     def roles(self) -> tuple[str, ...]:

@@ -144,6 +144,7 @@ class Deployment:
         self._joined_ray = False  # connected to a cluster (ray_address): disconnect on stop
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
+        self.planner = None  # the live planner, when the config turns it on
 
     @property
     def workers(self) -> list[dict]:
@@ -182,7 +183,17 @@ class Deployment:
         self._run(self._registered({role: getattr(c, role).replicas for role in c.roles}), c.ready_timeout_s + 5)
         if self._ray is not None:
             self._ray.record()  # with the workers, while their raylet runs
+        if c.planner.enabled:
+            self._run(self._start_planner())
         return self.address
+
+    async def _start_planner(self) -> None:
+        from splitserve.planning.live import counts_of, planner_for
+
+        self.planner = planner_for(
+            self.config.planner, self.config, self.router, self.scale, lambda: counts_of(self.actors)
+        )
+        self.planner.start()
 
     def _wait_started(self, worker_ids: list[str], timeout_s: float) -> None:
         """Wait until these workers' actors are constructed; a worker that failed to start (e.g. its
@@ -488,6 +499,12 @@ class Deployment:
             self._joined_ray = False
 
     def _stop_router(self) -> None:
+        if self.planner is not None and self._loop is not None:
+            try:
+                self._run(self.planner.stop(), 5)
+            except Exception as e:
+                log.warning("planner stop: %s", e)
+            self.planner = None
         if self.router is not None and self._loop is not None:
             try:
                 self._run(self.router.stop(ROUTER_GRACE_S), ROUTER_GRACE_S + 5)

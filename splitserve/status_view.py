@@ -81,6 +81,8 @@ def format_status(status: pb.GetStatusResponse, address: str) -> str:
     if not rows:
         lines.append("(no workers)")
     lines.extend(f"{w.worker_id} decode graphs: {w.decode_graphs}" for w in workers if w.decode_graphs)
+    if status.planner:
+        lines.append(f"planner: {status.planner}")
     return "\n".join(lines)
 
 
