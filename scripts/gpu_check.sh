@@ -74,6 +74,24 @@ for b, d in r["splitserve"]["decode"].items():
     print(f"splitserve decode batch {b}: {d['tok_s']:.1f} tok/s, {d['ms_per_step']:.2f} ms/step, "
           f"{d['fraction_of_linear_bound']:.2f} of the F.linear bound")
 PYEOF
+
+echo "== a profile of this device for splitserve simulate and plan (docs/planning.md)"
+# The engine's steps on the model the engine benchmark wrote, fitted; the KV transfer (gRPC) is left out.
+if [[ "$DEVICE" == cuda* ]]; then PROFILED="$WORK/qwen2.5-0.5b" PDTYPE=bfloat16; else PROFILED="$WORK/tiny" PDTYPE=float32; fi
+timeout 240 "$PY" - "$PROFILED" "$PDTYPE" "$DEVICE" "$RESULTS/profile.json" <<'PYEOF'
+import sys
+from splitserve.planning.measure import Grid, measure_profile
+from splitserve.planning.profile import relative_errors
+model, dtype, device, out = sys.argv[1:5]
+grid = Grid() if device.startswith("cuda") else Grid().scaled(0.3)
+profile = measure_profile(model, dtype, device, grid=grid, transfers=False)
+profile.save(out)
+errors = sorted(relative_errors(profile))
+c = profile.step_coefficients
+print(f"profile of {profile.model.name} on {profile.device_name} ({dtype}): step = {c['const'] * 1e3:.3f} ms + "
+      f"{c['prefill_tokens'] * 1e6:.3f} us/prompt token + {c['decodes'] * 1e6:.3f} us/decode + "
+      f"{c['decode_context'] * 1e6:.3f} us/1k context; fit median error {errors[len(errors) // 2]:.1%}; {out}")
+PYEOF
 fi
 
 echo "== tensor parallelism on $DEVICE (scripts/gpu_tp_check.py)"
