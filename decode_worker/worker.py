@@ -40,6 +40,7 @@ from splitserve.worker_common.base import WorkerBase, ms_since, stream_events
 from splitserve.worker_common.batch import Batch
 from splitserve.worker_common.config import WorkerConfig
 from splitserve.worker_common.messages import (
+    Add,
     Admit,
     Cancel,
     Command,
@@ -134,6 +135,9 @@ class DecodeWorker(WorkerBase):
                 return None, wpb.DecodeEvent(refused=refusal)
             table = list(blocks.block_table(message.request_id))
             job = self.jobs[message.request_id] = DecodeJob(message.request_id, prompt, output, sampling)
+        if message.prefill_locally:  # conditional disaggregation: no KV will arrive; prefill it here
+            self.submit(Add(job))
+            return job, wpb.DecodeEvent(lease=wpb.LeaseGranted(blocks=len(table)))
         try:
             job.transfer = self.kv.expect(message.request_id, table)
         except (ValueError, ServingError) as e:  # an earlier request with this id is still being torn down,
@@ -187,6 +191,8 @@ class DecodeWorker(WorkerBase):
         match command:
             case Admit(job):
                 self._admit(job)
+            case Add(job):
+                self._add_local(job)
             case Cancel(job):
                 self._cancel(job)
             case Drain():  # hand every running request back to the router (it re-prefills elsewhere)
@@ -207,6 +213,23 @@ class DecodeWorker(WorkerBase):
             self._end(job, End())
         else:  # still waiting for its KV: _kv_ended frees the lease (or _admit, if the KV just landed)
             self.kv.cancel(job.request_id, "cancelled by the router")
+
+    def _add_local(self, job: DecodeJob) -> None:
+        """A request this worker prefills itself: it joins the batch as waiting, in its leased blocks, and
+        its prompt is computed in chunks beside the decodes."""
+        if job.ended or job.cancelled:
+            self._end(job, End())
+            return
+        if self.draining:
+            self._hand_back(job, job.output)
+            return
+        request = Request.resume(job.request_id, job.prompt, job.output, job.sampling, job.sampling.seed)
+        try:
+            with self.lock:
+                self.scheduler.add(request)
+                job.request = request
+        except ValueError as e:
+            self._end(job, Fail(ServingError("INVALID_ARGUMENT", str(e))))
 
     def _admit(self, job: DecodeJob) -> None:
         if job.ended or job.cancelled:

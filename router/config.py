@@ -23,6 +23,11 @@ class RouterSettings:
     lease_timeout_s: float = 30.0  # waiting for a decode worker with room, before UNAVAILABLE
     max_migrations: int = 3  # times a request may move after its decode worker was lost
     max_prefill_retries: int = 3  # times a request may be retried after its prefill worker was lost
+    # Conditional disaggregation (NVIDIA Dynamo's rule): a request is prefilled on a prefill worker only when
+    # its uncached prompt is longer than local_prefill_max_tokens and the prefill queue holds fewer than
+    # remote_prefill_max_queue_tokens uncached prompt tokens; otherwise its decode worker prefills it. 0: off.
+    local_prefill_max_tokens: int = 0
+    remote_prefill_max_queue_tokens: int = 0
 
     def __post_init__(self) -> None:
         check_choice(self, "routing_policy", POLICIES)
@@ -30,6 +35,7 @@ class RouterSettings:
         check_range(self, "max_queue", min=1)
         check_range(self, "lease_timeout_s", above=0)
         check_ranges(self, ("max_migrations", "max_prefill_retries"), min=0)
+        check_ranges(self, ("local_prefill_max_tokens", "remote_prefill_max_queue_tokens"), min=0)
 
 
 @dataclass(frozen=True)

@@ -119,6 +119,19 @@ class Dispatcher:
             self.waiting.popleft()
             ticket.future.set_result(worker)
 
+    def prefill_locally(self, ticket: Ticket) -> bool:
+        """Conditional disaggregation: prefill this request on its decode worker instead (its uncached
+        prompt, beyond the best prefill worker's cached prefix, is short; or the prefill queue is long)."""
+        c = self.config
+        if not (c.local_prefill_max_tokens or c.remote_prefill_max_queue_tokens) or not self.pool.decode:
+            return False
+        views = [p.view for p in self.pool.prefill if p.view.healthy]
+        cached = max((v.cached_prefix_blocks(ticket.prompt_hashes) for v in views), default=0) * self.block_size
+        if ticket.num_tokens - cached <= c.local_prefill_max_tokens:
+            return True
+        queued = sum(v.queued_tokens for v in views) + sum(t.num_tokens for t in self.waiting)
+        return bool(c.remote_prefill_max_queue_tokens) and queued >= c.remote_prefill_max_queue_tokens
+
     # ---- decode leases --------------------------------------------------------------------------
 
     async def lease(self, request: wpb.DecodeRequest, num_tokens: int, deadline: float):

@@ -155,6 +155,10 @@ class RequestRun:
         """Prefill prompt + output so far, then decode until finished or handed back."""
         calls: list = []
         ticket = Ticket(self.request_id, len(self.prompt) + len(self.output), self.hashes)
+        if self.sampling.max_tokens - len(self.output) > 1 and self.dispatcher.prefill_locally(ticket):
+            async for message in self._local_leg(ticket):
+                yield message
+            return
         prefill = await self.dispatcher.dispatch(ticket)
         if self.clock.dispatched is None:
             self.clock.dispatched = time.monotonic()
@@ -248,6 +252,30 @@ class RequestRun:
             call.cancel()  # a finished call ignores this; an open one frees the request on the worker
             self.dispatcher.release(worker, ticket)
 
+    async def _local_leg(self, ticket: Ticket):
+        """Conditional disaggregation: the decode worker prefills the request itself and streams every
+        token of the leg, the first one included; no prefill worker, no KV transfer."""
+        request = wpb.DecodeRequest(
+            request_id=self.request_id,
+            prompt_token_ids=self.prompt,
+            output_token_ids=self.output,
+            sampling=self.sampling_pb,
+            prefill_locally=True,
+        )
+        deadline = time.monotonic() + self.config.lease_timeout_s
+        decode, call, _ = await self.dispatcher.lease(request, ticket.num_tokens, deadline)
+        if self.clock.dispatched is None:
+            self.clock.dispatched = time.monotonic()
+            self.metrics.queue.observe(self.clock.dispatched - self.clock.arrival)
+        self.prefill_worker = self.decode_worker = decode.worker_id
+        self.metrics.local_prefills.inc()
+        try:
+            async for message in self._decode(call, decode):
+                yield message
+        finally:
+            call.cancel()
+            self.dispatcher.lease_ended(decode)
+
     def _first_token(self, first: wpb.FirstToken) -> float:
         """A leg's first token arrived; the request's first one sets TTFT and the cached tokens.
         Returns the time it arrived."""
@@ -267,6 +295,8 @@ class RequestRun:
                 leg.landed_ms = (time.monotonic() - leg.first_token) * 1e3
                 leg.nbytes = leg.nbytes or event.landed.bytes
             elif kind == "tokens":  # skip any the client already has (a re-prefilled leg restarts at len(output))
+                if self.clock.first_token is None:  # a decode worker that prefilled the request itself
+                    self._first_token(wpb.FirstToken(token_id=event.tokens.token_ids[0]))
                 new = list(event.tokens.token_ids)[max(0, len(self.output) - event.tokens.index) :]
                 if new:
                     yield self._relay(new)

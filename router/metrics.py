@@ -126,6 +126,11 @@ class RouterMetrics:
             "Requests a decode worker handed back (out of KV blocks, or draining) and the router re-prefilled",
             registry=r,
         )
+        self.local_prefills = Counter(
+            "splitserve_request_local_prefills",
+            "Legs prefilled on their decode worker (conditional disaggregation)",
+            registry=r,
+        )
         self.planner_decisions = Counter(
             "splitserve_planner_decisions",
             "Live planner decisions, by outcome: applied (a scale), held (hysteresis, cool-down) or steady",

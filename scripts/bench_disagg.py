@@ -4,6 +4,8 @@
 For one checkpoint preset and one workload, on an embedded Ray:
 
 - disaggregated: 1 prefill + 1 decode worker, ``--threads`` torch threads each;
+- conditional (``--local-prefill T,...``): the same workers, with prompts of up to ``T`` uncached tokens
+  prefilled on the decode worker (``router.local_prefill_max_tokens``, NVIDIA Dynamo's rule);
 - colocated: 1 worker with 2 x ``--threads`` threads (the same cores), once per step budget in
   ``--budgets`` (``engine.max_num_batched_tokens``; chunks up to the budget), so the baseline is
   tuned: the best budget is reported beside the others.
@@ -122,6 +124,12 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=1, help="torch threads per disaggregated worker")
     p.add_argument("--budgets", default="256,512,2048", help="colocated step budgets to try")
     p.add_argument(
+        "--local-prefill",
+        default="",
+        help="conditional disaggregation: comma-separated router.local_prefill_max_tokens thresholds, each run "
+        "as a disaggregated deployment of its own beside the pure modes (e.g. 256,1024); none by default",
+    )
+    p.add_argument(
         "--compare",
         default="colocated",
         choices=["colocated", "affinity"],
@@ -185,6 +193,10 @@ def main() -> int:
         else:
             disaggregated = {"prefill": {"threads": t}, "decode": {"threads": t}}
             runs.append(run_config("disaggregated", model, args.dtype, disaggregated, requests, bench, rates, out_dir))
+            for threshold in [int(x) for x in args.local_prefill.split(",") if x.strip()]:
+                conditional = {**disaggregated, "router": {"local_prefill_max_tokens": threshold}}
+                label = f"conditional-{threshold}"
+                runs.append(run_config(label, model, args.dtype, conditional, requests, bench, rates, out_dir))
             for budget in [int(b) for b in args.budgets.split(",")]:
                 overrides = {
                     "mode": "colocated",

@@ -7,7 +7,8 @@ its call sends, and only ``stream_events`` (the servicer side) turns events into
 
 Commands, from any thread to the loop (``WorkerBase.submit``)::
 
-    Add(job)     a prefill or colocated request was accepted: schedule it
+    Add(job)     a prefill or colocated request was accepted, or a decode worker's that it prefills
+                 itself (conditional disaggregation): schedule it
     Admit(job)   a decode request's KV has landed: join the batch
     Cancel(job)  the router's call ended: drop the job, in whatever phase it is
     Drain()      the router asked this worker to drain (``WorkerBase.draining`` is already set)

@@ -54,6 +54,8 @@ def sim_config(
         lease_timeout_s=router.lease_timeout_s,
         max_prefill_retries=router.max_prefill_retries,
         max_migrations=router.max_migrations,
+        local_prefill_max_tokens=router.local_prefill_max_tokens,
+        remote_prefill_max_queue_tokens=router.remote_prefill_max_queue_tokens,
         ttft_overhead_s=first.ttft_overhead_s if ttft_overhead_s is None else ttft_overhead_s,
         losses=losses,
     )

@@ -217,6 +217,11 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="the inverse question: the fewest devices that serve this rate (req/s) within the SLOs",
     )
+    p.add_argument(
+        "--local-prefill",
+        default="",
+        help="conditional disaggregation thresholds to consider (router.local_prefill_max_tokens), e.g. 256,1024",
+    )
     p.add_argument("--out", help="write the winner as a deployment config (splitserve serve --config)")
     p.add_argument("--top", type=int, default=8, help="candidates to print")
     p.add_argument("--json", action="store_true", help="print the ranked candidates as JSON")
@@ -255,7 +260,9 @@ def run_plan(args: argparse.Namespace) -> int:
         ranked = [best]
         print(f"fewest devices for {args.rate} req/s: {best.devices} ({best.describe()})")
     else:
-        ranked = plan.search(base, profiles, workload, slo, plan.Budget(args.devices, args.devices_per_node), args.seed)
+        thresholds = [int(x) for x in args.local_prefill.split(",") if x.strip()]
+        budget = plan.Budget(args.devices, args.devices_per_node)
+        ranked = plan.search(base, profiles, workload, slo, budget, args.seed, local_prefill=thresholds)
     rows = [
         {
             "deployment": c.describe(),

@@ -54,6 +54,7 @@ class Candidate:
     rate: float  # the rate it is predicted to sustain within the SLOs (req/s)
     checked_rate: float | None = None  # what a whole-deployment simulation at that rate attained (req/s met)
     checked_attainment: float | None = None
+    local_prefill_max_tokens: int = 0  # conditional disaggregation: short prompts prefilled on decode workers
 
     @property
     def devices(self) -> int:
@@ -66,7 +67,8 @@ class Candidate:
 
     def describe(self) -> str:
         roles = " + ".join(f"{self.counts[r]}x{r[0].upper()} TP{self.tp[r]}" for r in self.counts)
-        return f"{self.mode} {roles}"
+        local = f", local prefill <= {self.local_prefill_max_tokens}" if self.local_prefill_max_tokens else ""
+        return f"{self.mode} {roles}{local}"
 
 
 def attainment(
@@ -118,6 +120,7 @@ def search(
     seed: int = 0,
     check: int = 3,
     spare_workers: int = 4,
+    local_prefill: Sequence[int] = (),
 ) -> list[Candidate]:
     """Ranked candidates, best goodput per device first. ``profiles``: a profile per TP size of the device."""
     tps = tp_choices(profiles, budget)
@@ -154,9 +157,32 @@ def search(
             candidates.append(Candidate("colocated", {"colocated": count}, {"colocated": tp}, r * count))
     candidates.sort(key=lambda c: -c.goodput_per_device)
     checked = [_check(c, base, profiles, workload, slo, seed) for c in candidates[:check]]
+    # Conditional disaggregation: the best disaggregated counts again, with short prompts prefilled on the
+    # decode workers, searched whole (the per-phase rates do not apply to it).
+    for candidate in [c for c in checked if c.mode == "disaggregated"][:1]:
+        for threshold in local_prefill:
+            checked.append(_conditional(candidate, threshold, base, profiles, workload, slo, seed))
     ranked = checked + candidates[check:]
     ranked.sort(key=lambda c: -c.goodput_per_device)
     return ranked
+
+
+def _conditional(
+    candidate: Candidate,
+    threshold: int,
+    base: DeploymentConfig,
+    profiles: Mapping[int, Profile],
+    workload: Workload,
+    slo: Slo,
+    seed: int,
+) -> Candidate:
+    deployment = deployment_config(base, replace(candidate, local_prefill_max_tokens=threshold))
+    role_profiles = {role: profiles[candidate.tp[role]] for role in candidate.counts}
+    rate = max_rate(lambda r: attainment(deployment, role_profiles, workload, r, slo, seed) >= slo.attainment)
+    reached = attainment(deployment, role_profiles, workload, rate, slo, seed) if rate > 0 else 0.0
+    return replace(
+        candidate, rate=rate, checked_rate=rate, checked_attainment=reached, local_prefill_max_tokens=threshold
+    )
 
 
 def _best_split(rate_p: float, rate_d: float, tp_p: int, tp_d: int, devices: int) -> tuple[int, int, float] | None:
@@ -227,7 +253,9 @@ def fewest_devices(
 
 def deployment_config(base: DeploymentConfig, candidate: Candidate) -> DeploymentConfig:
     roles = {role: (candidate.counts[role], candidate.tp[role]) for role in candidate.counts}
-    return with_roles(base, candidate.mode, **roles)
+    config = with_roles(base, candidate.mode, **roles)
+    router = replace(config.router, local_prefill_max_tokens=candidate.local_prefill_max_tokens)
+    return replace(config, router=router)
 
 
 def to_yaml(config: DeploymentConfig, base_raw: dict | None = None) -> str:
@@ -241,4 +269,9 @@ def to_yaml(config: DeploymentConfig, base_raw: dict | None = None) -> str:
         section = dict(raw.get(role) or {})
         section.update(replicas=r.replicas, tensor_parallel_size=r.tensor_parallel_size)
         raw[role] = section
+    if config.router.local_prefill_max_tokens:
+        raw["router"] = {
+            **(raw.get("router") or {}),
+            "local_prefill_max_tokens": config.router.local_prefill_max_tokens,
+        }
     return yaml.safe_dump(raw, sort_keys=False)

@@ -49,6 +49,7 @@ class SimRequest:
     holds_credit: bool = False  # this leg holds its prefill worker's credit (the router's view)
     queued_tokens: int = 0  # the uncached prompt tokens the router counts against that worker
     lease_deadline: float = 0.0
+    local: bool = False  # the last leg was prefilled on its decode worker (conditional disaggregation)
     dispatched_s: float | None = None  # the first leg left the router's queue
     landed_s: float | None = None  # the first leg's KV landed on its decode worker
 
@@ -203,6 +204,11 @@ class SimDecode(SimWorker):
             return False
         self.requests[rid] = job
         return True
+
+    def add_local(self, job: SimRequest) -> None:
+        """Conditional disaggregation: a leased request this worker prefills itself, in its batch."""
+        self.scheduler.add(job.engine_request())
+        self.kick()
 
     def admit(self, job: SimRequest) -> None:
         """Its KV has landed (the first token with it): join the batch."""

@@ -70,6 +70,10 @@ class SimConfig:
     max_prefill_retries: int = 3
     max_migrations: int = 3
     ttft_overhead_s: float = 0.0  # what a request spends outside the steps before its first token (gRPC, router)
+    # Conditional disaggregation (router.config): prefill on the decode worker when the uncached prompt is at
+    # most local_prefill_max_tokens, or the prefill queue holds remote_prefill_max_queue_tokens or more. 0: off.
+    local_prefill_max_tokens: int = 0
+    remote_prefill_max_queue_tokens: int = 0
     losses: tuple[tuple[float, str], ...] = ()  # (time, worker id): that worker is lost then
 
     def __post_init__(self) -> None:
@@ -188,12 +192,38 @@ class Simulation:
         self.queue.append(job)
         self._dispatch()
 
+    def _prefill_locally(self, job: SimRequest, hashes: list[int]) -> bool:
+        """The router's rule (``Dispatcher.prefill_locally``), on the simulated views."""
+        c = self.config
+        if c.mode != "disaggregated" or not (c.local_prefill_max_tokens or c.remote_prefill_max_queue_tokens):
+            return False
+        if job.output_len - len(job.output) <= 1:
+            return False
+        views = [v for v in self.views.values() if v.healthy]
+        cached = max((v.cached_prefix_blocks(hashes) for v in views), default=0) * c.block_size
+        if len(job.prompt) + len(job.output) - cached <= c.local_prefill_max_tokens:
+            return True
+        queued = sum(v.queued_tokens for v in views) + sum(len(j.prompt) + len(j.output) for j in self.queue)
+        return bool(c.remote_prefill_max_queue_tokens) and queued >= c.remote_prefill_max_queue_tokens
+
     def _dispatch(self) -> None:
         c = self.config
         while self.queue:
             job = self.queue[0]
             views = list(self.views.values())
             hashes = block_hashes(job.prompt + job.output, c.block_size)
+            if self._prefill_locally(job, hashes):
+                self.queue.popleft()
+                job.legs += 1
+                job.leg += 1
+                job.prefill_worker = job.decode_worker = None
+                job.local = True
+                if job.dispatched_s is None:
+                    job.dispatched_s = self.time
+                job.lease_deadline = self.time + c.lease_timeout_s
+                self.leasing.append((job, None))
+                self._lease()
+                continue
             view = choose_prefill(views, c.routing_policy, hashes, c.block_size, c.overlap_weight, self._turn)
             if view is None:
                 return
@@ -222,7 +252,7 @@ class Simulation:
         """Leases in order: a request takes the decode worker with room that the router's policy picks."""
         while self.leasing:
             job, prefill = self.leasing[0]
-            if not prefill.alive:
+            if prefill is not None and not prefill.alive:
                 self.leasing.popleft()
                 continue
             blocks = ceil_div(len(job.prompt) + len(job.output) + 1, self.config.block_size)
@@ -230,7 +260,8 @@ class Simulation:
             if view is None:
                 if self.time >= job.lease_deadline:
                     self.leasing.popleft()
-                    self._credit_back(job)
+                    if prefill is not None:
+                        self._credit_back(job)
                     self._fail(job, "UNAVAILABLE")
                     continue
                 self.at(job.lease_deadline, self._lease)
@@ -242,11 +273,15 @@ class Simulation:
             self.leasing.popleft()
             job.decode_worker = decode
             self._decode_view(decode)
-            prefill.add(job)
+            if prefill is None:  # conditional disaggregation: the decode worker prefills it
+                job.prefill_worker = decode
+                decode.add_local(job)
+            else:
+                prefill.add(job)
 
     def _credit_back(self, job: SimRequest) -> None:
         """The router gives a prefill worker's credit back (at the first token; colocated: at the end)."""
-        if not job.holds_credit:
+        if not job.holds_credit or job.prefill_worker is None:
             return
         job.holds_credit = False
         view = self.views[job.prefill_worker.worker_id]

@@ -179,16 +179,18 @@ class TransferResult(_message.Message):
     def __init__(self, ok: _Optional[bool] = ..., error: _Optional[str] = ..., transfer_ms: _Optional[float] = ..., bytes: _Optional[int] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "output_token_ids", "sampling")
+    __slots__ = ("request_id", "prompt_token_ids", "output_token_ids", "sampling", "prefill_locally")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_LOCALLY_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     output_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _splitserve_pb2.SamplingParams
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_splitserve_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
+    prefill_locally: bool
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_splitserve_pb2.SamplingParams, _Mapping]] = ..., prefill_locally: _Optional[bool] = ...) -> None: ...
 
 class DecodeEvent(_message.Message):
     __slots__ = ("lease", "refused", "landed", "tokens", "finished", "preempted")

@@ -73,3 +73,15 @@ def test_the_winner_is_a_deployment_file_serve_accepts(tmp_path):
     config = DeploymentConfig.from_file(tmp_path / "plan.yaml")
     assert (config.prefill.replicas, config.prefill.tensor_parallel_size, config.prefill.threads) == (3, 2, 2)
     assert (config.decode.replicas, config.decode.tensor_parallel_size, config.model) == (1, 1, "/models/m")
+
+
+def test_conditional_disaggregation_is_considered_and_written():
+    """Every 100-token prompt is short under a 200-token threshold: the decode worker prefills them all, so
+    the conditional variant of the best split is searched whole and ranks below the pure split here."""
+    ranked = plan.search(BASE, {1: toy()}, WORKLOAD, SLO, plan.Budget(devices=4), local_prefill=(200,))
+    conditional = [c for c in ranked if c.local_prefill_max_tokens == 200]
+    assert len(conditional) == 1 and "local prefill <= 200" in conditional[0].describe()
+    assert conditional[0].goodput_per_device < ranked[0].goodput_per_device
+    config = plan.deployment_config(BASE, conditional[0])
+    assert config.router.local_prefill_max_tokens == 200
+    assert "local_prefill_max_tokens: 200" in plan.to_yaml(config)

@@ -108,3 +108,18 @@ def test_results_have_the_benchs_keys():
 def test_a_mode_without_its_workers_is_refused_by_name():
     with pytest.raises(ValueError, match="^decode: "):
         SimConfig(mode="disaggregated", prefill=RoleSpec(1, toy_profile(), 64, 4))
+
+
+def test_conditional_disaggregation_prefills_a_short_prompt_on_the_decode_worker():
+    """local_prefill_max_tokens 50: the 10-token prompt is prefilled on the decode worker (20 ms, no
+    transfer) and decodes there (12 ms steps); the 80-token one goes to the prefill worker as before."""
+    result, sim = simulate(
+        disaggregated(local_prefill_max_tokens=50), [(prompt(10), 4), (prompt(80, 1), 2)], [0.0, 1.0]
+    )
+    jobs = {job.index: job for job in sim.done}
+    short, long = jobs[0], jobs[1]
+    assert short.local and short.first_token_s == pytest.approx(20 * MS)
+    assert short.finished_s == pytest.approx(56 * MS), "20 + 3 x 12: no transfer"
+    assert not long.local and long.first_token_s == pytest.approx(1.0 + 90 * MS)
+    assert sim.workers["prefill-0"].steps == 1, "the prefill worker computed only the long prompt"
+    assert result["completed"] == 2
