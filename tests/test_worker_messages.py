@@ -41,9 +41,14 @@ def test_a_command_of_another_worker_raises(cls, command):
         make_bare(cls).handle_command(command)
 
 
-def test_decode_worker_has_no_add():
-    with pytest.raises(TypeError, match="unknown worker command Add"):
-        make_bare(DecodeWorker).handle_command(Add(None))
+def test_a_decode_workers_add_is_a_request_it_prefills_itself():
+    """Conditional disaggregation: Add on a decode worker queues a local prefill (served end to end in
+    tests/serving/test_conditional.py), never an admission."""
+    worker, seen = make_bare(DecodeWorker), []
+    worker._add_local, worker._admit = seen.append, lambda job: pytest.fail("Add is not an admission")
+    job = object()
+    worker.handle_command(Add(job))
+    assert seen == [job]
 
 
 def test_commands_name_their_job_not_its_id():
