@@ -122,6 +122,18 @@ class SimWorker:
                 self.on_token(job, request)
         self.kick()
 
+    def add(self, job: SimRequest) -> None:
+        """A request to compute from its prompt (prefill and colocated workers; a decode worker's local prefill)."""
+        request = job.engine_request()
+        self.requests[request.request_id] = job
+        self.scheduler.add(request)
+        self.kick()
+
+    def first_seen(self, job: SimRequest, request: Request) -> None:
+        """Its prompt tokens served from the prefix cache, noted at its first token."""
+        if job.cached_tokens is None:
+            job.cached_tokens = request.num_cached_tokens
+
     def on_scheduled(self, output: SchedulerOutput) -> None:
         """A step was scheduled (possibly with preemptions)."""
 
@@ -165,15 +177,8 @@ class SimPrefill(SimWorker):
         super().__init__(*args, **kwargs)
         self.on_first_token = on_first_token
 
-    def add(self, job: SimRequest) -> None:
-        request = job.engine_request()
-        self.requests[request.request_id] = job
-        self.scheduler.add(request)
-        self.kick()
-
     def on_token(self, job: SimRequest, request: Request) -> None:
-        if job.cached_tokens is None:
-            job.cached_tokens = request.num_cached_tokens
+        self.first_seen(job, request)
         self.on_first_token(self, job, request)
 
     def release(self, job: SimRequest) -> None:
@@ -206,7 +211,8 @@ class SimDecode(SimWorker):
         return True
 
     def add_local(self, job: SimRequest) -> None:
-        """Conditional disaggregation: a leased request this worker prefills itself, in its batch."""
+        """Conditional disaggregation: a leased request this worker prefills itself, in its batch (its blocks
+        are the lease's; ``requests`` holds it already)."""
         self.scheduler.add(job.engine_request())
         self.kick()
 
@@ -238,15 +244,8 @@ class SimColocated(SimWorker):
         super().__init__(*args, **kwargs)
         self._token = on_token
 
-    def add(self, job: SimRequest) -> None:
-        request = job.engine_request()
-        self.requests[request.request_id] = job
-        self.scheduler.add(request)
-        self.kick()
-
     def on_token(self, job: SimRequest, request: Request) -> None:
-        if job.cached_tokens is None:
-            job.cached_tokens = request.num_cached_tokens
+        self.first_seen(job, request)
         if request.is_finished:
             self.requests.pop(request.request_id, None)
         self._token(self, job, request)
