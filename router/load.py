@@ -53,15 +53,23 @@ class LoadWindow:
         if summary.outcome != "finished" or summary.timing is None:
             return
         t = summary.timing
-        tpot = t.decode_ms / (summary.completion_tokens - 1) if summary.completion_tokens > 1 else None
-        self._finished.append((self.clock(), summary.prompt_tokens, summary.completion_tokens, t.first_token_ms, tpot))
+        self.finished(summary.prompt_tokens, summary.completion_tokens, t.first_token_ms, t.decode_ms)
+
+    def finished(self, prompt_tokens: int, completion_tokens: int, first_token_ms: float, decode_ms: float) -> None:
+        """A request finished now (``ended``'s figures; the simulated router calls it directly)."""
+        tpot = decode_ms / (completion_tokens - 1) if completion_tokens > 1 else None
+        self._finished.append((self.clock(), prompt_tokens, completion_tokens, first_token_ms, tpot))
         self._trim()
 
-    def snapshot(self, window_s: float | None = None) -> LoadSnapshot:
+    def snapshot(self, window_s: float | None = None, since: float | None = None) -> LoadSnapshot:
+        """The window's figures; ``since``: only of the requests that arrived at or after that time (the
+        latencies a deployment shows once it has changed, not those of requests that queued before)."""
         now = self.clock()
         window = min(window_s or self.window_s, self.window_s, max(now - self.started, 1e-9))
         arrivals = sum(1 for t in self._arrivals if t >= now - window)
         done = [f for f in self._finished if f[0] >= now - window]
+        if since is not None:
+            done = [f for f in done if f[0] - (f[3] + (f[4] or 0) * max(f[2] - 1, 0)) / 1e3 >= since]
         ttfts = [f[3] for f in done]
         tpots = [f[4] for f in done if f[4] is not None]
         n = len(done)

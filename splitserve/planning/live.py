@@ -6,10 +6,13 @@ lengths, TTFT and TPOT percentiles over ``window_s``) and decides:
 
 1. **predict** the next interval's arrival rate: an exponentially weighted mean of the measured ones
    (``smoothing``), never below the rate measured now;
-2. **capacity** of one prefill and one decode worker for requests of the measured shape, within the SLOs:
-   the simulator (``splitserve.planning.plan.max_rate``), timed by the profile, cached per shape;
-3. **correct** it by how far the measured latencies are from what the simulator predicts for the current
-   deployment at the current load (a phase measured 1.5x slower than simulated gets 1/1.5 the capacity);
+2. **capacity** of one prefill and one decode worker for requests of the measured shape, within the SLOs
+   (``ProfileModel``, from the profile's step costs, as Dynamo's planner reads its profiles): a prefill
+   worker's throughput with full steps, at the utilization whose queueing keeps TTFT within the SLO; a
+   decode worker's, the throughput of its largest batch whose step is within the TPOT SLO;
+3. **correct** it by how far the measured latencies (p50) are from what the same model predicts for the
+   current deployment at the current load: a phase measured 1.5x slower than predicted has its step costs
+   taken 1.5x (within 0.5x and 4x);
 4. **size** each phase for the predicted rate times ``headroom``, within ``min_*``/``max_*``;
 5. **apply** only a change that the last ``stable_intervals`` decisions agree on (all up, or all down; a
    scale-down needs ``scale_down_intervals``), and not within ``cooldown_s`` of the last change, through
@@ -62,8 +65,11 @@ class Decision:
         )
 
 
-CapacityFn = Callable[[str, int, int], float]  # (role, prompt tokens, output tokens) -> req/s of one worker
-PredictFn = Callable[[dict[str, int], float, int, int], tuple[float, float]]  # -> (ttft p90 ms, tpot p90 ms)
+# (role, prompt tokens, output tokens, slowdown) -> req/s one worker serves within the SLOs when its steps
+# take ``slowdown`` times what the profile says
+CapacityFn = Callable[[str, int, int, float], float]
+# (workers per role, arrival rate, prompt tokens, output tokens) -> the predicted (TTFT p50 ms, TPOT p50 ms)
+PredictFn = Callable[[dict[str, int], float, int, int], tuple[float, float]]
 
 
 @dataclass
@@ -76,9 +82,13 @@ class Planner:
     clock: Callable[[], float] = time.monotonic
     history: deque = field(default_factory=lambda: deque(maxlen=32))
     last_change: float = -math.inf
+    settled_at: float = -math.inf  # when the last change was complete (its new workers serving)
     predicted_rate: float | None = None
 
-    def decide(self, snapshot, current: dict[str, int]) -> Decision:
+    def decide(self, snapshot, current: dict[str, int], recent=None) -> Decision:
+        """``snapshot``: the router's load over the window; ``recent``: the same window, only the requests
+        that arrived since ``settled_at`` (the corrections compare the current deployment's latencies
+        only; None: no change yet, the snapshot's)."""
         s = self.settings
         now = self.clock()
         rate = snapshot.arrival_rate
@@ -88,10 +98,10 @@ class Planner:
         predicted = max(self.predicted_rate, rate)
         prompt = round(snapshot.mean_prompt_tokens) or 1
         output = round(snapshot.mean_output_tokens) or 1
-        corrections = self._corrections(snapshot, current, rate, prompt, output)
+        corrections = self._corrections(snapshot if recent is None else recent, current, rate, prompt, output)
         targets = {}
         for role in ("prefill", "decode"):
-            one = self.capacity(role, prompt, output) / corrections[role]
+            one = self.capacity(role, prompt, output, corrections[role])
             need = math.ceil(predicted * s.headroom / one - 1e-9) if one > 0 else s.bounds(role)[1]
             low, high = s.bounds(role)
             targets[role] = min(max(need, low), high)
@@ -101,12 +111,19 @@ class Planner:
         return decision
 
     def _corrections(self, snapshot, current, rate: float, prompt: int, output: int) -> dict[str, float]:
-        """Measured over simulated latency at the current deployment and load, per phase (1 without data)."""
+        """Measured over predicted latency (p50) at the current deployment and load, per phase: how much
+        slower than the profile the workers are (1 without enough data, or where the prediction is a
+        queue without end, which no measurement can be compared with)."""
         if snapshot.finished < 5 or rate <= 0:
             return {"prefill": 1.0, "decode": 1.0}
         ttft, tpot = self.predict(current, rate, prompt, output)
-        ratio = lambda measured, simulated: min(max(measured / simulated, 0.5), 4.0) if simulated > 0 else 1.0  # noqa: E731
-        return {"prefill": ratio(snapshot.ttft_p90_ms, ttft), "decode": ratio(snapshot.tpot_p90_ms, tpot)}
+
+        def ratio(measured: float, predicted: float) -> float:
+            if not (0 < predicted < math.inf) or measured <= 0:
+                return 1.0
+            return min(max(measured / predicted, 0.5), 4.0)
+
+        return {"prefill": ratio(snapshot.ttft_p50_ms, ttft), "decode": ratio(snapshot.tpot_p50_ms, tpot)}
 
     def _gate(self, decision: Decision) -> None:
         """Hysteresis and cool-down: mark the decision applied only when it should be."""
@@ -129,7 +146,7 @@ class Planner:
         if not up:  # down only as far as every recent decision wanted
             decision.targets = {r: max(d.targets[r] for d in recent) for r in decision.targets}
         decision.applied = True
-        self.last_change = decision.at
+        self.last_change = self.settled_at = decision.at  # the caller moves settled_at when the change is done
 
 
 def _direction(decision: Decision) -> tuple[int, ...]:
@@ -142,51 +159,94 @@ def _direction(decision: Decision) -> tuple[int, ...]:
 # ---- wired to a running deployment ------------------------------------------------------------------
 
 
-def simulator_oracles(settings: PlannerSettings, base, profile: Profile, requests: int = 60):
-    """``capacity`` and ``predict`` answered by the simulator on requests of the measured shape."""
-    from splitserve.planning import plan
+@dataclass(frozen=True)
+class ProfileModel:
+    """What a profile says one worker sustains, and what latency a deployment shows, for requests of one
+    shape (as Dynamo's planner reads its profiles: the figures at the SLO targets, not a simulated burst,
+    which fits in the steps it fills at any rate while steady arrivals beyond capacity queue without end).
+    ``slowdown`` scales the profile's step costs: the planner's measured-over-predicted correction."""
 
-    slo = plan.Slo(settings.ttft_ms, settings.tpot_ms, 0.9)
-    cache: dict[tuple, float] = {}
+    profile: Profile
+    deployment: object  # DeploymentConfig (the engine's budgets and the KV blocks)
+    ttft_ms: float
+    tpot_ms: float
 
-    def workload(prompt: int, output: int):
-        return [
-            ([(7 + 31 * i + 13 * j) % (profile.model.vocab_size - 1) for j in range(prompt)], output)
-            for i in range(requests)
-        ]
+    def _prefill_times(self, prompt: int, slowdown: float) -> tuple[float, float]:
+        """(one prompt alone, one prompt's share of full steps), in seconds."""
+        from splitserve.planning.profile import StepShape
 
-    def bucket(n: int) -> int:
-        return 1 << max(0, round(math.log2(max(n, 1)) * 2) // 2)  # powers of two (and between): cache hits
+        p, engine = self.profile, self.deployment.engine
+        budget = min(engine.max_num_batched_tokens, engine.prefill_chunk_size or engine.max_num_batched_tokens)
+        chunks = [(start, min(budget, prompt - start)) for start in range(0, prompt, budget)]
+        alone = sum(p.serving_step_s(StepShape.of([chunk]), 0) for chunk in chunks) + p.token_overhead_s
+        fixed = p.step_coefficients["const"] + p.step_overhead_s
+        packed = alone - fixed * len(chunks) + fixed * prompt / budget
+        return alone * slowdown, packed * slowdown
 
-    def capacity(role: str, prompt: int, output: int) -> float:
-        key = (role, bucket(prompt), bucket(output))
-        if key not in cache:
-            other = "decode" if role == "prefill" else "prefill"
-            deployment = plan.with_roles(base, "disaggregated", **{role: (1, 1), other: (4, 1)})
-            one = plan.Slo(slo.ttft_ms if role == "prefill" else 1e12, slo.tpot_ms if role == "decode" else 1e12, 0.9)
-            work = workload(key[1], key[2])
-            profiles = {"prefill": profile, "decode": profile}
-            cache[key] = plan.max_rate(lambda r: plan.attainment(deployment, profiles, work, r, one, 0) >= 0.9)
-        return cache[key]
+    def prefill_capacity(self, prompt: int, slowdown: float = 1.0) -> float:
+        """Requests per second one prefill worker sustains with TTFT within the SLO on average: its
+        throughput with every step full (the fixed cost of a step shared by the prompts in it), times the
+        utilization at which the queue in front of one prompt's own prefill time ``S`` still leaves TTFT
+        within the SLO (M/D/1: ``S + rho S / 2(1 - rho) <= T``, so ``rho <= 2x / (1 + 2x)``, ``x = T/S - 1``)."""
+        alone, packed = self._prefill_times(prompt, slowdown)
+        x = (self.ttft_ms / 1e3 - self.profile.ttft_overhead_s) / alone - 1
+        return (2 * x / (1 + 2 * x)) / packed if x > 0 else 0.0
 
-    def predict(current: dict[str, int], rate: float, prompt: int, output: int) -> tuple[float, float]:
-        from splitserve.bench.arrivals import arrival_offsets
-        from splitserve.planning.deployment import sim_config
-        from splitserve.planning.simulator import simulate
+    def _decode_step_s(self, batch: int, context: int, slowdown: float) -> float:
+        from splitserve.planning.profile import StepShape
 
-        deployment = plan.with_roles(
-            base, "disaggregated", prefill=(current["prefill"], 1), decode=(current["decode"], 1)
-        )
-        work = workload(bucket(prompt), bucket(output))
-        result, _ = simulate(
-            sim_config(deployment, {"prefill": profile, "decode": profile}),
-            work,
-            arrival_offsets(len(work), rate),
-            (90,),
-        )
-        return result["p90_ttft_ms"], result["p90_tpot_ms"]
+        return self.profile.serving_step_s(StepShape.of((), [context] * batch), batch) * slowdown
 
-    return capacity, predict
+    def _most_sequences(self, prompt: int, output: int) -> int:
+        from splitserve.common.arith import ceil_div
+        from splitserve.planning.deployment import role_blocks
+
+        engine = self.deployment.engine
+        per_request = ceil_div(prompt + output, engine.block_size)
+        return max(1, min(engine.max_num_seqs, role_blocks(self.deployment, "decode", self.profile) // per_request))
+
+    def decode_capacity(self, prompt: int, output: int, slowdown: float = 1.0) -> float:
+        """Requests per second one decode worker sustains with its steps within the TPOT SLO: the throughput
+        of the largest batch (within ``max_num_seqs`` and the KV blocks) whose step, at the context of a
+        request halfway through its output, takes at most ``tpot_ms``."""
+        steps = output - 1  # the first token comes from the prefill
+        if steps < 1:
+            return math.inf
+        best, context = 0.0, prompt + output // 2
+        for batch in range(1, self._most_sequences(prompt, output) + 1):
+            step = self._decode_step_s(batch, context, slowdown)
+            if step * 1e3 > self.tpot_ms:
+                break
+            best = max(best, batch / (steps * step))
+        return best
+
+    def capacity(self, role: str, prompt: int, output: int, slowdown: float = 1.0) -> float:
+        if role == "decode":
+            return self.decode_capacity(prompt, output, slowdown)
+        return self.prefill_capacity(prompt, slowdown)
+
+    def predict(self, current: dict[str, int], rate: float, prompt: int, output: int) -> tuple[float, float]:
+        """TTFT and TPOT (ms) of ``current`` workers at ``rate``, by the same model: M/D/1 for the prefill
+        queue (inf past saturation), and the decode batch that Little's law gives (``b = lambda T b-steps``)."""
+        alone, packed = self._prefill_times(prompt, 1.0)
+        rho = rate * packed / max(current["prefill"], 1)
+        ttft = (alone + rho * alone / (2 * (1 - rho)) + self.profile.ttft_overhead_s) * 1e3 if rho < 1 else math.inf
+        steps = max(output - 1, 0)
+        if steps == 0:
+            return ttft, 0.0
+        per_worker, context = rate / max(current["decode"], 1), prompt + output // 2
+        most, batch = self._most_sequences(prompt, output), 1.0
+        for _ in range(50):
+            batch = min(most, max(1.0, per_worker * steps * self._decode_step_s(round(batch), context, 1.0)))
+        # A request's TPOT, as the router measures it, spans its KV transfer too (first token to last).
+        transfer = self.profile.transfer_s(self.profile.kv_bytes(prompt))
+        return ttft, (transfer / steps + self._decode_step_s(round(batch), context, 1.0)) * 1e3
+
+
+def profile_oracles(settings: PlannerSettings, base, profile: Profile) -> tuple[CapacityFn, PredictFn]:
+    """``capacity`` and ``predict`` from the workers' profile (``ProfileModel``), for the planner's SLOs."""
+    model = ProfileModel(profile, base, settings.ttft_ms, settings.tpot_ms)
+    return model.capacity, model.predict
 
 
 class LivePlanner:
@@ -227,9 +287,10 @@ class LivePlanner:
     async def tick(self) -> Decision:
         settings = self.planner.settings
         snapshot = self.router.load.snapshot(settings.window_s)
+        recent = self.router.load.snapshot(settings.window_s, since=self.planner.settled_at)
         current = self.counts()
         loop = asyncio.get_running_loop()
-        decision = await loop.run_in_executor(None, self.planner.decide, snapshot, current)
+        decision = await loop.run_in_executor(None, self.planner.decide, snapshot, current, recent)
         self.decisions += 1
         outcome = "applied" if decision.applied else ("steady" if decision.reason == "steady" else "held")
         self.router.metrics.planner_decisions.labels(outcome).inc()
@@ -238,6 +299,7 @@ class LivePlanner:
             log.info("planner: %s", decision.describe())
             try:
                 await self.scale({r: n for r, n in decision.targets.items() if n != current[r]})
+                self.planner.settled_at = self.planner.clock()
             except (ValueError, RuntimeError, TimeoutError) as e:
                 decision.reason = f"scale failed: {e}"
                 log.warning("planner: scale failed: %s", e)
@@ -248,7 +310,7 @@ class LivePlanner:
 
 def planner_for(settings: PlannerSettings, base, router, scale, counts: Callable[[], dict[str, int]]) -> LivePlanner:
     profile = Profile.load(settings.profile)
-    capacity, predict = simulator_oracles(settings, base, profile)
+    capacity, predict = profile_oracles(settings, base, profile)
     return LivePlanner(Planner(settings, capacity, predict), router, scale, counts)
 
 

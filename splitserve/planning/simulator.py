@@ -108,64 +108,86 @@ class Simulation:
             prefill_chunk_size=c.prefill_chunk_size,
             max_model_len=c.max_model_len,
         )
-        common = {"block_size": c.block_size, "clock": lambda: self.time, "at": self.at}
+        self._schedulers = {
+            "colocated": base,
+            "prefill": SchedulerConfig(**{**vars(base), "hand_off_after_first_token": True}),
+            "decode": SchedulerConfig(**{**vars(base), "preemption": "hand_back"}),
+        }
         self.prefill: list[SimWorker] = []
         self.decode: list[SimDecode] = []
         self.views: dict[str, PrefillView] = {}
         self.decode_views: dict[str, DecodeView] = {}
-        if c.mode == "colocated":
-            spec = c.colocated
-            for i in range(spec.count):
-                w = SimColocated(
-                    f"colocated-{i}",
-                    spec.profile,
-                    spec.num_blocks,
-                    scheduler=base,
-                    prefix_caching=True,
-                    on_token=self._colocated_token,
-                    **common,
-                )
-                self._add_prefill_view(w, spec)
-        else:
-            spec = c.prefill
-            handoff = SchedulerConfig(**{**vars(base), "hand_off_after_first_token": True})
-            for i in range(spec.count):
-                w = SimPrefill(
-                    f"prefill-{i}",
-                    spec.profile,
-                    spec.num_blocks,
-                    scheduler=handoff,
-                    prefix_caching=True,
-                    on_first_token=self._first_token,
-                    **common,
-                )
-                self._add_prefill_view(w, spec)
-            hand_back = SchedulerConfig(**{**vars(base), "preemption": "hand_back"})
-            spec = c.decode
-            for i in range(spec.count):
-                d = SimDecode(
-                    f"decode-{i}",
-                    spec.profile,
-                    spec.num_blocks,
-                    scheduler=hand_back,
-                    prefix_caching=False,
-                    on_token=self._decode_token,
-                    on_handed_back=self._handed_back,
-                    **common,
-                )
-                self.decode.append(d)
-                self.decode_views[d.worker_id] = DecodeView(d.worker_id, d.blocks.num_free_blocks, 0)
-        self.workers = {w.worker_id: w for w in [*self.prefill, *self.decode]}
+        self.workers: dict[str, SimWorker] = {}
+        self._numbers = {role: itertools.count() for role in self._schedulers}
+        for role in ("colocated",) if c.mode == "colocated" else ("prefill", "decode"):
+            for _ in range(getattr(c, role).count):
+                self.spawn(role)
         for when, worker_id in c.losses:
             if worker_id not in self.workers:
                 raise ValueError(f"losses: no worker {worker_id!r}")
             self.at(when, lambda w=self.workers[worker_id]: self._lose(w))
 
-    def _add_prefill_view(self, worker: SimWorker, spec: RoleSpec) -> None:
-        self.prefill.append(worker)
-        view = PrefillView(worker.worker_id, credit=spec.max_inflight)
-        view.cached_hashes = _HeldHashes(worker)
-        self.views[worker.worker_id] = view
+    # ---- the workers, and scaling them ----------------------------------------------------------
+
+    def spawn(self, role: str, healthy: bool = True) -> SimWorker:
+        """A new worker of ``role``, named as the launcher names them (``<role>-<n>``). One spawned
+        unhealthy takes no work until ``ready`` (a worker that is still starting)."""
+        spec: RoleSpec = getattr(self.config, role)
+        worker_id = f"{role}-{next(self._numbers[role])}"
+        common = {
+            "block_size": self.config.block_size,
+            "clock": lambda: self.time,
+            "at": self.at,
+            "scheduler": self._schedulers[role],
+            "prefix_caching": role != "decode",
+        }
+        args = (worker_id, spec.profile, spec.num_blocks)
+        if role == "decode":
+            w = SimDecode(*args, on_token=self._decode_token, on_handed_back=self._handed_back, **common)
+            self.decode.append(w)
+            self.decode_views[worker_id] = DecodeView(worker_id, w.blocks.num_free_blocks, 0, healthy=healthy)
+        else:
+            if role == "prefill":
+                w = SimPrefill(*args, on_first_token=self._first_token, **common)
+            else:
+                w = SimColocated(*args, on_token=self._colocated_token, **common)
+            self.prefill.append(w)
+            view = PrefillView(worker_id, credit=spec.max_inflight, healthy=healthy)
+            view.cached_hashes = _HeldHashes(w)
+            self.views[worker_id] = view
+        self.workers[worker_id] = w
+        return w
+
+    def ready(self, worker_id: str) -> None:
+        """A started worker registers: the router routes to it from now on."""
+        for views in (self.views, self.decode_views):
+            if worker_id in views:
+                views[worker_id].healthy = True
+        self._dispatch()
+        self._lease()
+
+    def drain(self, worker_id: str) -> None:
+        """What ``splitserve scale`` does to a removed worker: nothing new is routed to it; a decode worker
+        hands its requests back (they migrate), a prefill worker finishes what it holds; then it stops."""
+        worker = self.workers[worker_id]
+        if worker_id in self.views:
+            self.views[worker_id].healthy = False
+        if worker_id in self.decode_views:
+            self.decode_views[worker_id].healthy = False
+            self._lose(worker)
+            return
+        self._stop_when_idle(worker)
+
+    def _stop_when_idle(self, worker: SimWorker) -> None:
+        if worker.requests or any(prefill is worker for _, prefill in self.leasing):
+            self.at(self.time + 0.05, lambda: self._stop_when_idle(worker))
+        else:
+            worker.alive = False
+
+    def serving(self, role: str) -> list[SimWorker]:
+        """The workers of ``role`` the router routes to."""
+        views = self.decode_views if role == "decode" else self.views
+        return [w for w in self.workers.values() if w.role == role and w.alive and views[w.worker_id].healthy]
 
     # ---- the clock ----------------------------------------------------------------------------
 
@@ -252,8 +274,10 @@ class Simulation:
         """Leases in order: a request takes the decode worker with room that the router's policy picks."""
         while self.leasing:
             job, prefill = self.leasing[0]
-            if prefill is not None and not prefill.alive:
+            if prefill is not None and not prefill.alive:  # its prefill worker was lost: dispatch it again
                 self.leasing.popleft()
+                self._credit_back(job)
+                self._again(job, f"{prefill.worker_id} lost")
                 continue
             blocks = ceil_div(len(job.prompt) + len(job.output) + 1, self.config.block_size)
             view = choose_decode([v for v in self.decode_views.values() if self.workers[v.worker_id].alive], blocks)

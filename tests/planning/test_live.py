@@ -41,10 +41,10 @@ def make_planner(settings: PlannerSettings = SETTINGS) -> tuple[Planner, Clock]:
     latencies equal the measured ones (no correction)."""
     clock = Clock()
 
-    def capacity(role: str, prompt: int, output: int) -> float:
-        return 2000 / prompt if role == "prefill" else 200 / output
+    def capacity(role: str, prompt: int, output: int, slowdown: float) -> float:
+        return (2000 / prompt if role == "prefill" else 200 / output) / slowdown
 
-    return Planner(settings, capacity, lambda current, rate, p, o: (200.0, 30.0), clock), clock
+    return Planner(settings, capacity, lambda current, rate, p, o: (100.0, 20.0), clock), clock
 
 
 def run(planner: Planner, clock: Clock, current: dict, snap: LoadSnapshot, intervals: int) -> list:
@@ -104,10 +104,12 @@ def test_bounds_hold_however_high_the_load():
 
 def test_measured_latency_worse_than_simulated_corrects_the_capacity():
     clock = Clock()
-    planner = Planner(SETTINGS, lambda role, p, o: 10.0, lambda current, rate, p, o: (100.0, 15.0), clock)
+    planner = Planner(
+        SETTINGS, lambda role, p, o, slowdown: 10.0 / slowdown, lambda current, rate, p, o: (50.0, 10.0), clock
+    )
     current = {"prefill": 1, "decode": 1}
     decision = run(planner, clock, current, snapshot(8.0, 100, 10), 1)[0]
-    # measured p90 TTFT 200 ms against 100 simulated, TPOT 30 against 15: half the capacity each
+    # measured p50 TTFT 100 ms against 50 predicted, TPOT 20 against 10: steps twice as slow, half the capacity
     assert decision.corrections == {"prefill": 2.0, "decode": 2.0}
     assert decision.targets == {"prefill": 2, "decode": 2}
 

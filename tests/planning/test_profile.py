@@ -87,20 +87,8 @@ def test_bad_profiles_are_refused_by_name(tmp_path, edit, field):
         Profile.load(tmp_path / "p.json")
 
 
-def test_a_measured_profile_of_the_tiny_preset(tiny_model_dir):
-    from splitserve.planning.measure import Grid, measure_profile
-
-    grid = Grid(
-        prefill_tokens=(16, 128),
-        prefill_contexts=(0, 256),
-        decode_batches=(1, 8),
-        decode_contexts=(32, 256),
-        mixed=((64, 4, 64),),
-        transfer_tokens=(16, 512),
-        repeats=2,
-        decode_steps=3,
-    )
-    profile = measure_profile(str(tiny_model_dir), "float32", "cpu", threads=1, grid=grid)
+def test_a_measured_profile_of_the_tiny_preset(tiny_profile):
+    profile = tiny_profile
     assert profile.model.num_layers == 2 and profile.model.num_kv_heads == 2 and profile.threads == 1
     assert len(profile.steps) == 4 + 4 + 1 and len(profile.transfers) == 2
     decode8 = [s for s in profile.steps if s.shape.decodes == 8 and s.shape.prefill_tokens == 0]
