@@ -71,6 +71,7 @@ class Router(pb_grpc.SplitServeServicer):
         self.metrics.watch(self)
         self.load = LoadWindow()  # recent arrivals, lengths and latencies (a live planner reads them)
         self.planner_status = ""  # a live planner's last decision, shown by GetStatus
+        self.pending_workers: list[str] = []  # started workers waiting for resources (the launcher sets it)
         self.metrics_server = MetricsServer(self.metrics.registry)
         self.metrics_address = ""  # "" when metrics are off
         self.openai: OpenAIServer | None = None  # the OpenAI-compatible HTTP API, when openai_port is set
@@ -290,6 +291,7 @@ class Router(pb_grpc.SplitServeServicer):
             max_model_len=self.model_config.max_position_embeddings,
             metrics_address=self.metrics_address,
             planner=self.planner_status,
+            pending_workers=self.pending_workers,
         )
 
 

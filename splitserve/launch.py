@@ -138,6 +138,7 @@ class Deployment:
         self.openai_address = ""  # the OpenAI-compatible HTTP API ("host:port"), when openai_port is set
         self.actors: dict[str, object] = {}  # worker id -> Ray actor
         self.slots: dict[str, int] = {}  # worker id -> its replica slot: which of its role's cpu sets it pins to
+        self.requests: dict[str, dict[str, float]] = {}  # worker id -> the resources it asks Ray for
         self.placement_groups: dict[str, object] = {}  # worker id -> its ranks' placement group (TP > 1)
         self._counters = {"prefill": 0, "decode": 0, "colocated": 0}
         self._ray: EmbeddedRay | None = None  # the Ray this deployment started, if it started one
@@ -204,15 +205,39 @@ class Deployment:
 
         refs = {self.actors[w].ready.remote(): w for w in worker_ids}
         pending, deadline = list(refs), time.monotonic() + timeout_s
-        while pending:
-            done, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
-            if not done:
-                raise TimeoutError(f"{', '.join(refs[r] for r in pending)}: not started in {timeout_s}s")
-            try:
-                ray.get(done[0])
-            except ray.exceptions.RayError as e:
-                cause = next((line for line in reversed(str(e).splitlines()) if line.strip()), type(e).__name__)
-                raise RuntimeError(f"worker {refs[done[0]]} did not start: {cause}") from None
+        try:
+            while pending:
+                wait = min(1.0, max(0.0, deadline - time.monotonic()))
+                done, pending = ray.wait(pending, num_returns=1, timeout=wait)
+                if not done:
+                    if time.monotonic() >= deadline:
+                        raise TimeoutError(f"{', '.join(refs[r] for r in pending)}: not started in {timeout_s}s")
+                    self._report_pending([refs[r] for r in pending])
+                    continue
+                try:
+                    ray.get(done[0])
+                except ray.exceptions.RayError as e:
+                    cause = next((line for line in reversed(str(e).splitlines()) if line.strip()), type(e).__name__)
+                    raise RuntimeError(f"worker {refs[done[0]]} did not start: {cause}") from None
+        finally:
+            self._report_pending([])
+
+    def _report_pending(self, worker_ids: list[str]) -> None:
+        """Show the starting workers whose resources no node has free as pending (GetStatus, ``splitserve
+        status``, the log): on a cluster with an autoscaler they wait for a node to be added."""
+        import ray
+
+        free = ray.available_resources()
+        pending = []
+        for worker_id in worker_ids:
+            needs = {k: v for k, v in self.requests.get(worker_id, {}).items() if v}
+            short = {k: v for k, v in needs.items() if free.get(k, 0.0) < v}
+            if short:
+                pending.append(f"{worker_id}: " + ", ".join(f"{k} {v:g}" for k, v in sorted(short.items())))
+        if self.router is not None and pending != self.router.pending_workers:
+            for line in sorted(set(pending) - set(self.router.pending_workers)):
+                log.warning("worker %s is pending: no node has these resources free", line)
+            self.router.pending_workers = pending
 
     @property
     def temp_dir(self) -> str | None:
@@ -287,6 +312,11 @@ class Deployment:
             .options(**options, runtime_env={"env_vars": env})
             .remote(self._worker_config(role, worker_id, slot), rank_options)
         )
+        self.requests[worker_id] = {  # what it asks Ray for (all its ranks), to report it pending
+            "CPU": options["num_cpus"] * role_config.tensor_parallel_size,
+            "GPU": (options["num_gpus"] or 0) * role_config.tensor_parallel_size,
+            **options["resources"],
+        }
         self.actors[worker_id] = actor
         self.slots[worker_id] = slot
         return worker_id
@@ -426,6 +456,7 @@ class Deployment:
 
         actor = self.actors.pop(worker_id, None)
         self.slots.pop(worker_id, None)
+        self.requests.pop(worker_id, None)
         if actor is None:
             return
         try:

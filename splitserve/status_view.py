@@ -83,6 +83,7 @@ def format_status(status: pb.GetStatusResponse, address: str) -> str:
     lines.extend(f"{w.worker_id} decode graphs: {w.decode_graphs}" for w in workers if w.decode_graphs)
     if status.planner:
         lines.append(f"planner: {status.planner}")
+    lines.extend(f"pending: {w} (waits for resources no node has free)" for w in status.pending_workers)
     return "\n".join(lines)
 
 

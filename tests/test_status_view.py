@@ -70,3 +70,17 @@ def test_decode_graphs_line_only_for_workers_that_captured():
     assert lines[-1] == f"decode-0 decode graphs: {graphs}"
     assert [line.split()[0] for line in lines[2:4]] == ["decode-0", "prefill-0"] and len(lines) == 5
     assert status_json(status)["workers"][1]["decode_graphs"] == ""
+
+
+def test_planner_and_pending_workers_lines():
+    status = make_status(
+        [make_worker("prefill-0")],
+        planner="prefill 1 -> 2 (applied)",
+        pending_workers=["prefill-1: splitserve_prefill 1"],
+    )
+    lines = format_status(status, "127.0.0.1:50051").splitlines()
+    assert lines[-2:] == [
+        "planner: prefill 1 -> 2 (applied)",
+        "pending: prefill-1: splitserve_prefill 1 (waits for resources no node has free)",
+    ]
+    assert status_json(status)["pending_workers"] == ["prefill-1: splitserve_prefill 1"]

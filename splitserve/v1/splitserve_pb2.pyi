@@ -119,7 +119,7 @@ class GetStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetStatusResponse(_message.Message):
-    __slots__ = ("workers", "queued_requests", "running_requests", "model", "vocab_size", "max_model_len", "metrics_address", "planner")
+    __slots__ = ("workers", "queued_requests", "running_requests", "model", "vocab_size", "max_model_len", "metrics_address", "planner", "pending_workers")
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     QUEUED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
@@ -128,6 +128,7 @@ class GetStatusResponse(_message.Message):
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     METRICS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     PLANNER_FIELD_NUMBER: _ClassVar[int]
+    PENDING_WORKERS_FIELD_NUMBER: _ClassVar[int]
     workers: _containers.RepeatedCompositeFieldContainer[WorkerStatus]
     queued_requests: int
     running_requests: int
@@ -136,7 +137,8 @@ class GetStatusResponse(_message.Message):
     max_model_len: int
     metrics_address: str
     planner: str
-    def __init__(self, workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., queued_requests: _Optional[int] = ..., running_requests: _Optional[int] = ..., model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., metrics_address: _Optional[str] = ..., planner: _Optional[str] = ...) -> None: ...
+    pending_workers: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., queued_requests: _Optional[int] = ..., running_requests: _Optional[int] = ..., model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., metrics_address: _Optional[str] = ..., planner: _Optional[str] = ..., pending_workers: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class WorkerStatus(_message.Message):
     __slots__ = ("role", "worker_id", "node_id", "address", "healthy", "running", "waiting", "kv_blocks_total", "kv_blocks_in_use", "kv_blocks_cached", "metrics_address", "incarnation", "cpus", "threads", "decode_graphs", "tensor_parallel_size")
