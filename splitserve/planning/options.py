@@ -20,7 +20,14 @@ ROLES = ("prefill", "decode", "colocated")
 
 
 def add_profile_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, help="a Hugging Face checkpoint folder")
+    p.add_argument("--model", help="a Hugging Face checkpoint folder (measured; required unless --roofline)")
+    p.add_argument(
+        "--roofline",
+        metavar="DEVICE",
+        help="no measurement: a profile from the published peaks of DEVICE (h200, h100) at assumed efficiencies, "
+        "for --shape (splitserve.planning.roofline); labelled as such in the file",
+    )
+    p.add_argument("--shape", help="with --roofline: a published model shape (llama3.1-70b, llama3.1-8b, qwen2.5-72b)")
     p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 | auto")
     p.add_argument("--device", default="cpu", help="cpu | cuda")
     p.add_argument("--threads", type=int, default=None, help="torch threads (CPU), as each worker rank runs")
@@ -40,9 +47,35 @@ def add_profile_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
+def run_roofline(args: argparse.Namespace) -> int:
+    from splitserve.planning.roofline import DEVICES, SHAPES, roofline_profile
+
+    if args.roofline not in DEVICES:
+        raise ValueError(f"--roofline: expected one of {', '.join(DEVICES)}, got {args.roofline!r}")
+    if args.shape not in SHAPES:
+        raise ValueError(f"--shape: expected one of {', '.join(SHAPES)}, got {args.shape!r}")
+    profile = roofline_profile(SHAPES[args.shape], DEVICES[args.roofline], args.tp)
+    profile.save(args.out)
+    c = profile.step_coefficients
+    print(f"roofline profile of {profile.model.name} on TP {args.tp} x {profile.device_name}: NOT MEASURED")
+    print(
+        f"step = {c['const'] * 1e3:.3f} ms + {c['prefill_tokens'] * 1e6:.3f} us/prompt token + "
+        f"{c['prefill_attention'] * 1e6:.4f} us/1k attention pairs + {c['decodes'] * 1e6:.3f} us/decode + "
+        f"{c['decode_context'] * 1e6:.2f} us/1k context tokens; KV {profile.notes['kv_cache_bytes'] / 1e9:.1f} "
+        f"GB per rank"
+    )
+    print(f"written to {args.out}")
+    return 0
+
+
 def run_profile(args: argparse.Namespace) -> int:
     from splitserve.planning.measure import Grid, measure_profile
     from splitserve.planning.profile import relative_errors
+
+    if args.roofline:
+        return run_roofline(args)
+    if not args.model:
+        raise ValueError("--model: a checkpoint folder to measure (or --roofline DEVICE --shape NAME)")
 
     grid = Grid().scaled(0.3) if args.quick else Grid()
     profile = measure_profile(
@@ -109,6 +142,13 @@ def add_simulate_arguments(p: argparse.ArgumentParser) -> None:
     r = p.add_argument_group("results")
     add_result_arguments(r)
     r.add_argument("--json", action="store_true", help="print the result as one JSON object instead of the summary")
+    r.add_argument(
+        "--rates",
+        help="a sweep, as `splitserve bench sweep --rates`: simulate at each of these rates (req/s, comma-separated) "
+        "and find the goodput rate; needs --goodput",
+    )
+    r.add_argument("--target", type=float, default=0.9, help="the sweep's SLO attainment target")
+    r.add_argument("--plot-dir", help="with --rates: write ttft.png, tpot.png and attainment.png here (bench sweep's)")
 
 
 def run_simulate(args: argparse.Namespace) -> int:
@@ -139,8 +179,10 @@ def run_simulate(args: argparse.Namespace) -> int:
     config = sim_config(deployment, profiles, ttft_overhead_s=overhead, losses=_losses(args.lose))
     options = dataset_options(args, base.model.max_position_embeddings)
     requests = make_requests(options, TokenRange.for_vocab(base.model.vocab_size))
-    offsets = request_offsets(args, requests)
     percentiles = parse_percentiles(args.percentiles)
+    if args.rates:
+        return _sweep(args, config, requests, percentiles, base.model.name)
+    offsets = request_offsets(args, requests)
     result, sim = simulate(
         config, [(r.prompt, r.output_len) for r in requests], offsets, percentiles, parse_goodput(args.goodput)
     )
@@ -165,6 +207,56 @@ def run_simulate(args: argparse.Namespace) -> int:
         path.write_text(json.dumps(result, indent=2))
         print(f"result written to {path}", file=sys.stderr)
     return 0 if result["completed"] else 1
+
+
+def _sweep(args: argparse.Namespace, config, requests, percentiles, model_name: str) -> int:
+    """``--rates``: one simulation per rate, the goodput rate and the plots, by ``splitserve bench sweep``'s
+    own code (``goodput_rate``, ``plot_sweep``), so a simulated sweep reads as a measured one."""
+    from splitserve.bench.arrivals import arrival_offsets
+    from splitserve.bench.metrics import parse_goodput
+    from splitserve.bench.sweep import describe_goodput, goodput_rate, parse_rates, slo_attainment
+    from splitserve.planning.simulator import simulate
+
+    slos = parse_goodput(args.goodput)
+    if not slos:
+        raise ValueError("--goodput: a sweep needs the SLOs it is measured against, e.g. ttft:500 tpot:50")
+    rates = parse_rates(args.rates)
+    work = [(r.prompt, r.output_len) for r in requests]
+    results = []
+    for rate in rates:
+        result, _ = simulate(
+            config, work, arrival_offsets(len(work), rate, args.burstiness, args.seed), percentiles, slos
+        )
+        result = {
+            "backend": "simulate",
+            "model_id": model_name,
+            "dataset": args.dataset,
+            "num_prompts": len(work),
+            "request_rate": rate,
+            "burstiness": args.burstiness,
+            "deployment": describe(config),
+            **result,
+        }
+        result["slo_attainment"] = slo_attainment(result)
+        results.append(result)
+        print(
+            f"rate {rate:g}: attainment {result['slo_attainment']:.1%}, p90 TTFT {result['p90_ttft_ms']:.0f} ms, "
+            f"p90 TPOT {result['p90_tpot_ms']:.1f} ms, goodput {result['request_goodput'] or 0:.3g} req/s"
+        )
+    goodput = goodput_rate(rates, [r["slo_attainment"] for r in results], args.target)
+    print(describe_goodput(goodput, args.target))
+    if args.plot_dir:
+        from splitserve.bench.plots import plot_sweep
+
+        out = Path(args.plot_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        for path in plot_sweep(results, args.target, goodput, out):
+            print(f"plot written to {path}", file=sys.stderr)
+    if args.save_result:
+        path = Path(args.save_result)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"results": results, "goodput": goodput, "target": args.target}, indent=2))
+    return 0
 
 
 def describe(config) -> dict:
@@ -220,7 +312,15 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--local-prefill",
         default="",
-        help="conditional disaggregation thresholds to consider (router.local_prefill_max_tokens), e.g. 256,1024",
+        help="conditional disaggregation thresholds to consider (router.local_prefill_max_tokens), e.g. 256,1024; "
+        "auto: the one the profile gives for the TPOT SLO (plan.local_prefill_threshold)",
+    )
+    p.add_argument(
+        "--min-duration",
+        type=float,
+        default=30.0,
+        help="seconds of arrivals each simulation spans at least (the workload is repeated, its copies made "
+        "distinct): what a deployment sustains, not what a burst fits in",
     )
     p.add_argument("--out", help="write the winner as a deployment config (splitserve serve --config)")
     p.add_argument("--top", type=int, default=8, help="candidates to print")
@@ -253,16 +353,34 @@ def run_plan(args: argparse.Namespace) -> int:
     options = dataset_options(args, first.model.max_position_embeddings)
     workload = [(r.prompt, r.output_len) for r in make_requests(options, TokenRange.for_vocab(first.model.vocab_size))]
     if args.rate is not None:
-        best = plan.fewest_devices(base, profiles, workload, slo, args.rate, args.devices_per_node, seed=args.seed)
+        best = plan.fewest_devices(
+            base,
+            profiles,
+            workload,
+            slo,
+            args.rate,
+            args.devices_per_node,
+            seed=args.seed,
+            min_duration_s=args.min_duration,
+        )
         if best is None:
             print(f"no deployment of up to 4096 devices serves {args.rate} req/s within the SLOs", file=sys.stderr)
             return 1
         ranked = [best]
         print(f"fewest devices for {args.rate} req/s: {best.devices} ({best.describe()})")
     else:
-        thresholds = [int(x) for x in args.local_prefill.split(",") if x.strip()]
+        thresholds = []
+        for x in (x.strip() for x in args.local_prefill.split(",") if x.strip()):
+            if x == "auto":
+                threshold = plan.local_prefill_threshold(profiles[min(profiles)], slo.tpot_ms)
+                print(f"local prefill threshold from the profile at TPOT {slo.tpot_ms:g} ms: {threshold} tokens")
+                thresholds.append(threshold)
+            else:
+                thresholds.append(int(x))
         budget = plan.Budget(args.devices, args.devices_per_node)
-        ranked = plan.search(base, profiles, workload, slo, budget, args.seed, local_prefill=thresholds)
+        ranked = plan.search(
+            base, profiles, workload, slo, budget, args.seed, local_prefill=thresholds, min_duration_s=args.min_duration
+        )
     rows = [
         {
             "deployment": c.describe(),

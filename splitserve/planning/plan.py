@@ -72,12 +72,36 @@ class Candidate:
 
 
 def attainment(
-    deployment: DeploymentConfig, profiles: Mapping[str, Profile], workload: Workload, rate: float, slo: Slo, seed: int
+    deployment: DeploymentConfig,
+    profiles: Mapping[str, Profile],
+    workload: Workload,
+    rate: float,
+    slo: Slo,
+    seed: int,
+    min_duration_s: float = 0.0,
 ) -> float:
-    """Fraction of the workload's requests meeting both SLOs at ``rate`` (Poisson arrivals)."""
-    offsets = arrival_offsets(len(workload), rate, 1.0, seed)
-    result, _ = simulate(sim_config(deployment, profiles), workload, offsets, goodput=slo.goodput())
-    return (result["good_requests"] or 0) / len(workload)
+    """Fraction of the workload's requests meeting both SLOs at ``rate`` (Poisson arrivals), the workload
+    repeated (each copy's prompts made distinct) until its arrivals span ``min_duration_s``: a short burst
+    fits in the batches it fills at any rate, and only arrivals that go on show what a deployment sustains."""
+    work = sustained(workload, rate, min_duration_s)
+    offsets = arrival_offsets(len(work), rate, 1.0, seed)
+    result, _ = simulate(sim_config(deployment, profiles), work, offsets, goodput=slo.goodput())
+    return (result["good_requests"] or 0) / len(work)
+
+
+def sustained(workload: Workload, rate: float, min_duration_s: float) -> Workload:
+    """``workload``, repeated until ``rate`` takes ``min_duration_s`` to send it; each copy's first token
+    changed so that copies share no prefix (the prefix cache would make them cheaper than the first)."""
+    n = max(len(workload), math.ceil(rate * min_duration_s))
+    if n == len(workload):
+        return workload
+    top = max(max(p) if p else 0 for p, _ in workload) + 1
+    out = []
+    for i in range(n):
+        prompt, output = workload[i % len(workload)]
+        copy = i // len(workload)
+        out.append(([(prompt[0] + copy) % top, *prompt[1:]] if prompt and copy else list(prompt), output))
+    return out
 
 
 def max_rate(meets: Callable[[float], bool], low: float = 0.01, high: float = 1.0, iterations: int = 12) -> float:
@@ -121,6 +145,7 @@ def search(
     check: int = 3,
     spare_workers: int = 4,
     local_prefill: Sequence[int] = (),
+    min_duration_s: float = 0.0,
 ) -> list[Candidate]:
     """Ranked candidates, best goodput per device first. ``profiles``: a profile per TP size of the device."""
     tps = tp_choices(profiles, budget)
@@ -131,8 +156,12 @@ def search(
         other = "decode" if role == "prefill" else "prefill"
         deployment = with_roles(base, "disaggregated", **{role: (1, tp), other: (spare_workers, min(tps))})
         roles = {role: profiles[tp], other: profiles[min(tps)]}
-        one = Slo(slo.ttft_ms if role == "prefill" else 1e12, slo.tpot_ms if role == "decode" else 1e12, slo.attainment)
-        return max_rate(lambda r: attainment(deployment, roles, workload, r, one, seed) >= slo.attainment)
+        # A full decode worker keeps requests waiting for a lease: that shows in their TTFT, so the decode
+        # phase keeps the TTFT SLO too (its spare prefill workers keep the prefill's share of it small).
+        one = Slo(slo.ttft_ms, slo.tpot_ms if role == "decode" else 1e12, slo.attainment)
+        return max_rate(
+            lambda r: attainment(deployment, roles, workload, r, one, seed, min_duration_s) >= slo.attainment
+        )
 
     prefill_rates = {t: per_phase("prefill", t) for t in tps}
     decode_rates = {t: per_phase("decode", t) for t in tps}
@@ -149,19 +178,19 @@ def search(
         deployment = with_roles(base, "colocated", colocated=(1, tp))
         r = max_rate(
             lambda r, d=deployment, t=tp: (
-                attainment(d, {"colocated": profiles[t]}, workload, r, slo, seed) >= slo.attainment
+                attainment(d, {"colocated": profiles[t]}, workload, r, slo, seed, min_duration_s) >= slo.attainment
             )
         )
         count = budget.devices // tp
         if r > 0 and count:
             candidates.append(Candidate("colocated", {"colocated": count}, {"colocated": tp}, r * count))
     candidates.sort(key=lambda c: -c.goodput_per_device)
-    checked = [_check(c, base, profiles, workload, slo, seed) for c in candidates[:check]]
+    checked = [_check(c, base, profiles, workload, slo, seed, min_duration_s) for c in candidates[:check]]
     # Conditional disaggregation: the best disaggregated counts again, with short prompts prefilled on the
     # decode workers, searched whole (the per-phase rates do not apply to it).
     for candidate in [c for c in checked if c.mode == "disaggregated"][:1]:
         for threshold in local_prefill:
-            checked.append(_conditional(candidate, threshold, base, profiles, workload, slo, seed))
+            checked.append(_conditional(candidate, threshold, base, profiles, workload, slo, seed, min_duration_s))
     ranked = checked + candidates[check:]
     ranked.sort(key=lambda c: -c.goodput_per_device)
     return ranked
@@ -175,14 +204,42 @@ def _conditional(
     workload: Workload,
     slo: Slo,
     seed: int,
+    min_duration_s: float = 0.0,
 ) -> Candidate:
     deployment = deployment_config(base, replace(candidate, local_prefill_max_tokens=threshold))
     role_profiles = {role: profiles[candidate.tp[role]] for role in candidate.counts}
-    rate = max_rate(lambda r: attainment(deployment, role_profiles, workload, r, slo, seed) >= slo.attainment)
-    reached = attainment(deployment, role_profiles, workload, rate, slo, seed) if rate > 0 else 0.0
+
+    def meets(r: float) -> bool:
+        return attainment(deployment, role_profiles, workload, r, slo, seed, min_duration_s) >= slo.attainment
+
+    rate = max_rate(meets)
+    reached = attainment(deployment, role_profiles, workload, rate, slo, seed, min_duration_s) if rate > 0 else 0.0
     return replace(
         candidate, rate=rate, checked_rate=rate, checked_attainment=reached, local_prefill_max_tokens=threshold
     )
+
+
+def local_prefill_threshold(profile: Profile, tpot_ms: float, share: float = 0.5) -> int:
+    """Conditional disaggregation's threshold (``router.local_prefill_max_tokens``) from a decode worker's
+    profile: the longest uncached prompt whose prefill takes at most ``share`` of the TPOT SLO, so that the
+    decode step that carries it still leaves the rest of the SLO to the batch it stalls. 0: none does (no
+    local prefill). A remote prefill of such a prompt would cost a KV transfer and a second worker's step
+    for little: Dynamo's rule of thumb, made a number by the profile."""
+    from splitserve.planning.profile import StepShape
+
+    budget = share * tpot_ms / 1e3
+    if profile.serving_step_s(StepShape.of([(0, 1)]), 1) > budget:
+        return 0
+    low, high = 1, 1
+    while profile.serving_step_s(StepShape.of([(0, high)]), 1) <= budget and high < 1 << 20:
+        low, high = high, high * 2
+    while high - low > 1:
+        mid = (low + high) // 2
+        if profile.serving_step_s(StepShape.of([(0, mid)]), 1) <= budget:
+            low = mid
+        else:
+            high = mid
+    return low
 
 
 def _best_split(rate_p: float, rate_d: float, tp_p: int, tp_d: int, devices: int) -> tuple[int, int, float] | None:
@@ -210,12 +267,13 @@ def _check(
     workload: Workload,
     slo: Slo,
     seed: int,
+    min_duration_s: float = 0.0,
 ) -> Candidate:
     """Simulate the whole deployment at the rate it promises; its goodput is then what it attained there."""
     roles = {role: (candidate.counts[role], candidate.tp[role]) for role in candidate.counts}
     deployment = with_roles(base, candidate.mode, **roles)
     role_profiles = {role: profiles[candidate.tp[role]] for role in candidate.counts}
-    reached = attainment(deployment, role_profiles, workload, candidate.rate, slo, seed)
+    reached = attainment(deployment, role_profiles, workload, candidate.rate, slo, seed, min_duration_s)
     met = candidate.rate if reached >= slo.attainment else candidate.rate * reached / slo.attainment
     return replace(candidate, checked_rate=met, checked_attainment=reached)
 
@@ -229,11 +287,21 @@ def fewest_devices(
     devices_per_node: int = 8,
     most: int = 4096,
     seed: int = 0,
+    min_duration_s: float = 0.0,
 ) -> Candidate | None:
     """The inverse: the smallest budget whose best candidate sustains ``rate`` (doubling, then bisecting)."""
 
     def best_at(devices: int) -> Candidate | None:
-        ranked = search(base, profiles, workload, slo, Budget(devices, devices_per_node), seed, check=1)
+        ranked = search(
+            base,
+            profiles,
+            workload,
+            slo,
+            Budget(devices, devices_per_node),
+            seed,
+            check=1,
+            min_duration_s=min_duration_s,
+        )
         ok = [c for c in ranked if (c.checked_rate or c.rate) >= rate]
         return min(ok, key=lambda c: c.devices) if ok else None
 

@@ -85,3 +85,12 @@ def test_conditional_disaggregation_is_considered_and_written():
     config = plan.deployment_config(BASE, conditional[0])
     assert config.router.local_prefill_max_tokens == 200
     assert "local_prefill_max_tokens: 200" in plan.to_yaml(config)
+
+
+def test_local_prefill_threshold_from_the_profile():
+    from splitserve.planning.plan import local_prefill_threshold
+
+    profile = toy()  # a prompt of n tokens: 2 ms + 1.08 ms per token
+    assert local_prefill_threshold(profile, tpot_ms=100) == 44  # 2 + 44 * 1.08 = 49.5 ms <= half of 100
+    assert local_prefill_threshold(profile, tpot_ms=300) == 137  # 2 + 137 * 1.08 = 150 ms
+    assert local_prefill_threshold(profile, tpot_ms=3) == 0  # one token's step already takes over half
