@@ -384,6 +384,10 @@ def run_plan(args: argparse.Namespace) -> int:
     rows = [
         {
             "deployment": c.describe(),
+            "mode": c.mode,
+            "counts": c.counts,
+            "tp": c.tp,
+            "local_prefill_max_tokens": c.local_prefill_max_tokens,
             "devices": c.devices,
             "predicted_rate": c.rate,
             "checked_rate": c.checked_rate,
