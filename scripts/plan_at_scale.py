@@ -34,7 +34,7 @@ WORKLOADS = {
         ["ttft:3000", "tpot:50"],
     ),
 }
-SWEEP = (0.5, 0.75, 0.9, 1.0, 1.1, 1.25)  # of the plan's rate
+SWEEP = (0.5, 0.75, 0.9, 1.0, 1.1, 1.25, 1.5)  # of the plan's rate
 
 
 def splitserve(*args: str) -> str:
@@ -94,7 +94,7 @@ def main() -> int:
                 ]
                 splitserve(
                     "simulate", "--profile", role_profiles[1], *role_profiles, "--config", str(BASE), "--mode", mode,
-                    *deployment, *workload[:-2], "--num-prompts", str(int(min(8000, max(2000, rate * 1.25 * 8)))),
+                    *deployment, *workload[:-2], "--num-prompts", str(int(min(8000, max(2000, rate * SWEEP[-1] * 8)))),
                     "--rates", rates, "--goodput", *slo, "--plot-dir", str(sweep_dir), "--save-result", str(result),
                 )  # fmt: skip
                 print(f"{name} {mode}: sweep in {time.monotonic() - started:.0f} s", file=sys.stderr)
