@@ -61,6 +61,20 @@ def _is_loopback(host: str) -> bool:
 _WILDCARDS = ("0.0.0.0", "::", "[::]", "")
 
 
+def _placed(actor) -> bool:
+    """Whether Ray has placed this actor on a node (its process started), from the GCS actor table; False
+    when it cannot tell (then the resources alone decide whether it is pending)."""
+    if actor is None:
+        return False
+    try:
+        from ray._private import state
+
+        info = state.actors(actor._actor_id.hex())
+    except Exception:  # a private table: if it moves, fall back to the resources
+        return False
+    return bool(info.get("Pid")) or bool(info.get("Address", {}).get("Port"))
+
+
 def _unwildcard(address: str) -> str:
     """A wildcard bind ("0.0.0.0:P") as others dial it: this node's address as Ray knows it."""
     import ray
@@ -230,6 +244,8 @@ class Deployment:
         free = ray.available_resources()
         pending = []
         for worker_id in worker_ids:
+            if _placed(self.actors.get(worker_id)):
+                continue  # on its node, loading: its resources are its own, no longer free
             needs = {k: v for k, v in self.requests.get(worker_id, {}).items() if v}
             short = {k: v for k, v in needs.items() if free.get(k, 0.0) < v}
             if short:
