@@ -62,8 +62,9 @@ _WILDCARDS = ("0.0.0.0", "::", "[::]", "")
 
 
 def _placed(actor) -> bool:
-    """Whether Ray has placed this actor on a node (its process started), from the GCS actor table; False
-    when it cannot tell (then the resources alone decide whether it is pending)."""
+    """Whether Ray has placed this actor on a node: its process started (a pid in the GCS actor table; on a
+    cluster a pending actor has a raylet's address already, but no pid). False when it cannot tell (then
+    the resources alone decide whether it is pending)."""
     if actor is None:
         return False
     try:
@@ -72,7 +73,7 @@ def _placed(actor) -> bool:
         info = state.actors(actor._actor_id.hex())
     except Exception:  # a private table: if it moves, fall back to the resources
         return False
-    return bool(info.get("Pid")) or bool(info.get("Address", {}).get("Port"))
+    return bool(info.get("Pid"))
 
 
 def _unwildcard(address: str) -> str:
