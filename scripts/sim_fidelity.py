@@ -151,6 +151,8 @@ def main() -> int:
     parser.add_argument("--presets", default="tiny,small,qwen2.5-0.5b")
     parser.add_argument("--modes", default="disaggregated,colocated")
     parser.add_argument("--quick", action="store_true", help="a coarse profile grid and half the requests")
+    parser.add_argument("--workloads", default="chat,long", help="chat, long, or both")
+    parser.add_argument("--requests", type=int, help="requests per run (default: the preset's; --quick halves it)")
     parser.add_argument("--json-out", default=str(ROOT / "models" / "sim_fidelity.json"))
     parser.add_argument("--profiles", default=str(ROOT / "models" / "profiles"), help="where profiles are kept")
     args = parser.parse_args()
@@ -172,6 +174,7 @@ def main() -> int:
         one, two = profiles_for(model, preset, args.quick, cache)
         chat, long, n = WORKLOADS[preset]
         n = max(20, n // 2) if args.quick else n
+        n = args.requests or n
         for mode in args.modes.split(","):
             deployment_config = deployment_for(model, mode)
             profiles = {"prefill": one, "decode": one, "colocated": two}
@@ -179,7 +182,10 @@ def main() -> int:
             deployment = Deployment(deployment_config)
             deployment.start()
             try:
+                chosen = args.workloads.split(",")
                 for name, dataset, medians in (("chat", "chat", chat), ("long", "summarize", long)):
+                    if name not in chosen:
+                        continue
                     goodput = slos(one if mode == "disaggregated" else two, medians)
                     max_len = one.model.max_position_embeddings
                     probe = requests_for(one.model.vocab_size, dataset, medians, n, 1000, max_len)
