@@ -15,6 +15,7 @@ import os
 import shutil
 import tempfile
 import threading
+import time
 import uuid
 from dataclasses import replace
 from pathlib import Path
@@ -59,6 +60,9 @@ def _is_loopback(host: str) -> bool:
 
 
 _WILDCARDS = ("0.0.0.0", "::", "[::]", "")
+
+
+PENDING_AFTER_S = 10.0  # a starting worker not placed this long, its resources not free, is reported pending
 
 
 def _placed(actor) -> bool:
@@ -154,6 +158,7 @@ class Deployment:
         self.actors: dict[str, object] = {}  # worker id -> Ray actor
         self.slots: dict[str, int] = {}  # worker id -> its replica slot: which of its role's cpu sets it pins to
         self.requests: dict[str, dict[str, float]] = {}  # worker id -> the resources it asks Ray for
+        self._unplaced_since: dict[str, float] = {}  # worker id -> when it was first seen not placed
         self.placement_groups: dict[str, object] = {}  # worker id -> its ranks' placement group (TP > 1)
         self._counters = {"prefill": 0, "decode": 0, "colocated": 0}
         self._ray: EmbeddedRay | None = None  # the Ray this deployment started, if it started one
@@ -214,8 +219,6 @@ class Deployment:
     def _wait_started(self, worker_ids: list[str], timeout_s: float) -> None:
         """Wait until these workers' actors are constructed; a worker that failed to start (e.g. its
         ``cpus`` are not on its node) fails the start at once with its own error, naming it."""
-        import time
-
         import ray
 
         refs = {self.actors[w].ready.remote(): w for w in worker_ids}
@@ -243,14 +246,22 @@ class Deployment:
         import ray
 
         free = ray.available_resources()
+        now = time.monotonic()
         pending = []
         for worker_id in worker_ids:
             if _placed(self.actors.get(worker_id)):
+                self._unplaced_since.pop(worker_id, None)
                 continue  # on its node, loading: its resources are its own, no longer free
             needs = {k: v for k, v in self.requests.get(worker_id, {}).items() if v}
             short = {k: v for k, v in needs.items() if free.get(k, 0.0) < v}
-            if short:
+            # A worker granted its resources is not placed until its process starts (seconds on a busy
+            # node), and meanwhile its own resources read as taken: only one still waiting after
+            # PENDING_AFTER_S is pending.
+            since = self._unplaced_since.setdefault(worker_id, now)
+            if short and now - since >= PENDING_AFTER_S:
                 pending.append(f"{worker_id}: " + ", ".join(f"{k} {v:g}" for k, v in sorted(short.items())))
+        if not worker_ids:
+            self._unplaced_since.clear()
         if self.router is not None and pending != self.router.pending_workers:
             for line in sorted(set(pending) - set(self.router.pending_workers)):
                 log.warning("worker %s is pending: no node has these resources free", line)
