@@ -106,6 +106,7 @@ class RequestRun:
         self.metrics = metrics or RouterMetrics()
         self.sampling_pb = sampling_to_pb(sampling)
         self.hashes = block_hashes(prompt, config.block_size)
+        self.eos_token_ids = () if sampling.ignore_eos else tuple(tokenizer.eos_token_ids)
         self.detok = IncrementalDetokenizer(tokenizer, prompt, sampling.skip_special_tokens)
         self.stops = StopStringMatcher(sampling.stop, sampling.include_stop_str_in_output)
         self.output: list[int] = []  # every generated token, in order (all relayed to the client)
@@ -128,6 +129,9 @@ class RequestRun:
             except WorkerLost as lost:
                 if lost.worker_failed:
                     self.dispatcher.pool.lost(lost.worker)
+                if self.output and self._ended_by_output():  # only the Finished message was lost
+                    log.warning("request %s: %s after its last token; finished", self.request_id, lost.message)
+                    continue
                 log.warning(
                     "request %s: %s; %s",
                     self.request_id,
@@ -356,6 +360,20 @@ class RequestRun:
         if stop is not None:
             self._finish(pb.FINISH_REASON_STOP, stop)
         return pb.GenerateResponse(request_id=self.request_id, token_ids=tokens, text=text, index=index)
+
+    def _ended_by_output(self) -> bool:
+        """Whether the tokens relayed so far already end the request (its worker was lost between the
+        last token and the Finished message): the engine's own rule (Scheduler._stop_reason) on the
+        router's output. A new leg then would generate past the end."""
+        sp, n = self.sampling, len(self.output)
+        last = self.output[-1]
+        if n >= sp.min_tokens and last in self.eos_token_ids:
+            self._finish(pb.FINISH_REASON_STOP, "")
+        elif n >= sp.min_tokens and last in sp.stop_token_ids:
+            self._finish(pb.FINISH_REASON_STOP, str(last))
+        elif n >= sp.max_tokens:
+            self._finish(pb.FINISH_REASON_LENGTH, "")
+        return self.finish_reason != pb.FINISH_REASON_UNSPECIFIED
 
     def _finish(self, reason: int, stop_reason: str) -> None:
         if self.finish_reason == pb.FINISH_REASON_UNSPECIFIED:

@@ -225,7 +225,7 @@ class RequestRecord:
         )
         return (
             f"{self.status} {self.details!r}: {len(self.tokens)} of {self.max_tokens} tokens, finish reason "
-            f"{self.finish}, {self.ended - self.started:.2f}s{cancel}"
+            f"{self.finish}, {self.reprefills} re-prefills, {self.ended - self.started:.2f}s{cancel}"
         )
 
 
