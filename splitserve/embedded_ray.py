@@ -5,8 +5,8 @@ Stopping it never depends on Ray answering. A signal sent to the whole process g
 default ``KillMode=control-group``, ``kill -- -PGID``) reaches the GCS, the raylet and the workers at
 the same moment as ``serve``; Ray's own shutdown then waits out timeouts against processes that are
 going away. So ``stop`` ends the recorded processes itself, by pid, with SIGKILL (what they hold lives in
-memory and in the temp folder, which goes next), then lets the driver disconnect; ``abort`` does not
-wait even for that.
+memory and in the temp folder, which goes next), after the driver disconnected while Ray still answered
+(``stop`` says why); ``abort`` does not wait even for that.
 """
 
 from __future__ import annotations
@@ -73,16 +73,25 @@ class EmbeddedRay:
         return bool(vital) and all(h.poll() is None for h in vital)
 
     def stop(self, timeout_s: float) -> None:
-        """SIGKILL every recorded process (and wait up to ``timeout_s`` for them to go), disconnect the
-        driver, remove the temp folder."""
+        """Disconnect the driver, SIGKILL every recorded process (and wait up to ``timeout_s`` for them to
+        go), remove the temp folder.
+
+        While Ray still runs, the driver disconnects first (``ray.shutdown``, which then ends the node's
+        own processes: SIGTERM, SIGKILL after 1 s): a driver's core worker that finds its raylet or GCS
+        gone while connected ends the whole process at once, without a word, so killing them first could
+        end ``serve``, or a script that starts one deployment after another, before its stop returned.
+        Once Ray is going away (a signal to the whole group), everything is killed first as before."""
         import ray
 
-        left = processes.kill(self.record(), timeout_s)
+        recorded = self.record()
+        if self.running():
+            ray.shutdown()
+        left = processes.kill(recorded, timeout_s)
         if left:
             log.warning(
                 "Ray processes still running %.0fs after SIGKILL: %s", timeout_s, ", ".join(str(p.pid) for p in left)
             )
-        ray.shutdown()  # finds its processes gone; only the driver's side is left to close
+        ray.shutdown()  # a no-op after the first; otherwise it finds its processes gone and closes the driver's side
         self.processes = set()
         self.remove_temp_dir()
 
