@@ -65,7 +65,8 @@ bench-tp: setup
 	$(VPY) scripts/bench_tp.py $(BENCH_ARGS)
 
 # The simulator against real runs on this machine, side by side (docs/planning.md): profiles, real
-# deployments, bench and simulate on the same requests; prints the relative errors. Takes tens of minutes.
+# deployments, bench and simulate on the same requests; prints the relative errors. All three presets take
+# about 1.5 hours on 2 cores; BENCH_ARGS="--presets tiny" about 20 minutes.
 sim-fidelity: setup
 	$(VPY) scripts/sim_fidelity.py $(BENCH_ARGS)
 

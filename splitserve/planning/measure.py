@@ -356,7 +356,11 @@ def measure_serving(
     role = {"threads": threads} if threads else {}
     roles = roles or ({"prefill": role, "decode": role} if mode == "disaggregated" else {"colocated": role})
     config = DeploymentConfig.from_dict({"model": model_dir, "dtype": profile.dtype, "port": 0, "mode": mode, **roles})
-    prompt_len, long_len, output_len = 64, 512, 32
+    prompt_len, output_len = 64, 32
+    # The long prompt's step must dwarf the noise of a first token's wait (milliseconds), or the slope
+    # below is noise: the longest of these that the profile says prefills within a second (at least 512).
+    fits = [n for n in (1024, 2048) if n <= profile.model.max_position_embeddings // 2]
+    long_len = max([512] + [n for n in fits if profile.step_s(StepShape.of([(0, n)])) <= 1.0])
     vocab = profile.model.vocab_size
 
     def batch(n: int, salt: int, length: int = prompt_len) -> list[BenchRequest]:
@@ -371,7 +375,7 @@ def measure_serving(
         address = deployment.address
         one = benchmark(batch(requests + 1, 0), [0.0] * (requests + 1), _bench(address, 1))
         many = benchmark(batch(requests, 1000), [0.0] * requests, _bench(address, requests))
-        long = benchmark(batch(requests // 2, 2000, long_len), [0.0] * (requests // 2), _bench(address, 1))
+        long = benchmark(batch(requests // 2 + 1, 2000, long_len), [0.0] * (requests // 2 + 1), _bench(address, 1))
     finally:
         deployment.stop()
     ttfts = one["ttfts"][1:]  # the first request warms up
@@ -380,7 +384,7 @@ def measure_serving(
     # prefill step, from prompts of two lengths one at a time, scales the prompt part of a step.
     short_step = profile.step_s(StepShape.of([(0, prompt_len)]))
     long_step = profile.step_s(StepShape.of([(0, long_len)]))
-    factor = (statistics.median(long["ttfts"]) - statistics.median(ttfts)) / (long_step - short_step)
+    factor = (statistics.median(long["ttfts"][1:]) - statistics.median(ttfts)) / (long_step - short_step)
     factor = min(max(factor, 1.0), 3.0)
     alone = statistics.median(gap for gaps in one["itls"][1:] for gap in gaps)
     together = statistics.median(gap for gaps in many["itls"] for gap in gaps[2:])  # once all decode together
