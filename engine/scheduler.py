@@ -11,13 +11,14 @@ freed and it goes back to the head of the queue, to be recomputed later.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 from typing import Literal
 
 from splitserve.common.validate import check_ranges
 from splitserve.engine.block_manager import NO_HIT, BlockManager
 from splitserve.engine.request import FinishReason, Request, RequestStatus
+from splitserve.engine.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -189,15 +190,13 @@ class Scheduler:
             request.finish_reason, request.stop_reason = reason
 
     def _stop_reason(self, request: Request, token: int) -> tuple[FinishReason, int | None] | None:
-        sp = request.sampling
-        if request.num_output_tokens >= sp.min_tokens:
-            if not sp.ignore_eos and token in self.eos_token_ids:
-                return FinishReason.STOP, None
-            if token in sp.stop_token_ids:
-                return FinishReason.STOP, token
-        if request.num_output_tokens >= sp.max_tokens or request.num_tokens >= self.config.max_model_len:
-            return FinishReason.LENGTH, None
-        return None
+        return stop_reason(
+            request.sampling,
+            self.eos_token_ids,
+            request.num_output_tokens,
+            token,
+            request.num_tokens >= self.config.max_model_len,
+        )
 
     def finish(self, request_id: str, reason: FinishReason, stop_reason: int | str | None = None) -> None:
         """End a request wherever it is and free its blocks; unknown or finished ids are ignored."""
@@ -212,3 +211,19 @@ class Scheduler:
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         request.stop_reason = stop_reason
+
+
+def stop_reason(
+    sampling: SamplingParams, eos_token_ids: Collection[int], num_output_tokens: int, token: int, at_max_len: bool
+) -> tuple[FinishReason, int | None] | None:
+    """Whether a request ends with this output token (its ``num_output_tokens``-th), and why: EOS (unless
+    ``ignore_eos``) or a stop id once ``min_tokens`` are out, else ``max_tokens`` or the model's length.
+    The one rule: the scheduler applies it to each sampled token, the router to the tokens it relayed."""
+    if num_output_tokens >= sampling.min_tokens:
+        if not sampling.ignore_eos and token in eos_token_ids:
+            return FinishReason.STOP, None
+        if token in sampling.stop_token_ids:
+            return FinishReason.STOP, token
+    if num_output_tokens >= sampling.max_tokens or at_max_len:
+        return FinishReason.LENGTH, None
+    return None

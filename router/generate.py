@@ -27,9 +27,10 @@ from splitserve.common.errors import ServingError
 from splitserve.engine.block_hash import block_hashes
 from splitserve.engine.detokenizer import IncrementalDetokenizer
 from splitserve.engine.sampling_params import SamplingParams
+from splitserve.engine.scheduler import stop_reason
 from splitserve.engine.stop_strings import StopStringMatcher
 from splitserve.engine.tokenizer import Tokenizer
-from splitserve.engine.wire import finish_label, sampling_to_pb
+from splitserve.engine.wire import FINISH_TO_PB, finish_label, sampling_to_pb, stop_reason_text
 from splitserve.router.config import RouterConfig
 from splitserve.router.dispatcher import Dispatcher, Ticket
 from splitserve.router.metrics import Outcome, RequestSummary, RouterMetrics
@@ -106,7 +107,7 @@ class RequestRun:
         self.metrics = metrics or RouterMetrics()
         self.sampling_pb = sampling_to_pb(sampling)
         self.hashes = block_hashes(prompt, config.block_size)
-        self.eos_token_ids = () if sampling.ignore_eos else tuple(tokenizer.eos_token_ids)
+        self.eos_token_ids = frozenset(tokenizer.eos_token_ids)
         self.detok = IncrementalDetokenizer(tokenizer, prompt, sampling.skip_special_tokens)
         self.stops = StopStringMatcher(sampling.stop, sampling.include_stop_str_in_output)
         self.output: list[int] = []  # every generated token, in order (all relayed to the client)
@@ -363,16 +364,10 @@ class RequestRun:
 
     def _ended_by_output(self) -> bool:
         """Whether the tokens relayed so far already end the request (its worker was lost between the
-        last token and the Finished message): the engine's own rule (Scheduler._stop_reason) on the
-        router's output. A new leg then would generate past the end."""
-        sp, n = self.sampling, len(self.output)
-        last = self.output[-1]
-        if n >= sp.min_tokens and last in self.eos_token_ids:
-            self._finish(pb.FINISH_REASON_STOP, "")
-        elif n >= sp.min_tokens and last in sp.stop_token_ids:
-            self._finish(pb.FINISH_REASON_STOP, str(last))
-        elif n >= sp.max_tokens:
-            self._finish(pb.FINISH_REASON_LENGTH, "")
+        last token and the Finished message), by the engine's own rule; a new leg would generate past it."""
+        reason = stop_reason(self.sampling, self.eos_token_ids, len(self.output), self.output[-1], False)
+        if reason is not None:
+            self._finish(FINISH_TO_PB[reason[0]], stop_reason_text(reason[1]))
         return self.finish_reason != pb.FINISH_REASON_UNSPECIFIED
 
     def _finish(self, reason: int, stop_reason: str) -> None:
