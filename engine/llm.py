@@ -17,10 +17,13 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import torch
+
 from splitserve.engine.core import EngineConfig, EngineCore
 from splitserve.engine.detokenizer import IncrementalDetokenizer
 from splitserve.engine.distributed import TPGroup
 from splitserve.engine.request import FinishReason, Request
+from splitserve.engine.rng import random_seed
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.engine.stop_strings import StopStringMatcher
 from splitserve.engine.tokenizer import Tokenizer
@@ -80,10 +83,23 @@ class LLM:
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
         self.core.check_request(token_ids, sampling)
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
-        request = Request(request_id, token_ids, sampling)
+        request = Request(request_id, token_ids, sampling, seed=self._seed_for(sampling))
         self.scheduler.add(request)
         self._streams[request_id] = _Stream(self.tokenizer, request)
         return request_id
+
+    def _seed_for(self, sampling: SamplingParams) -> int:
+        """The request's effective seed. In lockstep every rank of a tensor-parallel engine samples, so an
+        unseeded request draws from rank 0's random seed on every rank (one broadcast, in the order every rank
+        adds its requests): with per-rank seeds the ranks would sample different tokens, their KV heads would
+        hold different sequences and EOS could end a request on one rank only."""
+        if sampling.seed is not None:
+            return sampling.seed
+        seed = random_seed()
+        group = self.core.tp_group
+        if group is not None and not self.core.plan_steps:
+            seed = int(group.broadcast(torch.tensor([seed], dtype=torch.int64, device=self.device), src=0).item())
+        return seed
 
     def abort(self, request_id: str) -> None:
         self.scheduler.finish(request_id, FinishReason.ABORT)

@@ -26,6 +26,7 @@ TIE_GAP = 1e-3
 PROMPT_LENGTHS = [3, 17, 40]
 GREEDY = {"max_tokens": NEW_TOKENS, "temperature": 0.0, "ignore_eos": True}
 SEEDED = {"max_tokens": 16, "temperature": 0.8, "top_p": 0.9, "seed": 11, "ignore_eos": True}
+UNSEEDED = {"max_tokens": 16, "temperature": 1.0}  # each rank would draw a seed of its own
 CHUNKED = {"prefill_chunk_size": 7, "max_num_batched_tokens": 23}
 ARCHS = ["llama", "qwen2", "mistral"]
 
@@ -75,6 +76,7 @@ def test_tp2_greedy_matches_tp1_and_transformers(model_dirs, prompts, references
     runs = [(model_dirs[name], prompts, GREEDY, {}) for name in ["tiny", *ARCHS]]
     runs.append((model_dirs["tiny"], prompts, GREEDY, CHUNKED))
     runs.append((model_dirs["tiny"], prompts, SEEDED, {}))
+    runs.append((model_dirs["tiny"], [*prompts, prompts[0]], UNSEEDED, {}))
     ranks = tp_ranks.run_ranks(tp_ranks.generate, 2, runs)
     assert sorted(ranks) == [0, 1]
     for i, name in enumerate(["tiny", *ARCHS, "tiny chunked"]):
@@ -86,8 +88,14 @@ def test_tp2_greedy_matches_tp1_and_transformers(model_dirs, prompts, references
         assert ranks[0][i]["tokens"] == ranks[1][i]["tokens"], f"{name}: the ranks disagree"
         assert_matches_references(ranks[0][i]["tokens"], ref, f"{name} TP 2")
     # Seeded sampling draws the same tokens on every rank (identical logits, identical generators).
-    assert ranks[0][-1]["tokens"] == ranks[1][-1]["tokens"]
-    assert all(len(t) == 16 for t in ranks[0][-1]["tokens"])
+    assert ranks[0][-2]["tokens"] == ranks[1][-2]["tokens"]
+    assert all(len(t) == 16 for t in ranks[0][-2]["tokens"])
+    # So does unseeded sampling: rank 0's random seed is every rank's, so the ranks finish each request
+    # on the same token (and EOS cannot end it on one rank only); the seeds are random, not one constant.
+    unseeded = ranks[0][-1]["tokens"]
+    assert unseeded == ranks[1][-1]["tokens"], "unseeded sampling: the ranks disagree"
+    assert ranks[0][-1]["in_use"] == ranks[1][-1]["in_use"] == 0
+    assert unseeded[0] != unseeded[-1], "the same prompt twice, unseeded: expected different draws"
     # Each rank holds half the query heads; Llama's one KV head is replicated, the others' two are split.
     assert [ranks[r][0]["q_heads"] for r in (0, 1)] == [2, 2]
     assert [ranks[r][i]["kv_heads"] for r in (0, 1) for i in range(4)] == [1] * 8
