@@ -56,7 +56,9 @@ class RoleConfig:
     max_inflight: int = MAX_INFLIGHT["prefill"]  # each role's own default: DeploymentConfig's fields
     num_blocks: int | None = None  # this role's KV blocks; None: engine.num_blocks (or kv_cache_bytes)
     num_cpus: float | None = None  # Ray CPUs each worker reserves; None: len(its cpus) when pinned, else 0
-    num_gpus: float = 0.0  # Ray GPUs each worker reserves (use 1 with device: cuda)
+    # Ray GPUs each rank reserves. None: one with device cuda (else Ray hides the GPUs from the worker), none
+    # on cpu; an explicit 0 with device cuda is refused.
+    num_gpus: float | None = None
     # Custom Ray resources each worker needs. None: the default convention, 1 unit of
     # splitserve_prefill / splitserve_decode where the cluster has that resource, else nothing.
     resources: dict | None = None
@@ -123,6 +125,12 @@ class RoleConfig:
             return self.num_cpus
         cpus = self.cpu_set(slot)
         return float(len(cpus)) if cpus else 0.0
+
+    def worker_num_gpus(self, device: str) -> float:
+        """Ray GPUs each rank of a worker reserves on ``device``: num_gpus if set, else 1 on cuda, 0 on cpu."""
+        if self.num_gpus is not None:
+            return self.num_gpus
+        return 1.0 if device.startswith("cuda") else 0.0
 
     def describe_cpus(self) -> str:
         """``cpus`` as written in vLLM's form, "0-1|2-3"; "" when not pinned."""
@@ -217,6 +225,13 @@ class DeploymentConfig:
         object.__setattr__(self, "dtype", canonical_dtype(self.dtype))  # vLLM's names; the canonical one kept
         check_choice(self, "mode", MODES)
         check_choice(self, "log_format", LOG_FORMATS)
+        if self.device.startswith("cuda"):
+            for role in self.roles:
+                if getattr(self, role).num_gpus == 0:
+                    raise ValueError(
+                        f"{role}.num_gpus: 0 with device {self.device!r}: Ray would hide the GPUs from the "
+                        "worker; leave it unset (one GPU per rank) or give each rank a share above 0"
+                    )
         if self.planner.enabled and self.mode != "disaggregated":
             raise ValueError("planner.enabled: the live planner sizes prefill and decode (mode disaggregated)")
 

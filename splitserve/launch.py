@@ -397,7 +397,7 @@ class Deployment:
             resources = {name: 1} if ray.cluster_resources().get(name, 0) > 0 else {}
         options = dict(
             num_cpus=role_config.worker_num_cpus(slot),
-            num_gpus=role_config.num_gpus,
+            num_gpus=role_config.worker_num_gpus(self.config.device),
             resources=dict(resources),
             max_restarts=role_config.max_restarts,
             max_task_retries=0,

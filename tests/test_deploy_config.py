@@ -133,6 +133,8 @@ def test_from_file(tmp_path):
         ({"engine": {"linear_kernel": "fast"}}, "engine.linear_kernel: must be one of auto"),
         ({"engine": {"linear_split_allowed": "yes"}}, "engine.linear_split_allowed"),
         ({"decode": {"num_gpus": -1}}, "decode.num_gpus"),
+        ({"device": "cuda", "decode": {"num_gpus": 0}}, "decode.num_gpus: 0 with device 'cuda'"),
+        ({"device": "cuda", "mode": "colocated", "colocated": {"num_gpus": 0.0}}, "colocated.num_gpus"),
         ({"decode": {"resources": {"splitserve_decode": "one"}}}, "decode.resources"),
         ({"prefill": {"label_selector": {"splitserve-role": 1}}}, "prefill.label_selector"),
         ({"decode": {"max_restarts": -2}}, "decode.max_restarts"),
@@ -305,3 +307,14 @@ def test_tensor_parallel_sizes_are_checked_against_the_model_by_name(tiny_model_
         DeploymentConfig.from_dict({"mode": "colocated", "colocated": {"tensor_parallel_size": 8}}).check_model(
             str(tiny_model_dir)
         )
+
+
+def test_serve_device_cuda_with_a_role_at_zero_gpus_is_refused_by_name(tmp_path, capsys):
+    """``splitserve serve --device cuda`` on a config whose decode reserves 0 GPUs stops before Ray starts,
+    naming the field."""
+    from splitserve.cli import main
+
+    config = tmp_path / "deployment.yaml"
+    config.write_text("decode:\n  num_gpus: 0\n")
+    assert main(["serve", "--config", str(config), "--device", "cuda"]) == 2
+    assert "decode.num_gpus: 0 with device 'cuda'" in capsys.readouterr().err

@@ -37,6 +37,28 @@ def test_actor_options_follow_the_convention_unless_the_config_says_otherwise(ra
     )
 
 
+def test_cuda_gives_each_rank_a_gpu_unless_the_config_says_otherwise(ray_session):
+    """device cuda: a role without num_gpus reserves one GPU per rank (its actor, and each bundle of a
+    tensor-parallel worker's placement group); a share the config names is kept; cpu reserves none."""
+    import ray
+
+    config = DeploymentConfig.from_dict(
+        {"device": "cuda", "prefill": {"tensor_parallel_size": 2}, "decode": {"num_gpus": 0.5}}
+    )
+    deployment = Deployment(config)
+    assert deployment.actor_options("prefill")["num_gpus"] == 1.0
+    assert deployment.actor_options("decode")["num_gpus"] == 0.5
+    options, rank_options = deployment._place_ranks("prefill-0", "prefill", 0, deployment.actor_options("prefill"), {})
+    try:
+        assert [bundle.get("GPU") for bundle in deployment.placement_groups["prefill-0"].bundle_specs] == [1.0, 1.0]
+        assert [r["num_gpus"] for r in rank_options] == [1.0]
+    finally:
+        ray.util.remove_placement_group(deployment.placement_groups.pop("prefill-0"))
+    # The same config on cpu (a command line's --device cpu) reserves no GPU.
+    cpu = Deployment(config.with_overrides(device="cpu"))
+    assert cpu.actor_options("prefill")["num_gpus"] == 0.0 and cpu.actor_options("decode")["num_gpus"] == 0.5
+
+
 def test_router_address_workers_dial(ray_session, monkeypatch):
     import ray
 
