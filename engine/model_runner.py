@@ -166,12 +166,6 @@ class ModelRunner:
         ids = np.asarray(block_ids, dtype=np.int64)
         return context_rows(self._to_device(ids), self.kv_cache.spec.num_kv_heads)
 
-    def _prepare(self, items: list[ScheduledRequest]):
-        """The flattened batch of ``items`` (decodes first): input ids, positions, attention metadata, and
-        the (row, item) pairs to sample."""
-        plan, sampled = self.plan(items)
-        return (*self._inputs(plan), list(zip(plan.sample_rows.tolist(), sampled)))
-
     def plan(self, items: list[ScheduledRequest]) -> tuple[StepPlan, list[ScheduledRequest]]:
         """The step's plan for ``items`` (decodes first), and the items it samples, in its sample rows' order.
 

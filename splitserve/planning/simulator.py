@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import heapq
 import itertools
-import math
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -478,7 +477,3 @@ def utilization(sim: Simulation) -> dict[str, float]:
         if workers:
             out[role] = sum(w.busy_s for w in workers) / (len(workers) * end)
     return out
-
-
-def nan_to_none(result: dict) -> dict:
-    return {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in result.items()}
