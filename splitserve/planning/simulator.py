@@ -432,10 +432,12 @@ def simulate(
     offsets_s: Sequence[float],
     percentiles: Sequence[float] = (90, 95, 99),
     goodput: dict[str, float] | None = None,
+    simulation: Callable[[SimConfig], Simulation] = Simulation,
 ) -> tuple[dict, Simulation]:
     """Run ``requests`` (prompt token ids, output length) arriving at ``offsets_s``; returns
-    ``splitserve bench``'s summary of the run and the simulation (for its workers' figures)."""
-    sim = Simulation(config)
+    ``splitserve bench``'s summary of the run and the simulation (for its workers' figures).
+    ``simulation`` makes it from ``config`` (``sim_planner.PlannedSimulation``: with the live planner)."""
+    sim = simulation(config)
     jobs = [SimRequest(i, list(p), n, o) for i, ((p, n), o) in enumerate(zip(requests, offsets_s, strict=True))]
     sim.run(jobs)
     records = [to_record(job) for job in jobs]
