@@ -40,7 +40,7 @@ class BlockIntegrityError(AssertionError):
 class BlockEvent:
     """A change to the prefix cache, published so a router can track which worker holds which prefix."""
 
-    kind: Literal["stored", "removed", "cleared"]
+    kind: Literal["stored", "removed"]
     block_hashes: tuple[int, ...] = ()
 
 
@@ -163,16 +163,6 @@ class BlockManager:
         if stored and self.record_events:
             self._events.append(BlockEvent("stored", tuple(stored)))
 
-    def reset_prefix_cache(self) -> int:
-        """Drop every unreferenced cached block; returns how many were dropped."""
-        dropped = list(self._evictable)
-        removed = tuple(self._unhash(b) for b in dropped)
-        self._evictable.clear()
-        self._free.extend(dropped)
-        if self.record_events:
-            self._events.append(BlockEvent("cleared", removed))
-        return len(dropped)
-
     def holds_hash(self, block_hash: int) -> bool:
         """Whether the prefix cache holds a block of this hash now (in use or evictable)."""
         return block_hash in self._hash_to_block
@@ -186,9 +176,6 @@ class BlockManager:
         return events
 
     # ---- allocation ---------------------------------------------------------------------------
-
-    def can_allocate(self, request_id: str, num_tokens: int, hit: PrefixHit = NO_HIT) -> bool:
-        return self._num_missing(request_id, num_tokens, hit) <= self._num_takeable(hit)
 
     def allocate(self, request_id: str, num_tokens: int, hit: PrefixHit = NO_HIT) -> bool:
         """Grow the request's table to cover ``num_tokens`` tokens; all or nothing.

@@ -38,6 +38,9 @@ from splitserve.engine.tp_step import PlanChannel
 
 log = logging.getLogger(__name__)
 
+# The decode attention of the dynamic path (every step that is not a static one).
+DYNAMIC_DECODE_BACKEND = "gather (splitserve.engine.attention)"
+
 DECODE_PATHS = ("auto", "dynamic", "static")
 TP_STEPS = ("lockstep", "plan")
 
@@ -133,7 +136,7 @@ class EngineCore:
         self.decode_path = self.resolve_decode_path()
         self.static_decode = self.decode_path == "static"
         # The decode attention of decode-only steps: a paged_decode backend (static) or the gather (dynamic).
-        self.decode_backend = "gather (splitserve.engine.attention)"
+        self.decode_backend = DYNAMIC_DECODE_BACKEND
         # The static path's padding rows write to one scratch block past those the block manager owns.
         cache_blocks = num_blocks + 1 if self.static_decode else num_blocks
         cache_spec = KVCacheSpec.for_model(self.model_config, cache_blocks, cfg.block_size, self.dtype, *tp)

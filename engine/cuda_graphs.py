@@ -15,8 +15,9 @@ Graphs share one memory pool, captured largest first so the smaller ones fit in 
 reserved; no intermediate outlives a replay, and replays never overlap (one engine step at a time).
 Each graph copies its result into one persistent ``hidden`` buffer, outside the pool.
 
-``GraphBackend`` is the seam: ``CudaGraphBackend`` drives torch.cuda; tests on a CPU use a fake that
-records the captured function and reruns it on replay, which checks all the bookkeeping.
+``GraphBackend`` is the seam: ``CudaGraphBackend`` drives torch.cuda; tests on a CPU use a fake
+(tests/engine/fake_graphs.py) that records the captured operators on their tensors and replays those,
+not the function, so an input the runner does not refill in place goes stale there as it does here.
 """
 
 from __future__ import annotations

@@ -223,14 +223,6 @@ class CausalLM(nn.Module):
             if path != "plain":
                 self.lm_head = Linear.from_weight(self.embed_tokens.weight, path, split_rows)
 
-    def linear_paths(self) -> dict[str, str]:
-        """Module name -> the kernel that linear layer runs: "plain" (``F.linear``; cuBLAS on CUDA), "packed"
-        (oneDNN, prepacked weight) or "split" (both, by rows). "lm_head" is listed even when it is the tied
-        embedding."""
-        paths = {name: m.path for name, m in self.named_modules() if isinstance(m, Linear)}
-        paths.setdefault("lm_head", "plain")
-        return paths
-
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head on the selected rows only: logits [rows, vocab] in the model's dtype."""
         hidden = self.norm(hidden)

@@ -76,11 +76,6 @@ class ModelConfig:
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
-    @property
-    def kv_bytes_per_token_per_elem(self) -> int:
-        """KV elements per token over all layers (multiply by the element size for bytes)."""
-        return 2 * self.num_layers * self.kv_size
-
     @classmethod
     def from_model_dir(cls, model_dir: str | Path) -> ModelConfig:
         path = Path(model_dir) / "config.json"

@@ -20,6 +20,7 @@ straight to ``run_plan``, with no encoding. Such an engine decodes on the dynami
 from __future__ import annotations
 
 import itertools
+from collections import Counter
 from collections.abc import Callable
 
 import numpy as np
@@ -58,7 +59,9 @@ class ModelRunner:
         self.channel = channel
         self.static = static_decode
         self.graphs: DecodeGraphs | None = None
-        self.num_static_steps = 0  # decode steps the static path ran, for tests and stats
+        # Steps by the path that ran them: "dynamic", "static" (eager) or "graph" (a captured graph replayed).
+        # What ran, not what was configured: scripts/gpu_bench.py reports its timed steps' paths from it.
+        self.steps: Counter[str] = Counter()
         if static_decode is not None:
             # Rotary tables sized once for every position a table can hold: they must not be
             # reallocated under a captured graph.
@@ -75,6 +78,7 @@ class ModelRunner:
             return {}
         if self._takes_static_path(output, on_layer_done):
             return self._execute_static(list(output.scheduled))
+        self.steps["dynamic"] += 1
         items = [s for s in output.scheduled if s.num_new_tokens == 1]
         items += [s for s in output.scheduled if s.num_new_tokens > 1]
         plan, sampled = self.plan(items)
@@ -107,8 +111,12 @@ class ModelRunner:
     def _execute_static(self, items: list[ScheduledRequest]) -> dict[str, int]:
         tables = [self.blocks.block_table(s.request.request_id) for s in items]
         bucket = self.static.fill(items, tables)
-        hidden = self.graphs.replay(bucket) if self.graphs is not None else self._static_forward(bucket)
-        self.num_static_steps += 1
+        if self.graphs is not None:
+            hidden = self.graphs.replay(bucket)
+            self.steps["graph"] += 1
+        else:
+            hidden = self._static_forward(bucket)
+            self.steps["static"] += 1
         sample = [row for row, s in enumerate(items) if s.samples]
         if not sample:
             return {}
@@ -165,12 +173,6 @@ class ModelRunner:
     def _rows(self, block_ids: list[int] | np.ndarray) -> torch.Tensor:
         ids = np.asarray(block_ids, dtype=np.int64)
         return context_rows(self._to_device(ids), self.kv_cache.spec.num_kv_heads)
-
-    def _prepare(self, items: list[ScheduledRequest]):
-        """The flattened batch of ``items`` (decodes first): input ids, positions, attention metadata, and
-        the (row, item) pairs to sample."""
-        plan, sampled = self.plan(items)
-        return (*self._inputs(plan), list(zip(plan.sample_rows.tolist(), sampled)))
 
     def plan(self, items: list[ScheduledRequest]) -> tuple[StepPlan, list[ScheduledRequest]]:
         """The step's plan for ``items`` (decodes first), and the items it samples, in its sample rows' order.

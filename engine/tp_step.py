@@ -24,7 +24,7 @@ ticks while idle (``PlanChannel.tick``).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import msgpack
@@ -61,17 +61,6 @@ class StepPlan:
     @property
     def num_decodes(self) -> int:
         return len(self.decode_context_lens)
-
-    def same_as(self, other: StepPlan) -> bool:
-        """Equal field for field (arrays by dtype, shape and values)."""
-        for f in fields(self):
-            a, b = getattr(self, f.name), getattr(other, f.name)
-            if isinstance(a, np.ndarray):
-                if not (isinstance(b, np.ndarray) and a.dtype == b.dtype and np.array_equal(a, b)):
-                    return False
-            elif type(a) is not type(b) or a != b:
-                return False
-        return True
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ from splitserve.engine.block_manager import BlockManager
 from splitserve.rpc import workers_pb2 as wpb
 from splitserve.worker_common.messages import Emit, End, Event
 
-_KINDS = {"stored": wpb.CacheEvent.STORED, "removed": wpb.CacheEvent.REMOVED, "cleared": wpb.CacheEvent.REMOVED}
+_KINDS = {"stored": wpb.CacheEvent.STORED, "removed": wpb.CacheEvent.REMOVED}
 
 
 class CacheEventFeed:

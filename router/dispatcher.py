@@ -19,7 +19,7 @@ import grpc
 from splitserve.common.arith import ceil_div
 from splitserve.common.errors import ServingError
 from splitserve.router.config import RouterConfig
-from splitserve.router.policy import choose_decode, choose_prefill
+from splitserve.router.policy import choose_decode, choose_prefill, prefill_on_decode
 from splitserve.router.workers import DecodeHandle, PrefillHandle, WorkerPool, read_call, start_call
 from splitserve.rpc import workers_pb2 as wpb
 from splitserve.rpc.status import from_status
@@ -119,18 +119,20 @@ class Dispatcher:
             self.waiting.popleft()
             ticket.future.set_result(worker)
 
-    def prefill_locally(self, ticket: Ticket) -> bool:
-        """Conditional disaggregation: prefill this request on its decode worker instead (its uncached
-        prompt, beyond the best prefill worker's cached prefix, is short; or the prefill queue is long)."""
-        c = self.config
-        if not (c.local_prefill_max_tokens or c.remote_prefill_max_queue_tokens) or not self.pool.decode:
-            return False
-        views = [p.view for p in self.pool.prefill if p.view.healthy]
-        cached = max((v.cached_prefix_blocks(ticket.prompt_hashes) for v in views), default=0) * self.block_size
-        if ticket.num_tokens - cached <= c.local_prefill_max_tokens:
-            return True
-        queued = sum(v.queued_tokens for v in views) + sum(t.num_tokens for t in self.waiting)
-        return bool(c.remote_prefill_max_queue_tokens) and queued >= c.remote_prefill_max_queue_tokens
+    def prefill_locally(self, ticket: Ticket, tokens_left: int) -> bool:
+        """Conditional disaggregation: whether this request's decode worker prefills it instead
+        (``policy.prefill_on_decode``, the rule the simulator calls too); ``tokens_left``: the tokens it may
+        still generate."""
+        return prefill_on_decode(
+            self.config,
+            [p.view for p in self.pool.prefill],
+            ticket.prompt_hashes,
+            self.block_size,
+            num_tokens=ticket.num_tokens,
+            tokens_left=tokens_left,
+            waiting_tokens=sum(t.num_tokens for t in self.waiting),
+            decode_workers=len(self.pool.decode),
+        )
 
     # ---- decode leases --------------------------------------------------------------------------
 

@@ -160,7 +160,7 @@ class RequestRun:
         """Prefill prompt + output so far, then decode until finished or handed back."""
         calls: list = []
         ticket = Ticket(self.request_id, len(self.prompt) + len(self.output), self.hashes)
-        if self.sampling.max_tokens - len(self.output) > 1 and self.dispatcher.prefill_locally(ticket):
+        if self.dispatcher.prefill_locally(ticket, self.sampling.max_tokens - len(self.output)):
             async for message in self._local_leg(ticket):
                 yield message
             return

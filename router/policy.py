@@ -12,12 +12,17 @@ Prefill workers are chosen among those with credit (room) by the configured poli
 
 Decode workers are chosen by room: enough free KV blocks for the request, then the fewest requests
 (the router's open ``Decode`` calls to it: running, and leased waiting for KV), then the most free blocks.
+
+Conditional disaggregation (``prefill_on_decode``) decides, before a leg starts, whether its decode worker
+prefills it instead of a prefill worker. The router's dispatcher and the simulator
+(``splitserve.planning.simulator``) both call it, so they cannot drift apart.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 
 @dataclass
@@ -76,3 +81,45 @@ def choose_decode(workers: Sequence[DecodeView], blocks_needed: int, exclude: Se
     if not candidates:
         return None
     return min(candidates, key=lambda w: (w.requests, -w.free_blocks))
+
+
+class LocalPrefillSettings(Protocol):
+    """The thresholds of conditional disaggregation, as ``RouterConfig`` (and the simulator's config) names them."""
+
+    local_prefill_max_tokens: int  # prefill on the decode worker when at most this many tokens are uncached
+    remote_prefill_max_queue_tokens: int  # ... or when the prefill queue holds this many tokens or more
+
+
+def prefill_on_decode(
+    settings: LocalPrefillSettings,
+    prefill_workers: Sequence[PrefillView],
+    prompt_hashes: Sequence[int],
+    block_size: int,
+    *,
+    num_tokens: int,
+    tokens_left: int,
+    waiting_tokens: int,
+    decode_workers: int,
+) -> bool:
+    """Whether a leg's decode worker prefills it itself (conditional disaggregation, NVIDIA Dynamo's rule).
+
+    ``num_tokens``: the leg's tokens to prefill (prompt and output so far), ``prompt_hashes`` their full
+    blocks' hashes; ``tokens_left``: the tokens it may still generate; ``waiting_tokens``: the tokens of
+    the requests waiting for a prefill worker's credit; ``decode_workers``: how many the router knows.
+
+    Yes when the thresholds allow it and either the tokens beyond the longest prefix a healthy prefill
+    worker caches number at most ``local_prefill_max_tokens``, or the prefill workers' queued tokens plus
+    the waiting ones reach ``remote_prefill_max_queue_tokens``. Never with both thresholds 0, without a
+    decode worker, or with at most one token left: the prefill's first token would end the request, so
+    there is no decode leg to prefill for."""
+    s = settings
+    if not (s.local_prefill_max_tokens or s.remote_prefill_max_queue_tokens) or not decode_workers:
+        return False
+    if tokens_left <= 1:
+        return False
+    healthy = [w for w in prefill_workers if w.healthy]
+    cached = max((w.cached_prefix_blocks(prompt_hashes) for w in healthy), default=0) * block_size
+    if num_tokens - cached <= s.local_prefill_max_tokens:
+        return True
+    queued = sum(w.queued_tokens for w in healthy) + waiting_tokens
+    return bool(s.remote_prefill_max_queue_tokens) and queued >= s.remote_prefill_max_queue_tokens

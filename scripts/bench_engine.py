@@ -32,6 +32,7 @@ import os
 import random
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -118,17 +119,20 @@ def splitserve_prefill_time(llm: LLM, batch: int, prompt_len: int, device: str) 
 
 
 def splitserve_decode(llm: LLM, batch: int, prompt_len: int, new_tokens: int, device: str) -> dict:
-    """Mixed prompt lengths in [prompt_len / 2, 3 * prompt_len / 2], continuous batching, pure-decode steps timed."""
+    """Mixed prompt lengths in [prompt_len / 2, 3 * prompt_len / 2], continuous batching, pure-decode steps timed.
+    ``paths``: how many of the timed steps each path ran (``ModelRunner.steps``: dynamic, static, graph)."""
     rng = random.Random(1000 + batch)
     lengths = [rng.randint(prompt_len // 2, 3 * prompt_len // 2) for _ in range(batch)]
     sp = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     for p in make_prompts(llm.model_config.vocab_size, lengths, seed=batch):
         llm.add_request(p, sp)
     decode_time, decode_tokens, steps, context = 0.0, 0, 0, 0
+    paths: Counter[str] = Counter()
     while llm.has_unfinished_requests():
         running = [r for r in llm.scheduler.running if r.num_computed_tokens == r.num_tokens - 1]
         pure_decode = not llm.scheduler.waiting and len(running) == len(llm.scheduler.running) == batch
         ctx = sum(r.num_tokens for r in running)
+        before = Counter(llm.runner.steps)
         sync(device)
         start = time.perf_counter()
         llm.step()
@@ -138,11 +142,13 @@ def splitserve_decode(llm: LLM, batch: int, prompt_len: int, new_tokens: int, de
             decode_tokens += batch
             steps += 1
             context += ctx
+            paths += llm.runner.steps - before
     llm.check_integrity()
     return {
         "tok_s": decode_tokens / decode_time,
         "ms_per_step": 1e3 * decode_time / steps,
         "mean_context": context / steps / batch,
+        "paths": dict(paths),
     }
 
 

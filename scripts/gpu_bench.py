@@ -12,10 +12,12 @@ temp folder), measured in this run:
   and `generate(max_new_tokens=1)` for prefill;
 - the machine's copy bandwidth (a 1 GiB device copy) and bf16 GEMM peak (8192^3 matmuls).
 
-Then ONE summary table, the issue's GPU targets, and which decode attention backend and decode path the
-engine used. Every step has a deadline and the whole run a budget (--budget, default 450 s), so a slow
-step costs its row ("timed out"), not the table. `--device cpu` rehearses the same code on the tiny
-preset with tiny sizes in seconds (scripts/gpu_check.sh --device cpu, which `make test` runs).
+Then ONE summary table, the issue's GPU targets, and which decode path (dynamic, static eager, static with
+CUDA graphs) and attention backend the timed decode steps ran, as the engine counted them
+(``ModelRunner.steps``), not as configured. Every step has a deadline and the whole run a budget
+(--budget, default 450 s), so a slow step costs its row ("timed out"), not the table. `--device cpu`
+rehearses the same code on the tiny preset with tiny sizes in seconds (scripts/gpu_check.sh --device
+cpu, which `make test` runs).
 
 Usage: python scripts/gpu_bench.py --device cuda [--json-out FILE] [--models qwen2.5-0.5b,llama3.1-8b]
 """
@@ -30,6 +32,7 @@ import signal
 import sys
 import tempfile
 import time
+from collections import Counter
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -49,6 +52,7 @@ from bench_engine import (  # noqa: E402
 )
 
 from splitserve.engine import LLM, ModelConfig  # noqa: E402
+from splitserve.engine.core import DYNAMIC_DECODE_BACKEND  # noqa: E402
 from splitserve.engine.hardware import print_header  # noqa: E402
 
 
@@ -173,16 +177,22 @@ def triton_status(device: str) -> str:
     return f"{triton_paged_decode.triton.__version__} (paged decode kernel {state})"
 
 
-def decode_info(llm: LLM) -> tuple[str, str]:
-    """The decode attention backend and decode path, where the engine says which it used."""
-    sources = (llm.runner, llm.core, llm)
-    found = {}
-    for key, names in {
-        "backend": ("decode_attention_backend", "decode_backend", "attention_backend"),
-        "path": ("decode_path", "decode_mode"),
-    }.items():
-        found[key] = next((str(getattr(s, n)) for s in sources for n in names if getattr(s, n, None) is not None), None)
-    return found["backend"] or "not exposed by the engine", found["path"] or "dynamic"
+# What ``ModelRunner.steps`` counts, as the report names it.
+PATH_NAMES = {"graph": "static, CUDA graphs replayed", "static": "static, eager", "dynamic": "dynamic"}
+
+
+def decode_ran(paths: Counter, static_backend: str) -> tuple[str, str]:
+    """The decode path and attention backend that the timed decode steps ran (``paths``: the engine's own
+    count of them by path, summed over the rows), not the configured ones: a static engine whose capture
+    failed replays no graph, and a step its buckets do not hold runs the dynamic path."""
+    total = sum(paths.values())
+    if not total:
+        return "no decode step timed", "-"
+    path = "; ".join(f"{PATH_NAMES[p]} in {n} of {total} timed steps" for p, n in paths.most_common())
+    backends = dict.fromkeys(
+        DYNAMIC_DECODE_BACKEND if p == "dynamic" else static_backend for p, _ in paths.most_common()
+    )
+    return path, " and ".join(backends)
 
 
 # ---- one model ------------------------------------------------------------------------------------
@@ -244,7 +254,7 @@ def bench_splitserve(model_dir: Path, plan: Plan, args, budget: Budget) -> dict:
     )
     if not isinstance(llm, LLM):
         return {"error": f"splitserve load: {llm}", "splitserve": {}}
-    backend, path = decode_info(llm)
+    static_backend = llm.core.decode_backend  # the paged_decode backend its static steps run
     ours: dict = {}
     # After a timeout or error mid-step the engine holds half-run requests: its later rows are skipped.
     broken = attempt(
@@ -280,6 +290,8 @@ def bench_splitserve(model_dir: Path, plan: Plan, args, budget: Budget) -> dict:
         )
         broken = broken or (t if isinstance(t, str) else None)
         ours[f"prefill_{n}"] = n / t if isinstance(t, float) else t
+    ran = sum((Counter(d["paths"]) for d in ours.values() if isinstance(d, dict)), Counter())
+    path, backend = decode_ran(ran, static_backend)
     llm = None  # frees the engine before the next backend loads
     return {"splitserve": ours, "decode_backend": backend, "decode_path": path}
 
@@ -410,8 +422,8 @@ def print_report(result: dict, plan: Plan) -> None:
     for preset, r in result["models"].items():
         errors = [e for e in (r.get("error"), r.get("transformers", {}).get("error")) if e]
         print(
-            f"{preset}: decode attention backend: {r.get('decode_backend', '-')}; decode path: "
-            f"{r.get('decode_path', '-')}" + "".join(f"; {e}" for e in errors)
+            f"{preset}: timed decode steps ran: {r.get('decode_path', '-')}; decode attention backend: "
+            f"{r.get('decode_backend', '-')}" + "".join(f"; {e}" for e in errors)
         )
     header = ["model", "measure", "size", "splitserve", "transformers", "vs transformers", "bound", "fraction of bound"]
     print()

@@ -23,7 +23,7 @@ from splitserve.observability.logs import LOG_FORMATS
 from splitserve.planning.settings import PlannerSettings
 from splitserve.router.config import RouterConfig, RouterSettings
 from splitserve.rpc.security import InternalSecurity, PublicSecurity
-from splitserve.worker_common.affinity import CpuSet, format_cpu_list, parse_cpu_sets, thread_count
+from splitserve.worker_common.affinity import CpuSet, parse_cpu_sets, thread_count
 from splitserve.worker_common.config import MAX_INFLIGHT, WorkerConfig, check_threads_fit
 
 __all__ = [
@@ -131,10 +131,6 @@ class RoleConfig:
         if self.num_gpus is not None:
             return self.num_gpus
         return 1.0 if device.startswith("cuda") else 0.0
-
-    def describe_cpus(self) -> str:
-        """``cpus`` as written in vLLM's form, "0-1|2-3"; "" when not pinned."""
-        return "|".join(format_cpu_list(c) for c in self.cpus) if self.cpus else ""
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,5 @@
-"""scripts/gpu_bench.py's arithmetic: the prefill FLOPs behind its GEMM bound, its table rows and the targets.
+"""scripts/gpu_bench.py's arithmetic: the prefill FLOPs behind its GEMM bound, its table rows and the targets;
+and that it reports the decode path and backend its timed steps ran, from the engine's own count.
 
 The script itself runs end to end in `make test` through `scripts/gpu_check.sh --device cpu`."""
 
@@ -6,7 +7,9 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+from collections import Counter
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -84,3 +87,39 @@ def test_rows_show_ratios_bounds_and_failures(gpu_bench):
     assert rows[("qwen2.5-0.5b", "2048 tokens")][3:] == ["100000", "-", "-", "500000 (GEMM)", "0.20"]
     assert rows[("llama3.1-8b", "2048 tokens")][3] == "timed out"
     assert rows[("llama3.1-8b", "batch 8")][3:5] == ["-", "-"]
+
+
+def test_decode_ran_names_the_paths_the_engine_counted(gpu_bench):
+    path, backend = gpu_bench.decode_ran(Counter({"graph": 30, "dynamic": 2}), "paged_decode triton")
+    assert path == "static, CUDA graphs replayed in 30 of 32 timed steps; dynamic in 2 of 32 timed steps"
+    assert backend == "paged_decode triton and gather (splitserve.engine.attention)"
+    assert gpu_bench.decode_ran(Counter(), "paged_decode triton") == ("no decode step timed", "-")
+
+
+@pytest.mark.parametrize("buckets_hold_the_batch", [True, False])
+def test_the_report_says_what_the_timed_steps_ran_not_what_was_configured(
+    gpu_bench, tiny_model_dir, monkeypatch, buckets_hold_the_batch
+):
+    """An engine configured static (CPU: no graphs) runs its timed decode steps static, eager, with the
+    paged_decode backend; when its buckets hold no batch, the same configuration runs them dynamic."""
+    from splitserve.engine import LLM
+    from splitserve.engine.static_decode import StaticDecodeInputs
+
+    class StaticLLM(LLM):
+        def __init__(self, *args, **options) -> None:
+            super().__init__(*args, **{**options, "decode_path": "static", "kv_cache_bytes": 4 << 20})
+
+    monkeypatch.setattr(gpu_bench, "LLM", StaticLLM)
+    if not buckets_hold_the_batch:
+        monkeypatch.setattr(StaticDecodeInputs, "fits", lambda self, items: False)
+    args = SimpleNamespace(dtype="float32", device="cpu", threads=1)
+    plan = gpu_bench.PLANS["cpu"]
+    out = gpu_bench.bench_splitserve(tiny_model_dir, plan, args, gpu_bench.Budget(120))
+    timed = (plan.new_tokens - 1) * len(plan.decode_batches)  # every step after the prefill, each batch
+    assert all(isinstance(out["splitserve"][f"decode_{b}"], dict) for b in plan.decode_batches), out
+    if buckets_hold_the_batch:
+        assert out["decode_path"] == f"static, eager in {timed} of {timed} timed steps"
+        assert out["decode_backend"] == "paged_decode torch"
+    else:
+        assert out["decode_path"] == f"dynamic in {timed} of {timed} timed steps"
+        assert out["decode_backend"] == "gather (splitserve.engine.attention)"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -138,6 +139,18 @@ def add_simulate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--lose", action="append", default=[], metavar="WORKER@S", help="lose a worker at a time, e.g. decode-0@12.5"
     )
+    p.add_argument(
+        "--planner",
+        action="store_true",
+        help="run the config's planner: section (the live planner, enabled or not) on the simulated deployment: "
+        "it scales prefill and decode as `splitserve scale` does; prints each decision (docs/planning.md)",
+    )
+    p.add_argument(
+        "--startup-s",
+        type=float,
+        default=10.0,
+        help="with --planner: seconds a new worker takes before it takes work (loading, registering)",
+    )
     add_workload_arguments(p)
     r = p.add_argument_group("results")
     add_result_arguments(r)
@@ -157,7 +170,7 @@ def run_simulate(args: argparse.Namespace) -> int:
     from splitserve.deploy_config import DeploymentConfig
     from splitserve.planning.deployment import sim_config
     from splitserve.planning.profile import Profile
-    from splitserve.planning.simulator import simulate, utilization
+    from splitserve.planning.simulator import Simulation, simulate, utilization
 
     deployment = DeploymentConfig.from_file(args.config) if args.config else DeploymentConfig()
     roles = {}
@@ -181,10 +194,13 @@ def run_simulate(args: argparse.Namespace) -> int:
     requests = make_requests(options, TokenRange.for_vocab(base.model.vocab_size))
     percentiles = parse_percentiles(args.percentiles)
     if args.rates:
+        if args.planner:
+            raise ValueError("--planner: one run at a time (the planner resizes it), not a sweep over --rates")
         return _sweep(args, config, requests, percentiles, base.model.name)
     offsets = request_offsets(args, requests)
+    planned = _planned(args, deployment, base) if args.planner else Simulation
     result, sim = simulate(
-        config, [(r.prompt, r.output_len) for r in requests], offsets, percentiles, parse_goodput(args.goodput)
+        config, [(r.prompt, r.output_len) for r in requests], offsets, percentiles, parse_goodput(args.goodput), planned
     )
     result = {
         "backend": "simulate",
@@ -197,16 +213,68 @@ def run_simulate(args: argparse.Namespace) -> int:
         "utilization": utilization(sim),
         **result,
     }
+    if args.planner:
+        result["planner"] = [_interval(i) for i in sim.intervals]
+        result["final_counts"] = sim.counts()
     if args.json:
         print(json.dumps(result))
     else:
         print(format_summary(result, percentiles))
+        if args.planner:
+            print(_describe_planner(sim))
     if args.save_result:
         path = Path(args.save_result)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(result, indent=2))
         print(f"result written to {path}", file=sys.stderr)
     return 0 if result["completed"] else 1
+
+
+def _planned(args: argparse.Namespace, deployment, profile):
+    """``--planner``: the simulation the live planner resizes, with the config's ``planner:`` settings and
+    the oracles the live one builds (``live.profile_oracles``) from ``planner.profile``, else ``--profile``."""
+    from splitserve.planning.live import Planner, profile_oracles
+    from splitserve.planning.profile import Profile
+    from splitserve.planning.sim_planner import PlannedSimulation
+
+    if args.startup_s < 0:
+        raise ValueError(f"--startup-s: expected 0 or more seconds, got {args.startup_s}")
+    settings = deployment.planner
+    oracle = Profile.load(settings.profile) if settings.profile else profile
+    planner = Planner(settings, *profile_oracles(settings, deployment, oracle))
+    return lambda config: PlannedSimulation(config, planner, startup_s=args.startup_s)
+
+
+def _interval(interval) -> dict:
+    """One planner interval for the JSON result (attainment None when no request finished in it)."""
+    d = interval.decision
+    return {
+        "at_s": interval.at,
+        "counts": interval.counts,
+        "targets": d.targets,
+        "applied": d.applied,
+        "decision": d.describe(),
+        "finished": interval.finished,
+        "attainment": None if math.isnan(interval.attainment) else interval.attainment,
+    }
+
+
+def _describe_planner(sim) -> str:
+    """The planner's intervals, one line each, and where the deployment ended."""
+    s = sim.planner.settings
+    applied = sum(i.decision.applied for i in sim.intervals)
+    final = sim.counts()
+    lines = [
+        f"planner: {len(sim.intervals)} decisions every {s.interval_s:g} s, {applied} applied (workers start in "
+        f"{sim.startup_s:g} s); at the end prefill {final['prefill']}, decode {final['decode']}"
+    ]
+    for i in sim.intervals:
+        reached = "-" if math.isnan(i.attainment) else f"{i.attainment:.0%}"
+        lines.append(
+            f"  {i.at:8.1f} s  prefill {i.counts['prefill']} decode {i.counts['decode']}: {i.decision.describe()}; "
+            f"{i.finished} finished, {reached} within the planner's SLOs"
+        )
+    return "\n".join(lines)
 
 
 def _sweep(args: argparse.Namespace, config, requests, percentiles, model_name: str) -> int:

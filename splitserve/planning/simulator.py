@@ -9,8 +9,11 @@ scheduler and block manager). The router follows the real one's path for each re
     (credit back) ─▶ KV transfer (profile.transfer_s) ─▶ decode steps ─▶ finished
                                                        └▶ handed back / worker lost: re-prefill
 
-Colocated workers take the prefill path's place and hold the credit to the end. A lost worker's
-requests are retried (no token out yet) or migrate (prompt and output re-prefilled), as the router does.
+Conditional disaggregation (``router.policy.prefill_on_decode``, the router's own function) is decided
+when a leg starts, before the queue: a request it picks takes a decode lease with no prefill worker, and
+its decode worker prefills it. Colocated workers take the prefill path's place and hold the credit to
+the end. A lost worker's requests are retried (no token out yet) or migrate (prompt and output
+re-prefilled), as the router does.
 
 Results have ``splitserve bench``'s JSON keys (``splitserve.bench.metrics.summarize`` on the same
 ``RequestRecord``s), so a simulated run and a measured one can be diffed key by key.
@@ -20,7 +23,6 @@ from __future__ import annotations
 
 import heapq
 import itertools
-import math
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -32,7 +34,7 @@ from splitserve.engine.request import Request
 from splitserve.engine.scheduler import SchedulerConfig
 from splitserve.planning.profile import Profile
 from splitserve.planning.sim_workers import SimColocated, SimDecode, SimPrefill, SimRequest, SimWorker
-from splitserve.router.policy import DecodeView, PrefillView, choose_decode, choose_prefill
+from splitserve.router.policy import DecodeView, PrefillView, choose_decode, choose_prefill, prefill_on_decode
 
 
 @dataclass(frozen=True)
@@ -208,25 +210,41 @@ class Simulation:
     # ---- the router ---------------------------------------------------------------------------
 
     def _arrive(self, job: SimRequest) -> None:
+        if self._prefill_locally(job):
+            self._lease_locally(job)
+            return
         if len(self.queue) >= self.config.max_queue:
             self._fail(job, "RESOURCE_EXHAUSTED")
             return
         self.queue.append(job)
         self._dispatch()
 
-    def _prefill_locally(self, job: SimRequest, hashes: list[int]) -> bool:
-        """The router's rule (``Dispatcher.prefill_locally``), on the simulated views."""
+    def _prefill_locally(self, job: SimRequest) -> bool:
+        """The router's rule (``router.policy.prefill_on_decode``), on the simulated views. As the router,
+        it is applied when a leg starts (an arrival, a retry, a migration), before the prefill queue."""
         c = self.config
-        if c.mode != "disaggregated" or not (c.local_prefill_max_tokens or c.remote_prefill_max_queue_tokens):
-            return False
-        if job.output_len - len(job.output) <= 1:
-            return False
-        views = [v for v in self.views.values() if v.healthy]
-        cached = max((v.cached_prefix_blocks(hashes) for v in views), default=0) * c.block_size
-        if len(job.prompt) + len(job.output) - cached <= c.local_prefill_max_tokens:
-            return True
-        queued = sum(v.queued_tokens for v in views) + sum(len(j.prompt) + len(j.output) for j in self.queue)
-        return bool(c.remote_prefill_max_queue_tokens) and queued >= c.remote_prefill_max_queue_tokens
+        return prefill_on_decode(
+            c,
+            list(self.views.values()),
+            block_hashes(job.prompt + job.output, c.block_size),
+            c.block_size,
+            num_tokens=len(job.prompt) + len(job.output),
+            tokens_left=job.output_len - len(job.output),
+            waiting_tokens=sum(len(j.prompt) + len(j.output) for j in self.queue),
+            decode_workers=len(self.decode),
+        )
+
+    def _lease_locally(self, job: SimRequest) -> None:
+        """Conditional disaggregation: a decode lease with no prefill worker; the decode worker prefills."""
+        job.legs += 1
+        job.leg += 1
+        job.prefill_worker = job.decode_worker = None
+        job.local = True
+        if job.dispatched_s is None:
+            job.dispatched_s = self.time
+        job.lease_deadline = self.time + self.config.lease_timeout_s
+        self.leasing.append((job, None))
+        self._lease()
 
     def _dispatch(self) -> None:
         c = self.config
@@ -234,18 +252,6 @@ class Simulation:
             job = self.queue[0]
             views = list(self.views.values())
             hashes = block_hashes(job.prompt + job.output, c.block_size)
-            if self._prefill_locally(job, hashes):
-                self.queue.popleft()
-                job.legs += 1
-                job.leg += 1
-                job.prefill_worker = job.decode_worker = None
-                job.local = True
-                if job.dispatched_s is None:
-                    job.dispatched_s = self.time
-                job.lease_deadline = self.time + c.lease_timeout_s
-                self.leasing.append((job, None))
-                self._lease()
-                continue
             view = choose_prefill(views, c.routing_policy, hashes, c.block_size, c.overlap_weight, self._turn)
             if view is None:
                 return
@@ -385,6 +391,9 @@ class Simulation:
         if not job.output and job.legs > c.max_prefill_retries or job.output and job.legs > c.max_migrations + 1:
             self._fail(job, "UNAVAILABLE")
             return
+        if self._prefill_locally(job):
+            self._lease_locally(job)
+            return
         self.queue.appendleft(job)
         self._dispatch()
 
@@ -423,10 +432,12 @@ def simulate(
     offsets_s: Sequence[float],
     percentiles: Sequence[float] = (90, 95, 99),
     goodput: dict[str, float] | None = None,
+    simulation: Callable[[SimConfig], Simulation] = Simulation,
 ) -> tuple[dict, Simulation]:
     """Run ``requests`` (prompt token ids, output length) arriving at ``offsets_s``; returns
-    ``splitserve bench``'s summary of the run and the simulation (for its workers' figures)."""
-    sim = Simulation(config)
+    ``splitserve bench``'s summary of the run and the simulation (for its workers' figures).
+    ``simulation`` makes it from ``config`` (``sim_planner.PlannedSimulation``: with the live planner)."""
+    sim = simulation(config)
     jobs = [SimRequest(i, list(p), n, o) for i, ((p, n), o) in enumerate(zip(requests, offsets_s, strict=True))]
     sim.run(jobs)
     records = [to_record(job) for job in jobs]
@@ -468,7 +479,3 @@ def utilization(sim: Simulation) -> dict[str, float]:
         if workers:
             out[role] = sum(w.busy_s for w in workers) / (len(workers) * end)
     return out
-
-
-def nan_to_none(result: dict) -> dict:
-    return {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in result.items()}

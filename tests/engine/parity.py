@@ -10,6 +10,7 @@ from contextlib import contextmanager
 import torch
 
 from splitserve.engine import LLM
+from splitserve.engine.model import CausalLM, Linear
 
 
 @contextmanager
@@ -22,6 +23,15 @@ def torch_threads(n: int) -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(before)
+
+
+def linear_paths(model: CausalLM) -> dict[str, str]:
+    """Module name -> the kernel that linear layer runs (``Linear.path``): "plain" (``F.linear``; cuBLAS on
+    CUDA), "packed" (oneDNN, prepacked weight) or "split" (both, by rows). "lm_head" is listed even when it
+    is the tied embedding (plain)."""
+    paths = {name: m.path for name, m in model.named_modules() if isinstance(m, Linear)}
+    paths.setdefault("lm_head", "plain")
+    return paths
 
 
 def make_prompts(seed: int, lengths: list[int], vocab: int = 2000) -> list[list[int]]:

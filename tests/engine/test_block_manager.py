@@ -77,7 +77,6 @@ def test_allocate_grows_table_and_free_returns_everything():
 def test_allocate_is_all_or_nothing():
     bm = make_manager(num_blocks=4)
     assert bm.allocate("a", 12)  # 3 blocks
-    assert not bm.can_allocate("b", 8)
     assert not bm.allocate("b", 8)
     assert not bm.has_request("b")
     assert bm.num_used_blocks == 3
@@ -149,7 +148,6 @@ def test_hit_on_cached_block_counts_against_capacity():
     hit = bm.lookup_prefix(prompt + [1, 2, 3, 4, 5])  # 2 cached blocks hit
     assert hit.num_blocks == 2
     # 13 tokens need 4 blocks: 2 from the hit + 2 new, but only 1 block is left besides the hit.
-    assert not bm.can_allocate("b", 13, hit)
     assert not bm.allocate("b", 13, hit)
     assert bm.allocate("b", 12, hit)
     bm.check_integrity()
@@ -178,17 +176,6 @@ def test_prefix_caching_disabled_never_hits():
     bm.free("a")
     assert bm.num_cached_blocks == 0
     assert bm.lookup_prefix([1] * 9).num_blocks == 0
-
-
-def test_reset_prefix_cache():
-    bm = make_manager(record_events=True)
-    bm.allocate("a", 8)
-    bm.cache_blocks("a", [1] * 8, 8)
-    bm.free("a")
-    assert bm.reset_prefix_cache() == 2
-    assert bm.take_events()[-1].kind == "cleared"
-    assert bm.num_cached_blocks == 0
-    assert_all_free(bm)
 
 
 def test_check_integrity_catches_corruption():

@@ -22,7 +22,7 @@ from splitserve.engine.linear_tuner import (
 from splitserve.engine.model import CausalLM, Linear, onednn_runs
 from splitserve.engine.model_config import ModelConfig
 from tests.conftest import PACKABLE_ARCH_CONFIGS
-from tests.engine.parity import torch_threads
+from tests.engine.parity import linear_paths, torch_threads
 
 needs_onednn = pytest.mark.skipif(not onednn_runs(torch.float32), reason="oneDNN is not available in this torch")
 
@@ -116,7 +116,7 @@ def test_forced_paths_reach_every_layer_and_the_lm_head(arch):
     for mode in ("plain", "packed", "split"):
         model = make_model(arch)
         choices = apply_kernels(model, KernelPolicy(mode))
-        assert set(model.linear_paths().values()) == {mode}, (mode, model.linear_paths())
+        assert set(linear_paths(model).values()) == {mode}, (mode, linear_paths(model))
         assert all(c.source == "forced" for c in choices.values())
         head = model.lm_head
         if mode == "split":

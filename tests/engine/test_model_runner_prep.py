@@ -1,6 +1,7 @@
-"""ModelRunner._prepare builds the flattened batch on whole arrays; it must give exactly the metadata of
-the per-token loop it replaced (kept below as the reference) on batches mixing decodes, fresh prefills
-and later chunks, with block tables longer than the context (blocks allocated ahead)."""
+"""ModelRunner.plan builds the flattened batch on whole arrays, and _inputs its tensors; together they must
+give exactly the metadata of the per-token loop they replaced (kept below as the reference) on batches
+mixing decodes, fresh prefills and later chunks, with block tables longer than the context (blocks
+allocated ahead)."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ KV_HEADS = 2
 
 
 def reference_prepare(runner: ModelRunner, items: list[ScheduledRequest]):
-    """The per-token loop ModelRunner._prepare used to run."""
+    """The per-token loop the runner used to run."""
     bs = runner.block_size
 
     def rows(block_ids):
@@ -60,6 +61,13 @@ def reference_prepare(runner: ModelRunner, items: list[ScheduledRequest]):
         width = max(len(t) for t in decode_tables)
         meta.decode_rows = rows([b for t in decode_tables for b in t + [0] * (width - len(t))])
     return torch.tensor(input_ids), torch.tensor(positions), meta, sample_rows
+
+
+def prepare(runner: ModelRunner, items: list[ScheduledRequest]):
+    """What the dynamic path computes from ``items`` (decodes first): input ids, positions, attention
+    metadata, and the (row, item) pairs it samples."""
+    plan, sampled = runner.plan(items)
+    return (*runner._inputs(plan), list(zip(plan.sample_rows.tolist(), sampled)))
 
 
 def make_runner(num_blocks: int = 256) -> ModelRunner:
@@ -102,7 +110,7 @@ def assert_same(got, want) -> None:
     ]
 
 
-def test_prepare_matches_the_per_token_loop_on_mixed_batches():
+def test_plan_and_inputs_match_the_per_token_loop_on_mixed_batches():
     rng = random.Random(0)
     for trial in range(20):
         runner = make_runner()
@@ -118,4 +126,4 @@ def test_prepare_matches_the_per_token_loop_on_mixed_batches():
                 make_item(runner, rng, f"p{trial}-{i}", max(prompt, computed + new), computed, new, rng.randint(0, 2))
             )
         items = decodes + prefills
-        assert_same(runner._prepare(items), reference_prepare(runner, items))
+        assert_same(prepare(runner, items), reference_prepare(runner, items))

@@ -33,6 +33,7 @@ from tests.engine.parity import (
     assert_not_degenerate,
     first_tie,
     hf_greedy,
+    linear_paths,
     make_prompts,
     prompt_logits,
     torch_threads,
@@ -136,7 +137,7 @@ def references(packable_model_dirs, device) -> References:
 
 def assert_runs_path(llm: LLM, path: str) -> None:
     """Every linear layer, the LM head included, runs ``path``: so a test cannot silently change path."""
-    paths = llm.model.linear_paths()
+    paths = linear_paths(llm.model)
     expected = "plain" if path == "cublas" else path
     assert len(paths) == 4 * llm.model_config.num_layers + 1, sorted(paths)
     wrong = {name: p for name, p in paths.items() if p != expected}
@@ -233,7 +234,7 @@ def test_default_path_is_one_of_the_tested_paths(dtype, engines, device):
         cfg = llm.model_config
         assert cfg.hidden_size * cfg.q_size >= 1 << 18  # o_proj, the smallest projection, reaches the floor
         allowed = available_paths(device, getattr(torch, dtype))
-        paths = llm.model.linear_paths()
+        paths = linear_paths(llm.model)
         if allowed == ["cublas"]:
             assert set(paths.values()) == {"plain"}
             continue

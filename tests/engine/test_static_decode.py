@@ -7,8 +7,11 @@ layer) runs once per path on the same requests. Batches shrink one request at a 
 small cache make later requests reuse blocks that earlier ones freed; contexts pass the windows (24).
 The dynamic path is the one tests/engine/test_parity*.py hold to transformers.
 
-On a CPU, CUDA graphs are exercised with a fake graph backend that records the captured function and
-reruns it at replay (the real capture is skipped: "needs CUDA").
+On a CPU, CUDA graphs are exercised with a fake graph backend (tests/engine/fake_graphs.py) that records
+the captured operators with the tensors they read and wrote, and replays those operators on those tensors,
+as a real graph replays its kernels on the captured addresses: a runner whose inputs reach the forward by
+any other way than the persistent buffers decodes wrongly under it (the real capture is skipped: "needs
+CUDA").
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import torch
 from splitserve.engine import LLM, SamplingParams
 from splitserve.engine.core import EngineConfig
 from splitserve.engine.static_decode import batch_buckets
+from tests.engine.fake_graphs import FakeGraphBackend
 from tests.engine.parity import assert_no_blocks_in_use, make_prompts, torch_threads
 
 MAX_NUM_SEQS = 8
@@ -81,7 +85,7 @@ def test_static_equals_dynamic_token_for_token(name, model_dirs):
     assert run(static, prompts, max_tokens) == expected
     # Not degenerate: (a 1-token prompt may repeat itself, so the check is over the whole batch)
     assert len({tuple(out) for out in expected}) == len(expected) and len({t for out in expected for t in out}) > 60
-    assert dynamic.runner.num_static_steps == 0 and static.runner.num_static_steps > 20
+    assert dynamic.runner.steps["static"] == 0 and static.runner.steps["static"] > 20
     batches = Counter(batch for batch, _ in recorder.steps)
     assert set(batches) >= {1, 2, 3, 4, 5, MAX_NUM_SEQS}, batches  # bucket edges and padded batches
     assert all(bucket == min(b for b in batch_buckets(MAX_NUM_SEQS) if b >= n) for n, bucket in recorder.steps)
@@ -116,7 +120,7 @@ def test_padding_rows_write_only_the_scratch_block(model_dirs):
         slots.add((llm.blocks.block_table(item.request.request_id)[position // 4], position % 4))
     before = llm.kv_cache.tensor.clone()
     llm.scheduler.update(output, llm.runner.execute(output))
-    assert llm.runner.num_static_steps == 1
+    assert llm.runner.steps["static"] == 1
     changed = (llm.kv_cache.tensor != before).any(dim=(0, 2, 3, 5)).nonzero().tolist()  # [(block, offset)]
     assert {tuple(c) for c in changed if c[0] != scratch} == slots
     assert any(c[0] == scratch for c in changed)
@@ -129,7 +133,7 @@ def test_mixed_and_prefill_steps_stay_dynamic(model_dirs):
     expected = run(dynamic, prompts, [6, 6])
     assert run(llm, prompts, [6, 6]) == expected
     # 4 chunks of the long prompt run with the short one's decodes (dynamic); then only decodes.
-    assert 0 < llm.runner.num_static_steps < 6 + 6
+    assert 0 < llm.runner.steps["static"] < 6 + 6 and llm.runner.steps["dynamic"] >= 4
 
 
 def test_decode_path_setting():
@@ -154,41 +158,6 @@ def test_buckets():
 # ---- CUDA graphs ---------------------------------------------------------------------------------
 
 
-class FakeGraph:
-    def __init__(self) -> None:
-        self.fn = None
-        self.replays = 0
-
-    def replay(self) -> None:
-        self.replays += 1
-        self.fn()
-
-
-class FakeGraphBackend:
-    """Capture records the function (and runs nothing, like a real capture); replay reruns it."""
-
-    def __init__(self) -> None:
-        self.captured: list[tuple[FakeGraph, object]] = []
-        self.reserved = 0
-
-    def new_graph(self) -> FakeGraph:
-        return FakeGraph()
-
-    def capture(self, graph: FakeGraph, pool, fn) -> None:
-        graph.fn = fn
-        self.captured.append((graph, pool))
-        self.reserved += 3 << 20
-
-    def pool(self, graph: FakeGraph) -> object:
-        return ("pool of", graph)
-
-    def synchronize(self) -> None:
-        pass
-
-    def memory_reserved(self) -> int:
-        return self.reserved
-
-
 def test_graph_capture_order_pool_and_replay(model_dirs):
     dynamic, static = make_llm(model_dirs["qwen2"], "dynamic"), make_llm(model_dirs["qwen2"], "static")
     backend = FakeGraphBackend()
@@ -204,8 +173,43 @@ def test_graph_capture_order_pool_and_replay(model_dirs):
     max_tokens = [16, 4, 10, 12, 8]
     assert run(static, prompts, max_tokens) == run(dynamic, prompts, max_tokens)
     replays = {b: g.replays for b, g in graphs.items()}
-    assert sum(replays.values()) == static.runner.num_static_steps and replays[8] > 0 and replays[1] > 0
+    assert sum(replays.values()) == static.runner.steps["graph"] and replays[8] > 0 and replays[1] > 0
+    assert static.runner.steps["static"] == 0, "every static step replayed its bucket's graph"
     assert_no_blocks_in_use(static)
+
+
+def rebind_inputs_each_step(llm: LLM) -> None:
+    """A runner with a bug that only a graph shows: every fill first puts new tensors in place of the
+    persistent input buffers (and metadata views on them) instead of refilling the old ones in place."""
+    inputs = llm.runner.static
+    fill, paged_decode = inputs.fill, inputs.meta[inputs.buckets[0]].paged_decode
+
+    def rebinding_fill(items, tables):
+        inputs.scalars, inputs.block_tables = inputs.scalars.clone(), inputs.block_tables.clone()
+        inputs._host_scalars, inputs._host_tables = inputs.scalars, inputs.block_tables  # on the CPU, the same
+        inputs.meta = {b: inputs._metadata(b, paged_decode) for b in inputs.buckets}
+        return fill(items, tables)
+
+    inputs.fill = rebinding_fill
+
+
+def test_graphs_replay_the_captured_buffers_so_inputs_that_moved_go_stale(model_dirs):
+    """The fake's replay reads the tensors the capture read, as a real graph does: with the input buffers
+    rebound after capture, eager static decoding is still right, and the graphs decode on the stale
+    buffers (the capture's padding) and go wrong. A fake that reran the forward would see the new
+    tensors and hide the bug."""
+    prompts, max_tokens = make_prompts(13, [5, 12, 7]), [8, 8, 8]
+    expected = run(make_llm(model_dirs["tiny"], "dynamic"), prompts, max_tokens)
+    eager = make_llm(model_dirs["tiny"], "static")
+    rebind_inputs_each_step(eager)
+    assert run(eager, prompts, max_tokens) == expected and eager.runner.steps["static"] > 0
+    graphed = make_llm(model_dirs["tiny"], "static")
+    graphed.runner.capture_decode_graphs(FakeGraphBackend())
+    rebind_inputs_each_step(graphed)
+    got = run(graphed, prompts, max_tokens)
+    assert graphed.runner.steps["graph"] > 0
+    assert [out[0] for out in got] == [out[0] for out in expected], "first tokens come from the (dynamic) prefill"
+    assert got != expected, "the replay read the rebound buffers: the fake does not replay what it captured"
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -217,4 +221,4 @@ def test_real_cuda_graphs_equal_the_eager_paths(model_dirs):
     prompts = make_prompts(12, [3, 17, 30, 8, 25])
     max_tokens = [16, 4, 10, 12, 8]
     assert run(graphed, prompts, max_tokens) == run(eager, prompts, max_tokens)
-    assert graphed.runner.num_static_steps > 0
+    assert graphed.runner.steps["graph"] > 0 and graphed.runner.steps["static"] == 0

@@ -15,6 +15,7 @@ oracle's own capacity of one worker, so the test holds on any machine:
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -146,3 +147,67 @@ def test_bounds_hold_however_high_the_load(tiny_setup, tiny_profile):
     assert all(1 <= c <= 3 for i in sim.intervals for c in i.counts.values())
     assert max(i.counts["prefill"] for i in sim.intervals) == 3
     assert not math.isnan(sim.intervals[-1].attainment) or sim.intervals[-1].finished == 0
+
+
+# ---- splitserve simulate --planner ---------------------------------------------------------------
+
+
+def planner_config(tmp_path, mode: str = "disaggregated") -> Path:
+    """A deployment config with SETTINGS as its planner: section, as an operator writes one."""
+    import yaml
+
+    section = {**vars(SETTINGS), "profile": str(PROFILE)}
+    raw = {"mode": mode, "engine": {"num_blocks": 2048, "max_num_seqs": 32}, "planner": section}
+    if mode != "disaggregated":
+        section["enabled"] = False
+    path = tmp_path / "deployment.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+def simulate_cli(capsys, *args: str) -> tuple[int, str, str]:
+    from splitserve.cli import main
+
+    code = main(["simulate", "--profile", str(PROFILE), *args])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_simulate_planner_scales_a_prompt_heavy_load(tmp_path, capsys, tiny_profile):
+    """``splitserve simulate --planner``: the config's planner resizes the simulated deployment. Prompt-heavy
+    load at 1.3x one prefill worker's capacity (by the planner's own oracle) for 60 s adds a prefill worker,
+    and the JSON result lists every interval; the text one prints them."""
+    from splitserve.deploy_config import DeploymentConfig
+    from splitserve.planning.live import profile_oracles
+
+    config = planner_config(tmp_path)
+    capacity, _ = profile_oracles(SETTINGS, DeploymentConfig.from_file(config), tiny_profile)
+    rate = capacity("prefill", *PROMPT_HEAVY, 1.0) * 1.3
+    workload = ["--dataset", "random", "--input-len", str(PROMPT_HEAVY[0]), "--output-len", str(PROMPT_HEAVY[1])]
+    workload += ["--num-prompts", str(round(60 * rate)), "--request-rate", f"{rate:.6f}", "--seed", "1"]
+    code, out, err = simulate_cli(capsys, "--config", str(config), "--planner", "--startup-s", "8", *workload, "--json")
+    assert code == 0, err
+    result = json.loads(out)
+    intervals = result["planner"]
+    assert len(intervals) >= 5 and intervals[0]["counts"] == {"prefill": 1, "decode": 1}
+    applied = [i for i in intervals if i["applied"]]
+    assert applied and applied[0]["targets"]["prefill"] >= 2, [i["decision"] for i in intervals]
+    assert result["final_counts"]["prefill"] >= 2 and result["completed"] == round(60 * rate)
+    later = [i for i in intervals if i["at_s"] >= applied[0]["at_s"] + 8]
+    assert later and all(i["counts"]["prefill"] >= 2 for i in later), "the new worker is counted once it started"
+    assert all(i["attainment"] is None or 0 <= i["attainment"] <= 1 for i in intervals)
+
+    code, out, err = simulate_cli(capsys, "--config", str(config), "--planner", "--startup-s", "8", *workload)
+    assert code == 0, err
+    lines = [line for line in out.splitlines() if line.startswith("planner: ")]
+    assert len(lines) == 1 and f"{len(intervals)} decisions every 5 s, {len(applied)} applied" in lines[0]
+    assert out.count("within the planner's SLOs") == len(intervals)
+
+
+def test_simulate_planner_refuses_what_it_cannot_plan(tmp_path, capsys):
+    code, _, err = simulate_cli(capsys, "--config", str(planner_config(tmp_path, "colocated")), "--planner")
+    assert code == 2 and "error: mode: the live planner sizes prefill and decode" in err
+    code, _, err = simulate_cli(capsys, "--planner", "--rates", "1,2", "--goodput", "ttft:100")
+    assert code == 2 and "error: --planner: " in err
+    code, _, err = simulate_cli(capsys, "--planner", "--startup-s", "-1", "--num-prompts", "1")
+    assert code == 2 and "error: --startup-s: " in err

@@ -123,3 +123,21 @@ def test_conditional_disaggregation_prefills_a_short_prompt_on_the_decode_worker
     assert not long.local and long.first_token_s == pytest.approx(1.0 + 90 * MS)
     assert sim.workers["prefill-0"].steps == 1, "the prefill worker computed only the long prompt"
     assert result["completed"] == 2
+
+
+def test_a_short_prompt_does_not_wait_behind_long_ones_for_prefill_credit():
+    """As the router decides, at arrival: prefill-0 holds one request at a time; 80-token prompts at 0 and
+    1 ms take it and wait for it; a 10-token prompt at 2 ms (under local_prefill_max_tokens 50) goes
+    straight to the decode worker (first token at 2 + 20 ms), not to the back of the prefill queue."""
+    profile = toy_profile()
+    config = SimConfig(
+        mode="disaggregated",
+        prefill=RoleSpec(1, profile, num_blocks=64, max_inflight=1),
+        decode=RoleSpec(1, profile, num_blocks=64, max_inflight=8),
+        local_prefill_max_tokens=50,
+    )
+    _, sim = simulate(config, [(prompt(80), 2), (prompt(80, 1), 2), (prompt(10, 2), 4)], [0.0, 1 * MS, 2 * MS])
+    jobs = {job.index: job for job in sim.done}
+    assert not jobs[0].local and not jobs[1].local and jobs[2].local
+    assert jobs[2].first_token_s == pytest.approx(22 * MS)
+    assert jobs[1].first_token_s > 0.15, "the second long prompt waited for the first's prefill"

@@ -9,7 +9,7 @@ import pytest
 
 from splitserve.engine.block_hash import block_hashes
 from splitserve.router.config import RouterConfig
-from splitserve.router.policy import DecodeView, PrefillView, choose_decode, choose_prefill
+from splitserve.router.policy import DecodeView, PrefillView, choose_decode, choose_prefill, prefill_on_decode
 
 PROMPT = list(range(64))  # 4 full blocks of 16
 HASHES = block_hashes(PROMPT, 16)
@@ -107,3 +107,47 @@ def test_the_queue_is_bounded_and_first_in_first_out():
         waiting[1].cancel()
 
     asyncio.run(scenario())
+
+
+# ---- conditional disaggregation -------------------------------------------------------------------
+
+
+def local(cached=(), queued=0, *, num_tokens=64, tokens_left=8, waiting=0, decode_workers=1, **thresholds):
+    settings = RouterConfig(model_dir="m", **thresholds)
+    worker = PrefillView("p", credit=4, queued_tokens=queued, cached_hashes=set(cached))
+    return prefill_on_decode(
+        settings,
+        [worker],
+        HASHES,
+        16,
+        num_tokens=num_tokens,
+        tokens_left=tokens_left,
+        waiting_tokens=waiting,
+        decode_workers=decode_workers,
+    )
+
+
+def test_a_short_uncached_prompt_is_prefilled_on_its_decode_worker():
+    assert not local(local_prefill_max_tokens=63), "64 uncached tokens, threshold 63"
+    assert local(local_prefill_max_tokens=64)
+    assert local(cached=HASHES[:2], local_prefill_max_tokens=32), "two cached blocks leave 32 tokens"
+    assert not local(cached=HASHES[1:], local_prefill_max_tokens=32), "a chain that misses its first block"
+
+
+def test_a_long_prefill_queue_sends_even_long_prompts_to_the_decode_worker():
+    assert not local(queued=60, waiting=39, remote_prefill_max_queue_tokens=100)
+    assert local(queued=60, waiting=40, remote_prefill_max_queue_tokens=100)
+
+
+def test_local_prefill_is_off_without_thresholds_decode_workers_or_a_decode_leg():
+    assert not local(), "both thresholds 0"
+    assert not local(decode_workers=0, local_prefill_max_tokens=1000)
+    assert not local(tokens_left=1, local_prefill_max_tokens=1000), "the first token ends it: no decode leg"
+    assert local(tokens_left=2, local_prefill_max_tokens=1000)
+
+
+def test_an_unhealthy_prefill_workers_cache_and_queue_do_not_count():
+    sick = PrefillView("sick", credit=4, queued_tokens=500, cached_hashes=set(HASHES), healthy=False)
+    args = dict(num_tokens=64, tokens_left=8, waiting_tokens=0, decode_workers=1)
+    settings = RouterConfig(model_dir="m", local_prefill_max_tokens=16, remote_prefill_max_queue_tokens=400)
+    assert not prefill_on_decode(settings, [sick, PrefillView("ok", credit=4)], HASHES, 16, **args)
