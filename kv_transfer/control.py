@@ -2,7 +2,7 @@
 
 The sender and receiver state machines speak these types only; ``splitserve.kv_transfer.service`` maps them to
 the gRPC service in ``proto/splitserve/rpc/kv_transfer.proto``; the tests carry them in memory
-(``tests/kv_transfer/fakes.py``'s ``LocalConnection``). Torch-free.
+(``splitserve.kv_transfer.local``). Torch-free.
 """
 
 from __future__ import annotations

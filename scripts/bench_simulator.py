@@ -25,7 +25,7 @@ sys.path.insert(0, str(ROOT))
 
 
 def gpu_like_profile():
-    from splitserve.planning.profile import ModelShape, Profile
+    from splitserve.planning.profile import ModelShape, Profile, TransferCost
 
     model = ModelShape("llama-8b-shaped", "LlamaForCausalLM", 32, 4096, 32, 8, 128, 14336, 128256, 8192)
     coefficients = {
@@ -35,7 +35,8 @@ def gpu_like_profile():
         "decodes": 3e-4,
         "decode_context": 1e-6,
     }
-    return Profile(model, "bfloat16", 2, "cuda", "synthetic", 1, 1, coefficients, 1e-3, 25e9, source="synthetic")
+    transfer = TransferCost(1e-3, 25e9)  # synthetic, as every figure here (parts: "not measured")
+    return Profile(model, "bfloat16", 2, "cuda", "synthetic", 1, 1, coefficients, transfer, source="synthetic")
 
 
 def run(num_requests: int, workers: int, seed: int = 0) -> dict:

@@ -10,8 +10,8 @@
 #
 # It uses whatever `python3` the machine has (override with PYTHON=...), with the tree on PYTHONPATH and
 # nothing installed: it needs torch, transformers, safetensors, tokenizers, msgpack, hypothesis and pytest,
-# and imports only engine/, kv_transfer/ (not its gRPC service) and the checkpoint writer
-# (splitserve/make_model.py) from the tree. No Ray, no network. Results go to $OUT when set (the device tool collects that folder), else to a temp folder.
+# and imports only engine/, kv_transfer/ (not its gRPC service), the checkpoint writer (splitserve/make_model.py)
+# and the profile's measurement (splitserve/planning/) from the tree. No Ray, no network. Results go to $OUT when set (the device tool collects that folder), else to a temp folder.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -76,21 +76,33 @@ for b, d in r["splitserve"]["decode"].items():
 PYEOF
 
 echo "== a profile of this device for splitserve simulate and plan (docs/planning.md)"
-# The engine's steps on the model the engine benchmark wrote, fitted; the KV transfer (gRPC) is left out.
+# The engine's steps on the model the engine benchmark wrote, fitted; and the real KV transfer (sender,
+# receiver, gloo payload) with both ends in this process and the control stream in memory, since the
+# gRPC service is not importable here. A transfer fit the samples do not determine is left out of the
+# profile and printed as such ("not measured: ..."): never a stand-in figure.
 if [[ "$DEVICE" == cuda* ]]; then PROFILED="$WORK/qwen2.5-0.5b" PDTYPE=bfloat16; else PROFILED="$WORK/tiny" PDTYPE=float32; fi
 timeout 240 "$PY" - "$PROFILED" "$PDTYPE" "$DEVICE" "$RESULTS/profile.json" <<'PYEOF'
 import sys
 from splitserve.planning.measure import Grid, measure_profile
-from splitserve.planning.profile import relative_errors
+from splitserve.planning.profile import Profile, relative_errors
 model, dtype, device, out = sys.argv[1:5]
 grid = Grid() if device.startswith("cuda") else Grid().scaled(0.3)
-profile = measure_profile(model, dtype, device, grid=grid, transfers=False)
+profile = measure_profile(model, dtype, device, grid=grid, transfer_in_process=True)
 profile.save(out)
+assert Profile.load(out) == profile, "the profile reads back as written"
 errors = sorted(relative_errors(profile))
 c = profile.step_coefficients
 print(f"profile of {profile.model.name} on {profile.device_name} ({dtype}): step = {c['const'] * 1e3:.3f} ms + "
       f"{c['prefill_tokens'] * 1e6:.3f} us/prompt token + {c['decodes'] * 1e6:.3f} us/decode + "
       f"{c['decode_context'] * 1e6:.3f} us/1k context; fit median error {errors[len(errors) // 2]:.1%}; {out}")
+for t in profile.transfers:
+    print(f"KV transfer of {t.bytes} B: {t.seconds * 1e3:.3f} ms (median of {grid.repeats})")
+if profile.transfer is not None:
+    print(f"KV transfer = {profile.transfer.latency_s * 1e3:.3f} ms + bytes / "
+          f"{profile.transfer.bytes_per_s / 1e9:.2f} GB/s ({profile.notes['transfer_path']})")
+else:
+    print(f"KV transfer: {profile.parts['transfer']}")
+print(f"parts: {profile.parts}")
 PYEOF
 fi
 

@@ -1,18 +1,37 @@
 #!/usr/bin/env python3
-"""Where a decode step's time goes: a torch.profiler breakdown of the offline engine at several batch sizes.
+"""Where a decode step's time goes: the phases of the offline engine's step by wall clock, and a
+torch.profiler breakdown of its operators, at several batch sizes.
 
 Loads the engine on a checkpoint (default: the qwen2.5-0.5b preset in --dtype, written with make-model
 when missing). For each --batch it starts that many requests with prompts of about --context tokens
 (uniform in +-20%), runs every prefill and --warmup decode steps, times --steps pure decode steps
-without the profiler, then profiles --steps more. Ranges are opened around the engine's own pieces
-(forward hooks and wrappers set up here; the engine is not changed), and every top-level torch
-operator's time goes to the innermost range around it:
+without the profiler, then profiles --steps more.
+
+The unprofiled steps are split into the phases ``LLM.step`` runs, each timed by wall clock around the
+engine's own public calls (wrappers set up here; the engine is not changed), exclusive of the phases it
+calls:
+
+- schedule: ``Scheduler.schedule``;
+- host prep: ``ModelRunner.plan`` (the step's plan: numpy arrays) and what ``ModelRunner.run_plan`` does
+  besides the model's forward (the plan's tensors on the device); on the static decode path
+  ``StaticDecodeInputs.fill``;
+- forward: the model's forward (every layer, to the final hidden states);
+- LM head: ``CausalLM.compute_logits``;
+- sampling: the sampler;
+- rest of execute: what ``ModelRunner.execute`` runs outside those (the rows it samples selected);
+- update: ``Scheduler.update``;
+- rest of the step: the step's wall time less all of the above (``LLM.step``'s outputs, detokenized).
+
+The profiled steps open ranges around the same pieces (forward hooks and wrappers), and every top-level
+torch operator's time goes to the innermost range around it:
 
 - matmuls: every ``Linear`` (fused q/k/v, o, fused gate/up, down, LM head) and a tied LM head;
 - attention: the attention modules less their products, rotary and cache accesses (SDPA, masks, views);
 - elementwise: RMSNorm, rotary (tables and rotation), SiLU*mul, residual adds, embedding lookup;
 - cache writes/gathers: ``write_kv`` and ``gather_context``;
-- host prep: ``ModelRunner._prepare`` (the flattened batch and the attention metadata);
+- host prep: ``ModelRunner.plan`` and ``ModelRunner.run_plan`` outside the model (the flattened batch
+  and the attention metadata on the device; the plan itself is numpy, so its time shows only in the
+  wall-clock phases), or ``StaticDecodeInputs.fill``;
 - sampling: the sampler, and the selection of the rows it samples;
 - other: the scheduler and whatever else the step dispatches outside those ranges.
 
@@ -48,6 +67,8 @@ from splitserve.engine.hardware import print_header  # noqa: E402
 from splitserve.engine.model import MLP, Attention, DecoderLayer, Linear, RMSNorm  # noqa: E402
 
 CATEGORIES = ("matmuls", "attention", "elementwise", "cache writes/gathers", "host prep", "sampling", "other")
+PHASES = ("schedule", "host prep", "forward", "LM head", "sampling", "rest of execute", "update")
+REST = "rest of the step"
 RANGE_PREFIX = "ss:"  # our ranges are named "ss:<category>"; everything else the profiler sees is an operator
 STEP_RANGE = "ss:step"
 
@@ -69,15 +90,68 @@ def in_range(category: str, fn):
     return wrapped
 
 
+def replace_attribute(obj, name: str, wrapper: Callable, undo: list[Callable[[], None]]) -> None:
+    """Set ``obj.name`` to ``wrapper(obj.name)`` on the instance; ``undo`` gets what puts it back."""
+    original = getattr(obj, name)
+    setattr(obj, name, wrapper(original))
+    undo.append(lambda: setattr(obj, name, original) if obj.__dict__.get(name) is not original else None)
+
+
+def host_prep_pieces(llm: LLM) -> list[tuple[object, str]]:
+    """The calls that prepare a step's inputs on the host, on whichever path the step takes: the dynamic
+    path's ``plan`` and ``run_plan`` (whose forward is timed apart), the static path's ``fill``."""
+    pieces = [(llm.runner, "plan"), (llm.runner, "run_plan")]
+    if llm.runner.static is not None:
+        pieces.append((llm.runner.static, "fill"))
+    return pieces
+
+
+class PhaseTimer:
+    """Wall time of each phase of a step, exclusive: a call's time less that of the timed calls inside it."""
+
+    def __init__(self) -> None:
+        self.totals = dict.fromkeys(PHASES, 0.0)
+        self._inner: list[float] = []  # per open call: the time of the timed calls inside it so far
+
+    def timed(self, phase: str, fn: Callable) -> Callable:
+        @functools.wraps(fn)
+        def wrapped(*args, **kwargs):
+            self._inner.append(0.0)
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                elapsed = time.perf_counter() - start
+                self.totals[phase] += elapsed - self._inner.pop()
+                if self._inner:
+                    self._inner[-1] += elapsed
+
+        return wrapped
+
+    def install(self, llm: LLM) -> Callable[[], None]:
+        """Time the phases of ``llm``'s steps; returns the function that takes the timers away."""
+        undo: list[Callable[[], None]] = []
+        pieces = [
+            (llm.scheduler, "schedule", "schedule"),
+            (llm.scheduler, "update", "update"),
+            (llm.runner, "execute", "rest of execute"),
+            *((obj, name, "host prep") for obj, name in host_prep_pieces(llm)),
+            (llm.model, "forward", "forward"),
+            (llm.model, "compute_logits", "LM head"),
+            (llm.runner, "sampler", "sampling"),
+        ]
+        for obj, name, phase in pieces:
+            replace_attribute(obj, name, functools.partial(self.timed, phase), undo)
+        return lambda: [fn() for fn in reversed(undo)]
+
+
 def add_ranges(llm: LLM) -> Callable[[], None]:
     """Open a category range around the engine's pieces (the innermost one wins for an operator); returns
     the function that takes them away again, so that unprofiled steps are timed without them."""
     undo: list[Callable[[], None]] = []
 
     def patch(obj, name: str, category: str) -> None:
-        original = getattr(obj, name)
-        setattr(obj, name, in_range(category, original))
-        undo.append(lambda: setattr(obj, name, original) if obj.__dict__.get(name) is not original else None)
+        replace_attribute(obj, name, functools.partial(in_range, category), undo)
 
     def wrap(module: torch.nn.Module, category: str) -> None:
         def pre(_module, _args):
@@ -111,7 +185,8 @@ def add_ranges(llm: LLM) -> Callable[[], None]:
     for name in ("write_kv", "gather_context"):
         patch(splitserve.engine.attention, name, "cache writes/gathers")
     patch(splitserve.engine.model, "apply_rotary", "elementwise")
-    patch(llm.runner, "_prepare", "host prep")
+    for obj, name in host_prep_pieces(llm):
+        patch(obj, name, "host prep")
     patch(llm.runner, "execute", "sampling")  # what execute runs outside the model and prep: row selection
     patch(llm.runner, "sampler", "sampling")
 
@@ -160,10 +235,16 @@ def profile_batch(llm: LLM, batch: int, context: int, steps: int, warmup: int) -
     for _ in range(warmup):
         llm.step()
     plain = []
+    timer = PhaseTimer()
+    remove_timers = timer.install(llm)
     for _ in range(steps):
         start = time.perf_counter()
         llm.step()
         plain.append(time.perf_counter() - start)
+    remove_timers()
+    phases = {p: 1e3 * s / steps for p, s in timer.totals.items()}
+    mean_ms = 1e3 * sum(plain) / steps
+    phases[REST] = mean_ms - sum(phases.values())
     lengths = sorted(r.num_tokens for r in llm.scheduler.running)
     log(f"batch {batch}: profiling {steps} decode steps ...")
     remove_ranges = add_ranges(llm)
@@ -186,6 +267,8 @@ def profile_batch(llm: LLM, batch: int, context: int, steps: int, warmup: int) -
         "batch": batch,
         "context_tokens": {"min": lengths[0], "mean": sum(lengths) / batch, "max": lengths[-1]},
         "step_ms": wall_ms,
+        "step_ms_mean": mean_ms,
+        "phases_ms": phases,
         "step_ms_profiled": step_ms / steps,
         "parts_ms": parts,
         "python_overhead_ms": wall_ms - ops_ms,
@@ -212,7 +295,13 @@ def print_table(r: dict) -> None:
         f"{r['step_ms']:.1f} ms without the profiler (best of the steps), {r['step_ms_profiled']:.1f} ms under it; "
         f"{r['ops_per_step']:.0f} top-level torch operators per step\n"
     )
-    print("| part of a decode step | ms | share of the step |")
+    mean = r["step_ms_mean"]
+    print(f"| phase of a decode step (wall clock; the unprofiled steps' mean, {mean:.1f} ms) | ms | share |")
+    print("| --- | --- | --- |")
+    for name, ms in r["phases_ms"].items():
+        print(f"| {name} | {ms:.2f} | {ms / mean:.0%} |")
+    print()
+    print("| part of a decode step (operators, profiled) | ms | share of the step |")
     print("| --- | --- | --- |")
     rows = [*r["parts_ms"].items(), ("Python overhead (wall minus operator time)", r["python_overhead_ms"])]
     for name, ms in rows:

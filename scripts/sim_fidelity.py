@@ -30,7 +30,6 @@ import json
 import os
 import sys
 import time
-from dataclasses import replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -75,7 +74,7 @@ def ensure_model(preset: str) -> Path:
 
 def profiles_for(model: Path, preset: str, quick: bool, cache: Path):
     """(one-thread profile with serving overheads, two-thread profile with the same overheads)."""
-    from splitserve.planning.measure import Grid, measure_profile, measure_serving
+    from splitserve.planning.measure import Grid, measure_profile, measure_serving, with_serving
     from splitserve.planning.profile import Profile
 
     grid = Grid(**GRIDS.get(preset, {}))
@@ -91,7 +90,7 @@ def profiles_for(model: Path, preset: str, quick: bool, cache: Path):
         # What serving adds, measured on the deployment the rows of that mode run (pinned cores).
         mode = "disaggregated" if threads == 1 else "colocated"
         serving = measure_serving(profile, str(model), threads, roles=deployment_roles(mode), mode=mode)
-        profile = replace(profile, notes={**profile.notes, **serving})
+        profile = with_serving(profile, serving)
         profile.save(path)
         out.append(profile)
     return out

@@ -171,6 +171,10 @@ class ProfileModel:
     ttft_ms: float
     tpot_ms: float
 
+    def __post_init__(self) -> None:
+        # The planner sizes a disaggregated deployment, and the TPOT it predicts spans each KV hand-off.
+        self.profile.require_transfer("the planner's TPOT prediction spans each request's KV transfer")
+
     def _prefill_times(self, prompt: int, slowdown: float) -> tuple[float, float]:
         """(one prompt alone, one prompt's share of full steps), in seconds."""
         from splitserve.planning.profile import StepShape

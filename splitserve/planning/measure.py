@@ -11,7 +11,10 @@ results, on an ``EngineCore`` built as the workers build theirs. Grids:
 A step with context does not compute that context first: its blocks are allocated and zeroed and the
 scheduler admits the request as holding them (``Scheduler.add_running``), since what a step costs does
 not depend on the values in the cache. The KV transfer runs the real ``KVSender`` here and a real
-``KVReceiver`` behind its gRPC service in a spawned process, on the model's KV layout, for several sizes.
+``KVReceiver`` behind its gRPC service in a spawned process, on the model's KV layout, for several sizes
+(or, ``transfer_in_process``, both in this process with the control stream in memory: where the gRPC
+service is not importable). A transfer whose fit the samples do not determine is left out of the
+profile, its samples kept and ``parts["transfer"]`` saying why; none is ever filled in.
 """
 
 from __future__ import annotations
@@ -24,10 +27,14 @@ from dataclasses import dataclass, field
 from datetime import datetime
 
 from splitserve.planning.profile import (
+    MEASURED,
+    NOT_MEASURED,
     ModelShape,
     Profile,
     StepSample,
     StepShape,
+    TransferCost,
+    TransferFitError,
     TransferSample,
     fit_steps,
     fit_transfer,
@@ -44,6 +51,9 @@ class Grid:
     transfer_tokens: tuple[int, ...] = (16, 256, 2048)
     repeats: int = 3
     decode_steps: int = 4
+    # Where the largest of transfer_tokens moves fewer bytes, one more size that moves this many: on a
+    # small model every size above takes about the fixed cost, and the bandwidth would not show.
+    transfer_min_bytes: int = 32 << 20
 
     def scaled(self, factor: float) -> Grid:
         """A smaller grid (factor < 1) for a quick profile: fewer and shorter points."""
@@ -61,6 +71,7 @@ class Grid:
             cut(self.transfer_tokens),
             max(1, round(self.repeats * factor)),
             self.decode_steps,
+            self.transfer_min_bytes,
         )
 
 
@@ -251,14 +262,18 @@ def _receiver_main(conn, spec: dict, dtype: str) -> None:
             handles[args[0]] = receiver.expect(args[0], args[1])
             conn.send(True)
         elif command == "received":
-            handle = handles.pop(args[0])
-            handle.wait(120)
-            receiver.release(args[0])
-            conn.send((handle.state.value, handle.error, handle.finished_at))
+            conn.send(_received(receiver, handles.pop(args[0])))
         else:
             server.stop(0)
             conn.send(True)
             return
+
+
+def _received(receiver, handle) -> tuple[str, str | None, float | None]:
+    """(state, error, finished_at) of a receive handle once it ends (within 120 s); its blocks released."""
+    handle.wait(120)
+    receiver.release(handle.transfer_id)
+    return handle.state.value, handle.error, handle.finished_at
 
 
 def _fingerprint(spec: dict, dtype: str):
@@ -269,64 +284,156 @@ def _fingerprint(spec: dict, dtype: str):
     )
 
 
-def measure_transfers(model: ModelShape, dtype: str, block_size: int, grid: Grid) -> list[TransferSample]:
-    """The real transfer path (gather, gRPC control, gloo payload, scatter) from here to a spawned receiver."""
+def transfer_sizes(model: ModelShape, dtype_bytes: int, block_size: int, grid: Grid) -> tuple[int, ...]:
+    """Tokens of each transfer measured: the grid's, and one more where the largest of them moves fewer than
+    ``grid.transfer_min_bytes`` (that many bytes, in whole blocks)."""
+    from splitserve.common.arith import ceil_div
+
+    per_token = model.kv_elements_per_token * dtype_bytes
+    sizes = tuple(grid.transfer_tokens)
+    if max(sizes) * per_token < grid.transfer_min_bytes:
+        sizes += (ceil_div(ceil_div(grid.transfer_min_bytes, per_token), block_size) * block_size,)
+    return sizes
+
+
+class _SpawnedReceiver:
+    """The receiver in a spawned process behind its gRPC service; the control stream is gRPC."""
+
+    path = "two processes on this host: gRPC control stream, gloo payload, both KV caches in host memory"
+
+    def __init__(self, spec: dict, dtype: str) -> None:
+        from splitserve.kv_transfer.sender import PeerAddress
+
+        ctx = multiprocessing.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.process = ctx.Process(target=_receiver_main, args=(child, spec, dtype), daemon=True)
+        self.process.start()
+        if not self.conn.poll(120):
+            self.close()
+            raise TimeoutError("the profile's KV receiver did not start within 120 s")
+        self.peer = PeerAddress(*self.conn.recv())
+
+    def connect(self, peer):
+        from splitserve.kv_transfer.service import GrpcConnection
+
+        return GrpcConnection(peer.control)
+
+    def expect(self, tid: str, blocks: list[int]) -> None:
+        self.conn.send(("expect", tid, blocks))
+        self.conn.recv()
+
+    def received(self, tid: str) -> tuple[str, str | None, float | None]:
+        self.conn.send(("received", tid))
+        return self.conn.recv()
+
+    def stop(self) -> None:
+        self.conn.send(("exit",))
+        self.conn.recv()
+
+    def close(self) -> None:
+        self.process.join(5)
+        if self.process.is_alive():
+            self.process.kill()
+
+
+class _LocalReceiver:
+    """The receiver in this process, its control stream in memory (``splitserve.kv_transfer.local``): for a
+    machine without the gRPC service. The payload is gloo's (NCCL refuses two ranks on one GPU)."""
+
+    def __init__(self, spec: dict, dtype: str, device) -> None:
+        import torch
+
+        from splitserve.engine.kv_cache import KVCache, KVCacheSpec
+        from splitserve.kv_transfer.config import TransferConfig
+        from splitserve.kv_transfer.receiver import KVReceiver
+        from splitserve.kv_transfer.sender import PeerAddress
+
+        self.config = TransferConfig(backend="gloo")
+        cache = KVCache(KVCacheSpec(dtype=getattr(torch, dtype), **spec), device)
+        self.receiver = KVReceiver(cache, _fingerprint(spec, dtype), "profile-receiver", config=self.config)
+        self.peer = PeerAddress("profile-receiver", self.receiver.incarnation, "in-process")
+        self.handles = {}
+        where = "host memory" if cache.device.type == "cpu" else f"{cache.device} (payload staged through host memory)"
+        self.path = f"one process: control stream in memory (no gRPC), gloo payload, both KV caches in {where}"
+
+    def connect(self, peer):
+        from splitserve.kv_transfer.local import LocalConnection
+
+        return LocalConnection(self.receiver.serve_pair)
+
+    def expect(self, tid: str, blocks: list[int]) -> None:
+        self.handles[tid] = self.receiver.expect(tid, blocks)
+
+    def received(self, tid: str) -> tuple[str, str | None, float | None]:
+        return _received(self.receiver, self.handles.pop(tid))
+
+    def stop(self) -> None:
+        pass  # nothing to tell: close ends it
+
+    def close(self) -> None:
+        self.receiver.close()
+
+
+def measure_transfers(
+    model: ModelShape, dtype: str, block_size: int, grid: Grid, device: str = "cpu", in_process: bool = False
+) -> tuple[list[TransferSample], str]:
+    """The real transfer path (gather, control stream, gloo payload, scatter) from here to a receiver: in a
+    spawned process behind gRPC with both caches in host memory, or (``in_process``) in this process with
+    both caches on ``device``. The samples (median of ``grid.repeats`` each), and the path they took."""
     import torch
 
     from splitserve.common.arith import ceil_div
     from splitserve.engine.kv_cache import KVCache, KVCacheSpec
-    from splitserve.kv_transfer.sender import KVSender, PeerAddress
-    from splitserve.kv_transfer.service import GrpcConnection
+    from splitserve.kv_transfer.sender import KVSender
 
-    most = ceil_div(max(grid.transfer_tokens), block_size)
+    element = torch.empty((), dtype=getattr(torch, dtype)).element_size()
+    sizes = transfer_sizes(model, element, block_size, grid)
     spec = {
         "num_layers": model.num_layers,
         "num_kv_heads": model.num_kv_heads,
         "head_dim": model.head_dim,
-        "num_blocks": most + 8,
+        "num_blocks": ceil_div(max(sizes), block_size) + 8,
         "block_size": block_size,
     }
-    ctx = multiprocessing.get_context("spawn")
-    conn, child = ctx.Pipe()
-    process = ctx.Process(target=_receiver_main, args=(child, spec, dtype), daemon=True)
-    process.start()
+    place = torch.device(device) if in_process else torch.device("cpu")
+    receiver = _LocalReceiver(spec, dtype, place) if in_process else _SpawnedReceiver(spec, dtype)
     try:
-        if not conn.poll(120):
-            raise TimeoutError("the profile's KV receiver did not start within 120 s")
-        peer = PeerAddress(*conn.recv())
-        cache = KVCache(KVCacheSpec(dtype=getattr(torch, dtype), **spec), torch.device("cpu"))
-        sender = KVSender(
-            cache, _fingerprint(spec, dtype), "profile-sender", connect=lambda p: GrpcConnection(p.control)
-        )
+        cache = KVCache(KVCacheSpec(dtype=getattr(torch, dtype), **spec), place)
+        config = {"config": receiver.config} if in_process else {}
+        sender = KVSender(cache, _fingerprint(spec, dtype), "profile-sender", connect=receiver.connect, **config)
         samples = []
-        for tokens in grid.transfer_tokens:
+        for tokens in sizes:
             blocks = list(range(ceil_div(tokens, block_size)))
             times = []
             for r in range(grid.repeats + 1):  # the first builds the pair group
                 tid = f"profile-{tokens}-{r}"
-                conn.send(("expect", tid, blocks))
-                conn.recv()
+                receiver.expect(tid, blocks)
                 start = time.monotonic()
-                handle = sender.start(tid, peer, blocks, tokens)
+                handle = sender.start(tid, receiver.peer, blocks, tokens)
                 sender.finish(handle)
                 handle.wait(120)
                 sender.release(tid)
-                conn.send(("received", tid))
-                state, error, finished = conn.recv()
+                state, error, finished = receiver.received(tid)
                 if state != "done":
                     raise RuntimeError(f"profile transfer of {tokens} tokens failed: {error or handle.error}")
                 if r:
                     times.append(finished - start)
-            nbytes = len(blocks) * block_size * model.kv_elements_per_token * cache.tensor.element_size()
+            nbytes = len(blocks) * block_size * model.kv_elements_per_token * element
             samples.append(TransferSample(nbytes, statistics.median(times)))
         sender.close()
-        conn.send(("exit",))
-        conn.recv()
-        return samples
+        receiver.stop()
+        return samples, receiver.path
     finally:
-        process.join(5)
-        if process.is_alive():
-            process.kill()
+        receiver.close()
+
+
+def fit_transfer_part(samples: list[TransferSample]) -> tuple[TransferCost | None, str]:
+    """The transfer fit and its label: (fit, "measured"), or (None, why not) when the samples do not determine
+    one (``fit_transfer`` refused: the profile holds no transfer rather than a made-up one)."""
+    try:
+        return fit_transfer(samples), MEASURED
+    except TransferFitError as e:
+        return None, f"not measured: the samples did not determine a fit ({e})"
 
 
 # ---- what serving adds: a real deployment at no load --------------------------------------------------
@@ -401,6 +508,13 @@ def measure_serving(
         "serving_itl_s": alone,
         f"serving_itl_{requests}_s": together,
     }
+
+
+def with_serving(profile: Profile, serving: dict[str, float]) -> Profile:
+    """``profile`` with ``measure_serving``'s figures in its notes, its serving part labelled measured."""
+    from dataclasses import replace
+
+    return replace(profile, notes={**profile.notes, **serving}, parts={**profile.parts, "serving": MEASURED})
 
 
 def _bench(address: str, concurrency: int):
@@ -489,10 +603,13 @@ def measure_profile(
     name: str | None = None,
     transfers: bool = True,
     tensor_parallel_size: int = 1,
+    transfer_in_process: bool = False,
 ) -> Profile:
     """Measure and fit; a CPU profile's ``threads`` is the torch threads of each rank it stands for. At
     ``tensor_parallel_size`` > 1 the steps are a TP engine's whose rank 0 drives (its ranks spawned here,
-    one per GPU on CUDA); the KV transfer is one rank's part."""
+    one per GPU on CUDA); the KV transfer is one rank's part. ``transfers`` False: no transfer is measured
+    and the profile has none (``parts["transfer"]`` "not measured"); ``transfer_in_process``: see
+    ``measure_transfers``."""
     from pathlib import Path
 
     from splitserve.engine.hardware import describe_machine
@@ -514,8 +631,13 @@ def measure_profile(
     device_name = _device_name(measurer.core.device, machine)
     threads_used = measurer.torch.get_num_threads()
     del measurer
-    transfer_samples = measure_transfers(shape, dtype_name, 16, grid) if transfers else []
-    latency, bandwidth = fit_transfer(transfer_samples) if transfer_samples else (0.0, 1e12)
+    notes = {"machine": machine, "pid": os.getpid()}
+    transfer, transfer_part, transfer_samples = None, NOT_MEASURED, []
+    if transfers:
+        transfer_samples, notes["transfer_path"] = measure_transfers(
+            shape, dtype_name, 16, grid, device, transfer_in_process
+        )
+        transfer, transfer_part = fit_transfer_part(transfer_samples)
     return Profile(
         model=shape,
         dtype=dtype_name,
@@ -525,13 +647,13 @@ def measure_profile(
         threads=threads_used,
         tensor_parallel_size=tensor_parallel_size,
         step_coefficients=fit_steps(steps),
-        transfer_latency_s=latency,
-        transfer_bytes_per_s=bandwidth,
+        transfer=transfer,
         steps=tuple(steps),
         transfers=tuple(transfer_samples),
         source="measured",
         created=datetime.now().isoformat(timespec="seconds"),
-        notes={"machine": machine, "pid": os.getpid()},
+        notes=notes,
+        parts={"steps": MEASURED, "transfer": transfer_part, "serving": NOT_MEASURED},
     )
 
 

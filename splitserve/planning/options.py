@@ -40,7 +40,12 @@ def add_profile_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--out", required=True, help="the profile to write (JSON)")
     p.add_argument("--quick", action="store_true", help="a smaller grid (a first look; the fit is coarser)")
-    p.add_argument("--no-transfer", action="store_true", help="skip the KV-transfer measurement")
+    p.add_argument(
+        "--no-transfer",
+        action="store_true",
+        help="skip the KV-transfer measurement: the profile has no transfer, and simulate and plan take it for "
+        "colocated deployments only",
+    )
     p.add_argument(
         "--serving",
         action="store_true",
@@ -89,11 +94,9 @@ def run_profile(args: argparse.Namespace) -> int:
         tensor_parallel_size=args.tp,
     )
     if args.serving:
-        from dataclasses import replace as replace_fields
+        from splitserve.planning.measure import measure_serving, with_serving
 
-        from splitserve.planning.measure import measure_serving
-
-        profile = replace_fields(profile, notes={**profile.notes, **measure_serving(profile, args.model, args.threads)})
+        profile = with_serving(profile, measure_serving(profile, args.model, args.threads))
     profile.save(args.out)
     errors = relative_errors(profile)
     c = profile.step_coefficients
@@ -107,11 +110,13 @@ def run_profile(args: argparse.Namespace) -> int:
         f"{c['decode_context'] * 1e6:.2f} us/1k context tokens"
     )
     print(f"fit: {len(errors)} steps, median error {sorted(errors)[len(errors) // 2]:.1%}, worst {max(errors):.1%}")
-    if profile.transfers:
+    if profile.transfer is not None:
         print(
-            f"KV transfer = {profile.transfer_latency_s * 1e3:.2f} ms + bytes / "
-            f"{profile.transfer_bytes_per_s / 1e9:.2f} GB/s"
+            f"KV transfer = {profile.transfer.latency_s * 1e3:.2f} ms + bytes / "
+            f"{profile.transfer.bytes_per_s / 1e9:.2f} GB/s ({profile.notes['transfer_path']})"
         )
+    else:  # simulate and plan refuse disaggregated deployments on this profile: say so now
+        print(f"KV transfer: {profile.parts['transfer']}; the profile has none (colocated deployments only)")
     if args.serving:
         print(
             f"serving adds {profile.ttft_overhead_s * 1e3:.2f} ms to a first token, and to a step "
@@ -190,6 +195,8 @@ def run_simulate(args: argparse.Namespace) -> int:
     }
     overhead = None if args.ttft_overhead_ms is None else args.ttft_overhead_ms / 1e3
     config = sim_config(deployment, profiles, ttft_overhead_s=overhead, losses=_losses(args.lose))
+    for line in unmeasured(config):  # what the run does without each part its profiles did not measure
+        print(line, file=sys.stderr)
     options = dataset_options(args, base.model.max_position_embeddings)
     requests = make_requests(options, TokenRange.for_vocab(base.model.vocab_size))
     percentiles = parse_percentiles(args.percentiles)
@@ -211,6 +218,7 @@ def run_simulate(args: argparse.Namespace) -> int:
         "burstiness": args.burstiness,
         "deployment": describe(config),
         "utilization": utilization(sim),
+        "profile_parts": profile_parts(config),
         **result,
     }
     if args.planner:
@@ -327,6 +335,33 @@ def _sweep(args: argparse.Namespace, config, requests, percentiles, model_name: 
     return 0
 
 
+def used_roles(config) -> list[str]:
+    return ["colocated"] if config.mode == "colocated" else ["prefill", "decode"]
+
+
+def profile_parts(config) -> dict[str, dict[str, str]]:
+    """Each role's profile's parts: which were measured (``Profile.parts``)."""
+    return {role: dict(getattr(config, role).profile.parts) for role in used_roles(config)}
+
+
+def unmeasured(config) -> list[str]:
+    """A line for each part of a role's profile that was not measured, and what the run did without it."""
+    lines = []
+    for role in used_roles(config):
+        profile = getattr(config, role).profile
+        for part, label in profile.parts.items():
+            if profile.measured(part):
+                continue
+            if part == "transfer" and profile.transfer is None:
+                use = "not needed: a colocated deployment hands no KV over"  # disaggregated was refused
+            elif part == "serving":
+                use = "the serving overheads it would hold were taken as 0"
+            else:
+                use = "its figures were used as they are"
+            lines.append(f"{role} profile ({profile.model.name}): {part} {label}; {use}")
+    return lines
+
+
 def describe(config) -> dict:
     roles = {}
     for role in ROLES:
@@ -390,6 +425,11 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
         help="seconds of arrivals each simulation spans at least (the workload is repeated, its copies made "
         "distinct): what a deployment sustains, not what a burst fits in",
     )
+    p.add_argument(
+        "--mode",
+        choices=["disaggregated", "colocated"],
+        help="search only this mode (default: both); colocated needs no KV transfer in the profiles",
+    )
     p.add_argument("--out", help="write the winner as a deployment config (splitserve serve --config)")
     p.add_argument("--top", type=int, default=8, help="candidates to print")
     p.add_argument("--json", action="store_true", help="print the ranked candidates as JSON")
@@ -417,6 +457,7 @@ def run_plan(args: argparse.Namespace) -> int:
         raise ValueError("--devices, --rate: give one (the best use of a budget, or the fewest devices for a rate)")
     base_raw = yaml.safe_load(Path(args.config).read_text()) if args.config else {}
     base = DeploymentConfig.from_dict(base_raw or {})
+    modes = (args.mode,) if args.mode else plan.MODES
     first = next(iter(profiles.values()))
     options = dataset_options(args, first.model.max_position_embeddings)
     workload = [(r.prompt, r.output_len) for r in make_requests(options, TokenRange.for_vocab(first.model.vocab_size))]
@@ -430,6 +471,7 @@ def run_plan(args: argparse.Namespace) -> int:
             args.devices_per_node,
             seed=args.seed,
             min_duration_s=args.min_duration,
+            modes=modes,
         )
         if best is None:
             print(f"no deployment of up to 4096 devices serves {args.rate} req/s within the SLOs", file=sys.stderr)
@@ -447,7 +489,15 @@ def run_plan(args: argparse.Namespace) -> int:
                 thresholds.append(int(x))
         budget = plan.Budget(args.devices, args.devices_per_node)
         ranked = plan.search(
-            base, profiles, workload, slo, budget, args.seed, local_prefill=thresholds, min_duration_s=args.min_duration
+            base,
+            profiles,
+            workload,
+            slo,
+            budget,
+            args.seed,
+            local_prefill=thresholds,
+            min_duration_s=args.min_duration,
+            modes=modes,
         )
     rows = [
         {

@@ -13,6 +13,11 @@ The search follows DistServe's (Zhong et al., OSDI 2024, Algorithm 1), with the 
    (the per-phase searches ignore the other phase's queueing and the KV transfer).
 
 Ranked by goodput per device: the highest rate meeting the attainment target, over the devices used.
+
+A disaggregated deployment is searched only where every profile has a KV transfer (its hand-offs are
+timed by it); ``modes`` ``("colocated",)`` plans without one. A profile without a transfer, with
+disaggregated deployments in ``modes``, is refused by name (``MissingPart``) rather than planned as if
+hand-offs were free.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from splitserve.planning.profile import Profile
 from splitserve.planning.simulator import simulate
 
 Workload = Sequence[tuple[list[int], int]]  # (prompt token ids, output length)
+MODES = ("disaggregated", "colocated")
 
 
 @dataclass(frozen=True)
@@ -146,11 +152,22 @@ def search(
     spare_workers: int = 4,
     local_prefill: Sequence[int] = (),
     min_duration_s: float = 0.0,
+    modes: Sequence[str] = MODES,
 ) -> list[Candidate]:
-    """Ranked candidates, best goodput per device first. ``profiles``: a profile per TP size of the device."""
+    """Ranked candidates, best goodput per device first. ``profiles``: a profile per TP size of the device;
+    ``modes``: the deployment modes searched."""
     tps = tp_choices(profiles, budget)
     if not tps:
         raise ValueError(f"profiles: none for a TP size that fits {budget.devices_per_node} devices per node")
+    unknown = [m for m in modes if m not in MODES]
+    if unknown or not modes:
+        raise ValueError(f"modes: expected some of {', '.join(MODES)}, got {list(modes)}")
+    if "disaggregated" in modes:
+        for tp in tps:
+            profiles[tp].require_transfer(
+                f"plan compares disaggregated deployments, whose KV hand-offs it times (TP {tp}'s profile); "
+                "or plan colocated deployments only (--mode colocated)"
+            )
 
     def per_phase(role: str, tp: int) -> float:
         other = "decode" if role == "prefill" else "prefill"
@@ -163,10 +180,11 @@ def search(
             lambda r: attainment(deployment, roles, workload, r, one, seed, min_duration_s) >= slo.attainment
         )
 
-    prefill_rates = {t: per_phase("prefill", t) for t in tps}
-    decode_rates = {t: per_phase("decode", t) for t in tps}
+    disaggregated = "disaggregated" in modes
+    prefill_rates = {t: per_phase("prefill", t) for t in tps} if disaggregated else {}
+    decode_rates = {t: per_phase("decode", t) for t in tps} if disaggregated else {}
     candidates = []
-    for tp_p in tps:
+    for tp_p in tps if disaggregated else ():
         for tp_d in tps:
             best = _best_split(prefill_rates[tp_p], decode_rates[tp_d], tp_p, tp_d, budget.devices)
             if best is not None:
@@ -174,7 +192,7 @@ def search(
                 candidates.append(
                     Candidate("disaggregated", {"prefill": n_p, "decode": n_d}, {"prefill": tp_p, "decode": tp_d}, rate)
                 )
-    for tp in tps:
+    for tp in tps if "colocated" in modes else ():
         deployment = with_roles(base, "colocated", colocated=(1, tp))
         r = max_rate(
             lambda r, d=deployment, t=tp: (
@@ -288,6 +306,7 @@ def fewest_devices(
     most: int = 4096,
     seed: int = 0,
     min_duration_s: float = 0.0,
+    modes: Sequence[str] = MODES,
 ) -> Candidate | None:
     """The inverse: the smallest budget whose best candidate sustains ``rate`` (doubling, then bisecting)."""
 
@@ -301,6 +320,7 @@ def fewest_devices(
             seed,
             check=1,
             min_duration_s=min_duration_s,
+            modes=modes,
         )
         ok = [c for c in ranked if (c.checked_rate or c.rate) >= rate]
         return min(ok, key=lambda c: c.devices) if ok else None

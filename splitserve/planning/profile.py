@@ -15,7 +15,13 @@ A step of a continuous batch is described by five features (``StepShape``)::
 
 and its time is the dot product with the fitted coefficients (least squares, each coefficient >= 0),
 so prefill-only, decode-only and mixed (colocated) steps share one model. A KV transfer costs
-``latency_s + bytes / bytes_per_s``.
+``latency_s + bytes / bytes_per_s`` (``TransferCost``).
+
+A profile says of each of its parts (``PARTS``: the steps, the KV transfer, the serving overheads) where
+it came from, in ``parts``: ``"measured"``, ``"not measured"``, or what else it is (a roofline's
+published figures and assumptions, a fit the samples did not determine). A transfer that was not
+measured is absent (``transfer`` None), never a stand-in number: timing a KV hand-off with such a profile
+raises ``MissingPart``. Profiles are strict JSON both ways: no Infinity or NaN is written or read.
 """
 
 from __future__ import annotations
@@ -26,12 +32,23 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-PROFILE_VERSION = 1
+PROFILE_VERSION = 2  # 2: per-part labels (``parts``), the transfer optional (``transfer``)
 FEATURES = ("const", "prefill_tokens", "prefill_attention", "decodes", "decode_context")
+PARTS = ("steps", "transfer", "serving")
+MEASURED = "measured"
+NOT_MEASURED = "not measured"
 
 
 class ProfileError(ValueError):
     """Not a valid profile; the message names the field."""
+
+
+class MissingPart(ProfileError):
+    """The profile lacks a part (it was not measured) that this use of it needs; the message names it."""
+
+
+class TransferFitError(ProfileError):
+    """The transfer samples do not determine a latency and a bandwidth."""
 
 
 @dataclass(frozen=True)
@@ -93,6 +110,25 @@ class TransferSample:
 
 
 @dataclass(frozen=True)
+class TransferCost:
+    """One KV transfer: ``latency_s + bytes / bytes_per_s``."""
+
+    latency_s: float
+    bytes_per_s: float
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.latency_s, (int, float)) and math.isfinite(self.latency_s) and self.latency_s >= 0):
+            raise ProfileError(f"transfer.latency_s: must be a finite number >= 0, got {self.latency_s!r}")
+        if not (
+            isinstance(self.bytes_per_s, (int, float)) and math.isfinite(self.bytes_per_s) and self.bytes_per_s > 0
+        ):
+            raise ProfileError(f"transfer.bytes_per_s: must be a finite number > 0, got {self.bytes_per_s!r}")
+
+    def seconds(self, nbytes: int) -> float:
+        return self.latency_s + nbytes / self.bytes_per_s
+
+
+@dataclass(frozen=True)
 class Profile:
     model: ModelShape
     dtype: str
@@ -102,13 +138,14 @@ class Profile:
     threads: int  # torch threads per rank (CPU)
     tensor_parallel_size: int
     step_coefficients: dict[str, float]  # FEATURES -> seconds per unit
-    transfer_latency_s: float
-    transfer_bytes_per_s: float
+    transfer: TransferCost | None  # None: not measured (``parts["transfer"]`` says why)
     steps: tuple[StepSample, ...] = ()
     transfers: tuple[TransferSample, ...] = ()
     source: str = "measured"  # "measured", or where published figures came from
     created: str = ""
     notes: dict[str, Any] = field(default_factory=dict)
+    # PARTS -> "measured", "not measured", or where the part came from; a part left out is "not measured".
+    parts: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if set(self.step_coefficients) != set(FEATURES):
@@ -118,10 +155,29 @@ class Profile:
         bad = [k for k, v in self.step_coefficients.items() if not (math.isfinite(v) and v >= 0)]
         if bad:
             raise ProfileError(f"step_coefficients.{bad[0]}: must be a finite number >= 0")
-        if not self.transfer_bytes_per_s > 0 or not self.transfer_latency_s >= 0:
-            raise ProfileError("transfer_bytes_per_s: must be > 0 (and transfer_latency_s >= 0)")
+        if self.transfer is not None and not isinstance(self.transfer, TransferCost):
+            raise ProfileError("transfer: expected a TransferCost (latency_s, bytes_per_s) or None")
         if self.tensor_parallel_size < 1:
             raise ProfileError(f"tensor_parallel_size: must be >= 1, got {self.tensor_parallel_size}")
+        unknown = sorted(set(self.parts) - set(PARTS))
+        if unknown:
+            raise ProfileError(f"parts.{unknown[0]}: not a part of a profile ({', '.join(PARTS)})")
+        parts = {part: self.parts.get(part, NOT_MEASURED) for part in PARTS}
+        bad = [part for part, label in parts.items() if not (isinstance(label, str) and label)]
+        if bad:
+            raise ProfileError(f"parts.{bad[0]}: must be a label such as {MEASURED!r} or {NOT_MEASURED!r}")
+        object.__setattr__(self, "parts", parts)
+        # A part said to be measured carries what was measured.
+        if parts["transfer"] == MEASURED and (self.transfer is None or not self.transfers):
+            raise ProfileError("parts.transfer: measured, but the profile has no transfer fit and samples")
+        if parts["steps"] == MEASURED and not self.steps:
+            raise ProfileError("parts.steps: measured, but the profile has no step samples")
+        if parts["serving"] == MEASURED and "ttft_overhead_s" not in self.notes:
+            raise ProfileError("parts.serving: measured, but notes hold no serving overheads")
+
+    def measured(self, part: str) -> bool:
+        """Whether ``part`` (one of PARTS) was measured on the device."""
+        return self.parts[part] == MEASURED
 
     # ---- what things cost ---------------------------------------------------------------------
 
@@ -175,7 +231,17 @@ class Profile:
         return float(self.notes.get("ttft_overhead_s", 0.0))
 
     def transfer_s(self, nbytes: int) -> float:
-        return self.transfer_latency_s + nbytes / self.transfer_bytes_per_s
+        """Seconds of one KV transfer of ``nbytes``; ``MissingPart`` when the profile has no transfer."""
+        return self.require_transfer("a KV transfer is timed").seconds(nbytes)
+
+    def require_transfer(self, why: str) -> TransferCost:
+        """The transfer, or ``MissingPart`` saying that ``why`` needs it and that it is absent."""
+        if self.transfer is None:
+            raise MissingPart(
+                f"transfer: the profile of {self.model.name} has no KV transfer ({self.parts['transfer']}), and "
+                f"{why}: measure it (`splitserve profile` without --no-transfer)"
+            )
+        return self.transfer
 
     # ---- JSON ---------------------------------------------------------------------------------
 
@@ -187,14 +253,29 @@ class Profile:
         return data
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.to_json(), indent=1) + "\n")
+        """Strict JSON: a value JSON cannot hold (Infinity, NaN) raises rather than being written."""
+        try:
+            text = json.dumps(self.to_json(), indent=1, allow_nan=False)
+        except ValueError as e:
+            raise ProfileError(f"{path}: {e}") from None
+        Path(path).write_text(text + "\n")
 
     @classmethod
     def from_json(cls, data: dict) -> Profile:
         if not isinstance(data, dict):
             raise ProfileError("profile: expected a JSON object")
         if data.get("version") != PROFILE_VERSION:
-            raise ProfileError(f"version: expected {PROFILE_VERSION}, got {data.get('version')!r}")
+            hint = (
+                ": a profile written before its parts were labelled; measure it again with `splitserve profile`"
+                if data.get("version") == 1
+                else ""
+            )
+            raise ProfileError(f"version: expected {PROFILE_VERSION}, got {data.get('version')!r}{hint}")
+        _refuse_non_finite(data, "")
+        if "parts" not in data:
+            raise ProfileError("parts: missing from the profile (which parts were measured)")
+        if not isinstance(data.get("transfer"), (dict, type(None))):
+            raise ProfileError("transfer: expected an object (latency_s, bytes_per_s) or null")
         try:
             model = ModelShape(**data["model"])
             steps = tuple(
@@ -202,8 +283,9 @@ class Profile:
                 for s in data.get("steps", [])
             )
             transfers = tuple(TransferSample(int(t["bytes"]), float(t["seconds"])) for t in data.get("transfers", []))
-            fields = {k: v for k, v in data.items() if k not in ("version", "model", "steps", "transfers")}
-            return cls(model=model, steps=steps, transfers=transfers, **fields)
+            transfer = TransferCost(**data["transfer"]) if data.get("transfer") is not None else None
+            fields = {k: v for k, v in data.items() if k not in ("version", "model", "steps", "transfers", "transfer")}
+            return cls(model=model, steps=steps, transfers=transfers, transfer=transfer, **fields)
         except KeyError as e:
             raise ProfileError(f"{e.args[0]}: missing from the profile") from None
         except TypeError as e:
@@ -211,11 +293,27 @@ class Profile:
 
     @classmethod
     def load(cls, path: str | Path) -> Profile:
+        """Strict JSON: Infinity and NaN (which Python's json reads by default) are refused by field."""
         try:
-            data = json.loads(Path(path).read_text())
+            data = json.loads(Path(path).read_text(), parse_constant=_NonFinite)
         except (OSError, json.JSONDecodeError) as e:
             raise ProfileError(f"{path}: {e}") from None
         return cls.from_json(data)
+
+
+class _NonFinite(str):
+    """What the strict loader reads for Infinity, -Infinity or NaN, so that the field can be named."""
+
+
+def _refuse_non_finite(value: Any, where: str) -> None:
+    if isinstance(value, _NonFinite) or (isinstance(value, float) and not math.isfinite(value)):
+        raise ProfileError(f"{where or 'profile'}: {value} is not a number strict JSON holds")
+    if isinstance(value, dict):
+        for key, item in value.items():
+            _refuse_non_finite(item, f"{where}.{key}" if where else str(key))
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            _refuse_non_finite(item, f"{where}[{i}]")
 
 
 # ---- fitting ----------------------------------------------------------------------------------------
@@ -233,13 +331,29 @@ def fit_steps(samples: list[StepSample]) -> dict[str, float]:
     return dict(zip(FEATURES, coefficients))
 
 
-def fit_transfer(samples: list[TransferSample]) -> tuple[float, float]:
-    """(latency_s, bytes_per_s) of ``latency + bytes / bandwidth``, non-negative, relative errors."""
-    weights = [1.0 / max(s.seconds, 1e-6) for s in samples]
+def fit_transfer(samples: list[TransferSample]) -> TransferCost:
+    """``latency + bytes / bandwidth`` fitted by non-negative least squares on relative errors.
+
+    Refuses (``TransferFitError``) rather than invent a figure when the samples do not determine both: fewer
+    than two sizes, a time that is not a positive number, times that do not grow with the bytes (no
+    bandwidth: it would be infinite), or a fit that puts the fixed cost at its bound of 0 (every real
+    transfer has one: a control message and a payload send)."""
+    bad = [i for i, s in enumerate(samples) if not (math.isfinite(s.seconds) and s.seconds > 0)]
+    if bad:
+        raise TransferFitError(f"transfers[{bad[0]}].seconds: must be a positive number, got {samples[bad[0]].seconds}")
+    sizes = sorted({s.bytes for s in samples})
+    if len(sizes) < 2:
+        raise TransferFitError(f"transfers: a latency and a bandwidth need at least two sizes, got {sizes}")
+    weights = [1.0 / s.seconds for s in samples]
     latency, per_byte = nnls(
         [[w, s.bytes * w] for s, w in zip(samples, weights)], [s.seconds * w for s, w in zip(samples, weights)]
     )
-    return latency, (1.0 / per_byte if per_byte > 0 else math.inf)
+    seen = ", ".join(f"{s.bytes} B in {s.seconds * 1e3:.3g} ms" for s in samples)
+    if not per_byte > 0 or not math.isfinite(1.0 / per_byte):
+        raise TransferFitError(f"transfers: the times do not grow with the bytes ({seen}): no bandwidth to fit")
+    if not latency > 0:
+        raise TransferFitError(f"transfers: the fit puts the fixed cost at 0 ({seen}): no latency to fit")
+    return TransferCost(latency, 1.0 / per_byte)
 
 
 def relative_errors(profile: Profile) -> list[float]:

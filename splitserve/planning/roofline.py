@@ -14,7 +14,7 @@ profile's five coefficients:
 
 The linear model adds the compute and the memory terms where a roofline takes their maximum, so near
 the ridge point it is pessimistic. Every figure here is written "published" or "assumed" in the profile
-(``source`` and ``notes``): none of it is measured, and a profile written by ``splitserve profile`` on
+(``source``, ``parts`` and ``notes``): none of it is measured, and a profile written by ``splitserve profile`` on
 the device replaces it.
 """
 
@@ -23,7 +23,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from splitserve.planning.profile import ModelShape, Profile
+from splitserve.planning.profile import ModelShape, Profile, TransferCost
 
 
 @dataclass(frozen=True)
@@ -131,9 +131,13 @@ def roofline_profile(
         threads=1,
         tensor_parallel_size=t,
         step_coefficients=coefficients,
-        transfer_latency_s=a["transfer_latency_s"],
-        transfer_bytes_per_s=device.network_bytes_per_s,
+        transfer=TransferCost(a["transfer_latency_s"], device.network_bytes_per_s),
         source=f"roofline of published figures, not measured: {device.source}",
+        parts={
+            "steps": "roofline of published figures at assumed efficiencies, not measured",
+            "transfer": "the published NIC bandwidth and an assumed latency, not measured",
+            "serving": "an assumed overhead before a first token, not measured",
+        },
         created=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         notes={
             "assumed": a,

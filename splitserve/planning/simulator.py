@@ -85,6 +85,13 @@ class SimConfig:
         missing = [r for r in needed if getattr(self, r) is None or getattr(self, r).count < 1]
         if missing:
             raise ValueError(f"{missing[0]}: the {self.mode} mode needs at least one {missing[0]} worker")
+        if self.mode == "disaggregated":
+            # Every hand-off is timed by the prefill workers' profile; without a measured transfer there is
+            # nothing honest to time it by (a colocated deployment moves no KV and needs none).
+            self.prefill.profile.require_transfer(
+                "a disaggregated deployment hands each request's KV from prefill to decode, so it cannot be "
+                "simulated without one (a colocated deployment can)"
+            )
 
 
 @dataclass(order=True)

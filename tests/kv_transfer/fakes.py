@@ -1,23 +1,14 @@
 """Fakes of what a pair runs over: a 2-rank group with NCCL's semantics (tags ignored: one FIFO per
 direction, completion polled through ``is_completed``), so the pair logic written for NCCL runs and is
-tested without a GPU; and ``LocalConnection``, the control stream in memory instead of over gRPC."""
+tested without a GPU. The control stream in memory instead of over gRPC is ``splitserve.kv_transfer.local``'s."""
 
 from __future__ import annotations
 
 import queue
 import threading
 from collections import defaultdict
-from collections.abc import Callable, Iterator
 
 import torch
-
-from splitserve.common.errors import ServingError
-from splitserve.kv_transfer.control import (
-    ControlConnection,
-    PairClosed,
-    ReceiverMessage,
-    SenderMessage,
-)
 
 
 class FakeWork:
@@ -93,48 +84,3 @@ class FakeFabric:
         with self._lock:
             link = self._links[prefix]
         return GroupCommunicator(FakeGroup(link, rank), rank, "nccl", device)
-
-
-_END = object()
-
-
-class LocalConnection(ControlConnection):
-    """An in-memory control stream to a receiver in the same process (one thread per pair), so the pair
-    protocol is tested without gRPC."""
-
-    def __init__(self, serve_pair: Callable[[Iterator[SenderMessage], Callable[[object], None]], None]) -> None:
-        self._inbound: queue.Queue = queue.Queue()
-        self._outbound: queue.Queue = queue.Queue()
-        self._closed = threading.Event()
-
-        def run() -> None:
-            try:
-                serve_pair(self._iterate(), self._outbound.put)
-                self._outbound.put(PairClosed("receiver ended the pair"))
-            except ServingError as e:  # the receiver refused the pair, or ended it with an error
-                self._outbound.put(PairClosed(f"{e.code}: {e.message}", e))
-
-        threading.Thread(target=run, name="kv-local-pair", daemon=True).start()
-
-    def _iterate(self) -> Iterator[SenderMessage]:
-        while True:
-            item = self._inbound.get()
-            if item is _END:
-                return
-            yield item
-
-    def send(self, message: SenderMessage) -> None:
-        if not self._closed.is_set():
-            self._inbound.put(message)
-
-    def receive(self, timeout_s: float | None = None) -> ReceiverMessage:
-        item = self._outbound.get(timeout=timeout_s)
-        if isinstance(item, PairClosed):
-            self._outbound.put(item)  # stays closed for later readers
-            raise item
-        return item
-
-    def close(self) -> None:
-        if not self._closed.is_set():
-            self._closed.set()
-            self._inbound.put(_END)

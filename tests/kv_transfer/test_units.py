@@ -25,9 +25,10 @@ from splitserve.kv_transfer.descriptor import (
     encode_descriptor,
 )
 from splitserve.kv_transfer.handles import TransferState
+from splitserve.kv_transfer.local import LocalConnection
 from splitserve.kv_transfer.receiver import KVReceiver
 from splitserve.kv_transfer.sender import KVSender, PeerAddress
-from tests.kv_transfer.fakes import FakeFabric, LocalConnection
+from tests.kv_transfer.fakes import FakeFabric
 
 LAYERS, HEADS, HEAD_DIM, BLOCK = 4, 2, 8, 4
 FP = LayoutFingerprint("m", "float32", BLOCK, LAYERS, HEADS, HEAD_DIM, "w1")

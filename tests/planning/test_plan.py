@@ -10,7 +10,7 @@ import pytest
 
 from splitserve.deploy_config import DeploymentConfig
 from splitserve.planning import plan
-from splitserve.planning.profile import ModelShape, Profile
+from splitserve.planning.profile import ModelShape, Profile, TransferCost
 
 MS = 1e-3
 SLO = plan.Slo(ttft_ms=1000.0, tpot_ms=20.0, attainment=0.9)
@@ -25,7 +25,7 @@ def toy(tp: int = 1) -> Profile:
         "decodes": 0.1 * MS,
         "decode_context": 0.0,
     }
-    return Profile(model, "float32", 4, "cpu", "toy", 1, tp, c, 1 * MS, 1e12)
+    return Profile(model, "float32", 4, "cpu", "toy", 1, tp, c, TransferCost(1 * MS, 1e12))
 
 
 WORKLOAD = [([100 + 7 * i + j for j in range(100)], 10) for i in range(40)]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from splitserve.bench.metrics import RequestRecord, summarize
-from splitserve.planning.profile import ModelShape, Profile
+from splitserve.planning.profile import ModelShape, Profile, TransferCost
 from splitserve.planning.simulator import RoleSpec, SimConfig, simulate
 
 MS = 1e-3
@@ -20,7 +20,7 @@ MS = 1e-3
 def toy_profile(**coefficients) -> Profile:
     model = ModelShape("toy", "LlamaForCausalLM", 2, 64, 4, 2, 16, 128, 1000, 4096)
     c = {"const": 10 * MS, "prefill_tokens": 1 * MS, "prefill_attention": 0.0, "decodes": 2 * MS, "decode_context": 0.0}
-    return Profile(model, "float32", 4, "cpu", "toy", 1, 1, {**c, **coefficients}, 5 * MS, 1e18)
+    return Profile(model, "float32", 4, "cpu", "toy", 1, 1, {**c, **coefficients}, TransferCost(5 * MS, 1e18))
 
 
 def disaggregated(prefill: int = 1, decode: int = 1, **config) -> SimConfig:

@@ -11,9 +11,9 @@ from splitserve.engine.kv_cache import KVCache, KVCacheSpec
 from splitserve.kv_transfer.config import TransferConfig
 from splitserve.kv_transfer.control import Welcome
 from splitserve.kv_transfer.handles import TransferState
+from splitserve.kv_transfer.local import LocalConnection
 from splitserve.kv_transfer.receiver import KVReceiver
 from splitserve.kv_transfer.sender import KVSender, PeerAddress
-from tests.kv_transfer.fakes import LocalConnection
 from tests.kv_transfer.test_units import BLOCK, FP, HEAD_DIM, HEADS, LAYERS
 
 SECRET = re.compile(r"^kv/(?P<sender>[^/]+)/[0-9a-f]{32}/[0-9a-f]{32}/(?P<generation>\d+)/(?P<secret>[0-9a-f]{32})/$")
