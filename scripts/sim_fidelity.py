@@ -395,20 +395,33 @@ def format_knees(entry: dict) -> str:
 
 
 def print_judged(rows: list[dict]) -> None:
-    """Per row and SLO set: attainment real / sim (sim - real in points) and goodput real / sim (error)."""
-    print(
-        "\n| preset | mode | workload | rate (req/s) | SLOs | TTFT / TPOT SLO ms | attainment real / sim (pp) "
-        "| goodput req/s real / sim (err) |"
-    )
-    print("|" + "---|" * 8)
+    """Per workload and SLO set, one cell per rate: attainment real / sim (sim - real in points) and the
+    goodput's relative error."""
+    groups: dict[tuple, list[dict]] = {}
     for row in rows:
-        for label, j in row["judged"].items():
-            err = "-" if j["goodput_error"] is None else f"{j['goodput_error']:.0%}"
+        groups.setdefault((row["preset"], row["mode"], row["workload"]), []).append(row)
+    print(
+        "\n| preset | mode | workload | SLOs | TTFT / TPOT SLO ms | "
+        + " | ".join(f"at {f:.0%}: attainment real / sim (pp); goodput err" for f in FRACTIONS)
+        + " |"
+    )
+    print("|" + "---|" * (5 + len(FRACTIONS)))
+    for (preset, mode, workload), group in groups.items():
+        for label in ("4x/3x", "binding"):
+            judged = [row["judged"].get(label) for row in group]
+            if not all(judged):
+                continue
+            cells = []
+            for j in judged:
+                err = "-" if j["goodput_error"] is None else f"{j['goodput_error']:.0%}"
+                cells.append(
+                    f"{j['real_attainment']:.0%} / {j['sim_attainment']:.0%} ({pp(j['attainment_error_pp'])}); {err}"
+                )
+            slos_ms = judged[0]["slos_ms"]
             print(
-                f"| {row['preset']} | {row['mode']} | {row['workload']} | {row['rate']} | {label} "
-                f"| {j['slos_ms']['ttft']:.4g} / {j['slos_ms']['tpot']:.4g} "
-                f"| {j['real_attainment']:.1%} / {j['sim_attainment']:.1%} ({pp(j['attainment_error_pp'])}) "
-                f"| {j['real_goodput']:.4g} / {j['sim_goodput']:.4g} ({err}) |"
+                f"| {preset} | {mode} | {workload} | {label} | {slos_ms['ttft']:.4g} / {slos_ms['tpot']:.4g} | "
+                + " | ".join(cells)
+                + " |"
             )
     errors = [abs(j["attainment_error_pp"]) for row in rows for j in [row["judged"].get("binding")] if j]
     if errors:
