@@ -65,8 +65,10 @@ bench-tp: setup
 	$(VPY) scripts/bench_tp.py $(BENCH_ARGS)
 
 # The simulator against real runs on this machine, side by side (docs/planning.md): profiles, real
-# deployments, bench and simulate on the same requests; prints the relative errors. All three presets take
-# about 1.5 hours on 2 cores; BENCH_ARGS="--presets tiny" about 20 minutes.
+# deployments, bench and simulate on the same requests; prints the relative errors, the attainments under
+# two SLO sets and the capacity knees of a real and a simulated sweep. Without the sweeps (--sweep-points 0)
+# all three presets took about 1.5 hours on 2 cores and BENCH_ARGS="--presets tiny" about 20 minutes; the
+# default sweeps send about as many requests again at similar rates (estimated: about 2.5 hours, and 30 minutes).
 sim-fidelity: setup
 	$(VPY) scripts/sim_fidelity.py $(BENCH_ARGS)
 

@@ -73,9 +73,13 @@ def run_sweep(
     out_dir: str | Path,
     model_id: str = "",
     dataset: str = "",
+    run: Callable[..., dict] | None = None,
 ) -> dict:
     """Runs ``requests(i)`` at the i-th rate (the same arrival seed for every rate), writes
-    ``rate_<R>.json`` per rate, ``sweep.json`` and the plots into ``out_dir``; returns sweep.json's content."""
+    ``rate_<R>.json`` per rate, ``sweep.json`` and the plots into ``out_dir``; returns sweep.json's content.
+
+    ``run`` stands in for ``benchmark`` (the same arguments, the same result keys): a simulator's, so that a
+    simulated sweep gets the same requests, arrivals, attainment and files as a measured one."""
     from splitserve.bench.plots import plot_sweep  # matplotlib: loaded only for a sweep
 
     if not 0 < target <= 1:
@@ -86,11 +90,12 @@ def run_sweep(
     out.mkdir(parents=True, exist_ok=True)
     # The plots show p50 (the median), p90 and p99 whatever --percentiles says.
     config = replace(config, percentiles=tuple(sorted({*config.percentiles, 90.0, 99.0})))
+    run = run or benchmark  # looked up at the call, not at the definition (the tests replace benchmark)
     per_rate = []
     for i, rate in enumerate(rates):
         batch = requests(i)
         offsets = arrival_offsets(len(batch), rate, config.burstiness, config.seed)
-        result = benchmark(batch, offsets, replace(config, request_rate=rate), model_id, dataset)
+        result = run(batch, offsets, replace(config, request_rate=rate), model_id, dataset)
         result["slo_attainment"] = slo_attainment(result)
         (out / f"rate_{rate:g}.json").write_text(json.dumps(result, indent=2))
         print(format_summary(result, config.percentiles), file=sys.stderr)

@@ -27,7 +27,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
-from splitserve.bench.metrics import RequestRecord, summarize
+from splitserve.bench.metrics import RequestRecord, per_request_lists, summarize
 from splitserve.common.arith import ceil_div
 from splitserve.engine.block_hash import block_hashes
 from splitserve.engine.request import Request
@@ -440,17 +440,21 @@ def simulate(
     percentiles: Sequence[float] = (90, 95, 99),
     goodput: dict[str, float] | None = None,
     simulation: Callable[[SimConfig], Simulation] = Simulation,
+    per_request: bool = False,
 ) -> tuple[dict, Simulation]:
     """Run ``requests`` (prompt token ids, output length) arriving at ``offsets_s``; returns
     ``splitserve bench``'s summary of the run and the simulation (for its workers' figures).
-    ``simulation`` makes it from ``config`` (``sim_planner.PlannedSimulation``: with the live planner)."""
+    ``simulation`` makes it from ``config`` (``sim_planner.PlannedSimulation``: with the live planner). With
+    ``per_request``, the summary carries bench's per-request lists too (``ttfts``, ``tpots``, ``errors``...),
+    so that a simulated run can be judged against other SLOs afterwards, as a measured one can."""
     sim = simulation(config)
     jobs = [SimRequest(i, list(p), n, o) for i, ((p, n), o) in enumerate(zip(requests, offsets_s, strict=True))]
     sim.run(jobs)
     records = [to_record(job) for job in jobs]
     end = max((job.finished_s or job.arrival_s for job in jobs), default=0.0)
     duration = max(end, 1e-9)
-    return summarize(records, duration, percentiles, goodput), sim
+    summary = summarize(records, duration, percentiles, goodput)
+    return (summary | per_request_lists(records) if per_request else summary), sim
 
 
 def to_record(job: SimRequest) -> RequestRecord:
