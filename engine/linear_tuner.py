@@ -173,7 +173,9 @@ def decide(times: dict[str, dict[int, float]], allow_split: bool) -> tuple[str, 
     rows = tuple(sorted(next(iter(times.values()))))
     singles = {path: score(times, rows, lambda m, p=path: p) for path in times}
     path = min(singles, key=singles.get)
-    if allow_split and {"plain", "packed"} <= times.keys():
+    # A split needs a row count on each side of its threshold: one timed row count (an LM head timed for
+    # max_num_seqs below the second grid row) chooses a single path.
+    if allow_split and {"plain", "packed"} <= times.keys() and len(rows) > 1:
         splits = {t: score(times, rows, lambda m, t=t: "plain" if m <= t else "packed") for t in rows[:-1]}
         threshold = min(splits, key=splits.get)
         if splits[threshold] < singles[path] * (1 - SPLIT_GAIN):

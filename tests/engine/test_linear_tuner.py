@@ -75,6 +75,13 @@ def test_split_only_where_it_beats_both_and_is_allowed():
     assert decide(close, allow_split=True) == ("plain", 0)
 
 
+def test_one_timed_row_count_chooses_a_single_path():
+    """An LM head timed at one row count only (max_num_seqs below the grid's second row) has no split to
+    weigh: the faster path wins (this raised on an empty choice of thresholds)."""
+    assert decide({"plain": {1: 2.0}, "packed": {1: 1.0}}, allow_split=True) == ("packed", 0)
+    assert decide({"plain": {1: 1.0}, "packed": {1: 2.0}}, allow_split=True) == ("plain", 0)
+
+
 @needs_onednn
 def test_cache_round_trips_and_is_keyed_by_machine_and_threads(tmp_path):
     policy = KernelPolicy(cache_path=str(tmp_path / "kernels.json"))
