@@ -2,13 +2,15 @@
 unit of their role's resource each). The test plays the cluster's autoscaler: a worker that the planner
 starts waits for resources, and is reported pending in the status, until the test adds a node for it.
 
-The planner is given a profile of the tiny preset whose step costs are taken 40x, as if the workers ran
-on a device that much slower. The few requests per second this machine can send then call for a second
-worker, and the measured latencies (far below the profile's) keep the planner's correction at its 0.5
-floor. The rates are set from the planner's own model, so that whatever correction it applies, a
-prompt-heavy load needs 2 prefill workers and 1 decode worker, and an output-heavy load the reverse.
-No request may fail, and every token must equal the offline engine's (nothing lost or repeated across
-the drain and the migration)."""
+The planner is given a profile of the tiny preset whose step costs are scaled up, as if the workers ran
+on a device that much slower: by as much as makes one decode step of the output-heavy load, at the
+planner's 0.5 correction floor, take 2/3 of the TPOT SLO (about 25x for the committed profile; a fixed
+factor would tie the test to one measurement of the profile). The few requests per second this machine
+can send then call for a second worker, and the measured latencies (far below the profile's) keep the
+planner's correction at its 0.5 floor. The rates are set from the planner's own model, so that whatever
+correction it applies, a prompt-heavy load needs 2 prefill workers and 1 decode worker, and an
+output-heavy load the reverse. No request may fail, and every token must equal the offline engine's
+(nothing lost or repeated across the drain and the migration)."""
 
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ from splitserve.sim_cluster import ServeProcess, SimCluster
 from tests.serving.conftest import wait_for
 
 PROFILE = Path(__file__).parents[1] / "planning" / "data" / "tiny-profile.json"
-SLOWER = 40
+SLOWED_DECODE_STEP = 2 / 3  # of the TPOT SLO: one decode step of OUTPUT_HEAVY, slowed, at the 0.5 floor
 PROMPT_HEAVY = (512, 1)  # prompt tokens, max_tokens
 OUTPUT_HEAVY = (16, 48)
 PLANNER = {
@@ -81,11 +83,13 @@ class Load:
 def planned(serving_model, tmp_path_factory):
     from splitserve.deploy_config import DeploymentConfig
     from splitserve.planning.live import ProfileModel
-    from splitserve.planning.profile import Profile
+    from splitserve.planning.profile import Profile, StepShape
 
     folder = tmp_path_factory.mktemp("planner")
     profile = Profile.load(PROFILE)
-    slow = dataclasses.replace(profile, step_coefficients={k: v * SLOWER for k, v in profile.step_coefficients.items()})
+    one_decode = profile.step_s(StepShape.of(contexts=[OUTPUT_HEAVY[0] + OUTPUT_HEAVY[1] // 2]))
+    slower = SLOWED_DECODE_STEP * PLANNER["tpot_ms"] / 1e3 / (0.5 * one_decode)
+    slow = dataclasses.replace(profile, step_coefficients={k: v * slower for k, v in profile.step_coefficients.items()})
     slow.save(folder / "slow.json")
     with SimCluster([("prefill", 1), ("decode", 1)]) as cluster:
         config = {
