@@ -17,7 +17,7 @@ _EXPORTS = {
     "SamplingParams": "splitserve.engine.sampling_params",
     "SamplingParamsError": "splitserve.engine.sampling_params",
     "ModelConfig": "splitserve.engine.model_config",
-    "BlockManager": "splitserve.engine.block_manager",
+    "BlockManager": "splitserve.engine.kv_cache.block_manager",
     "Tokenizer": "splitserve.engine.tokenizer",
 }
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from splitserve.engine.kv_cache import gather_context, write_kv
+from splitserve.engine.kv_cache.cache import gather_context, write_kv
 from splitserve.engine.paged_decode import PagedDecodeFn
 
 

@@ -19,10 +19,10 @@ import torch
 
 from splitserve.common.arith import ceil_div
 from splitserve.common.validate import check_choice, check_range, check_ranges
-from splitserve.engine.block_manager import BlockManager
 from splitserve.engine.cuda_graphs import CaptureStats, CudaGraphBackend
 from splitserve.engine.distributed import TPGroup
-from splitserve.engine.kv_cache import KVCache, KVCacheSpec
+from splitserve.engine.kv_cache.block_manager import BlockManager
+from splitserve.engine.kv_cache.cache import KVCache, KVCacheSpec
 from splitserve.engine.linear_tuner import LINEAR_KERNELS, KernelPolicy
 from splitserve.engine.loader import build_model, parse_dtype
 from splitserve.engine.model_config import ModelConfig

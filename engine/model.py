@@ -22,7 +22,7 @@ from torch import nn
 
 from splitserve.engine.attention import AttentionMetadata, paged_attention
 from splitserve.engine.distributed import TPGroup
-from splitserve.engine.kv_cache import KVCache
+from splitserve.engine.kv_cache.cache import KVCache
 from splitserve.engine.model_config import ModelConfig
 from splitserve.engine.rope import RotaryEmbedding, apply_rotary
 from splitserve.engine.tensor_parallel import TPShard

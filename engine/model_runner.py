@@ -28,9 +28,9 @@ import torch
 
 from splitserve.common.arith import ceil_div
 from splitserve.engine.attention import AttentionMetadata, PrefillChunk
-from splitserve.engine.block_manager import BlockManager
 from splitserve.engine.cuda_graphs import CaptureStats, DecodeGraphs, GraphBackend
-from splitserve.engine.kv_cache import KVCache, context_rows
+from splitserve.engine.kv_cache.block_manager import BlockManager
+from splitserve.engine.kv_cache.cache import KVCache, context_rows
 from splitserve.engine.model import CausalLM
 from splitserve.engine.sampler import Sampler
 from splitserve.engine.scheduler import ScheduledRequest, SchedulerOutput

@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 import grpc
 
 from splitserve.common.errors import ServingError
-from splitserve.engine.block_hash import block_hashes
 from splitserve.engine.detokenizer import IncrementalDetokenizer
+from splitserve.engine.kv_cache.block_hash import block_hashes
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.engine.scheduler import stop_reason
 from splitserve.engine.stop_strings import StopStringMatcher

@@ -77,7 +77,7 @@ def _process(
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     import torch
 
-    from splitserve.engine.kv_cache import KVCache, KVCacheSpec
+    from splitserve.engine.kv_cache.cache import KVCache, KVCacheSpec
     from splitserve.engine.tp_layout import HeadRange, kv_head_range
     from splitserve.kv_transfer.comm import connect_store, open_communicator
     from splitserve.kv_transfer.descriptor import LayoutFingerprint

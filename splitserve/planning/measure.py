@@ -245,7 +245,7 @@ def _receiver_main(conn, spec: dict, dtype: str) -> None:
     """A spawned process: a KVReceiver behind its gRPC service; answers expect / received commands."""
     import torch
 
-    from splitserve.engine.kv_cache import KVCache, KVCacheSpec
+    from splitserve.engine.kv_cache.cache import KVCache, KVCacheSpec
     from splitserve.kv_transfer.receiver import KVReceiver
     from splitserve.kv_transfer.service import serve
 
@@ -343,7 +343,7 @@ class _LocalReceiver:
     def __init__(self, spec: dict, dtype: str, device) -> None:
         import torch
 
-        from splitserve.engine.kv_cache import KVCache, KVCacheSpec
+        from splitserve.engine.kv_cache.cache import KVCache, KVCacheSpec
         from splitserve.kv_transfer.config import TransferConfig
         from splitserve.kv_transfer.receiver import KVReceiver
         from splitserve.kv_transfer.sender import PeerAddress
@@ -383,7 +383,7 @@ def measure_transfers(
     import torch
 
     from splitserve.common.arith import ceil_div
-    from splitserve.engine.kv_cache import KVCache, KVCacheSpec
+    from splitserve.engine.kv_cache.cache import KVCache, KVCacheSpec
     from splitserve.kv_transfer.sender import KVSender
 
     element = torch.empty((), dtype=getattr(torch, dtype)).element_size()

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from splitserve.engine.block_manager import BlockManager
+from splitserve.engine.kv_cache.block_manager import BlockManager
 from splitserve.engine.request import FinishReason, Request
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 from splitserve.bench.metrics import RequestRecord, per_request_lists, summarize
 from splitserve.common.arith import ceil_div
-from splitserve.engine.block_hash import block_hashes
+from splitserve.engine.kv_cache.block_hash import block_hashes
 from splitserve.engine.request import Request
 from splitserve.engine.scheduler import SchedulerConfig
 from splitserve.planning.profile import Profile

@@ -11,8 +11,8 @@ import torch
 
 from splitserve.common.arith import ceil_div
 from splitserve.engine.attention import AttentionMetadata, PrefillChunk
-from splitserve.engine.block_manager import BlockManager
-from splitserve.engine.kv_cache import KVCache, KVCacheSpec, context_rows
+from splitserve.engine.kv_cache.block_manager import BlockManager
+from splitserve.engine.kv_cache.cache import KVCache, KVCacheSpec, context_rows
 from splitserve.engine.model_runner import ModelRunner
 from splitserve.engine.request import Request
 from splitserve.engine.sampler import Sampler

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from splitserve.engine.block_manager import BlockManager
+from splitserve.engine.kv_cache.block_manager import BlockManager
 from splitserve.engine.request import FinishReason, Request, RequestStatus
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.engine.scheduler import Scheduler, SchedulerConfig

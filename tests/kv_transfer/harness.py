@@ -47,8 +47,8 @@ def _worker_main(
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     import torch
 
-    from splitserve.engine.block_manager import BlockManager
-    from splitserve.engine.kv_cache import KVCache, KVCacheSpec
+    from splitserve.engine.kv_cache.block_manager import BlockManager
+    from splitserve.engine.kv_cache.cache import KVCache, KVCacheSpec
     from splitserve.engine.tp_layout import HeadRange
     from splitserve.kv_transfer.receiver import KVReceiver
     from splitserve.kv_transfer.sender import KVSender, PeerAddress
