@@ -16,7 +16,7 @@ _EXPORTS = {
     "RequestOutput": "splitserve.engine.llm",
     "SamplingParams": "splitserve.engine.sampling_params",
     "SamplingParamsError": "splitserve.engine.sampling_params",
-    "ModelConfig": "splitserve.engine.model_config",
+    "ModelConfig": "splitserve.engine.model.config",
     "BlockManager": "splitserve.engine.kv_cache.block_manager",
     "Tokenizer": "splitserve.engine.tokenizer",
 }

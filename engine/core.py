@@ -23,9 +23,9 @@ from splitserve.engine.cuda_graphs import CaptureStats, CudaGraphBackend
 from splitserve.engine.distributed import TPGroup
 from splitserve.engine.kv_cache.block_manager import BlockManager
 from splitserve.engine.kv_cache.cache import KVCache, KVCacheSpec
-from splitserve.engine.linear_tuner import LINEAR_KERNELS, KernelPolicy
-from splitserve.engine.loader import build_model, parse_dtype
-from splitserve.engine.model_config import ModelConfig
+from splitserve.engine.model.config import ModelConfig
+from splitserve.engine.model.linear_tuner import LINEAR_KERNELS, KernelPolicy
+from splitserve.engine.model.loader import build_model, parse_dtype
 from splitserve.engine.model_runner import ModelRunner
 from splitserve.engine.paged_decode import select_backend
 from splitserve.engine.sampler import Sampler
@@ -56,7 +56,7 @@ class EngineSettings:
     max_num_batched_tokens: int = 2048
     prefill_chunk_size: int | None = None  # default: max_num_batched_tokens
     # Which kernel the linear layers run (CPU; CUDA always runs cuBLAS): auto (timed per weight shape at load,
-    # cached: engine/linear_tuner.py) | plain (F.linear) | packed (oneDNN prepacked) | split (both, by rows)
+    # cached: engine/model/linear_tuner.py) | plain (F.linear) | packed (oneDNN prepacked) | split (both, by rows)
     linear_kernel: str = "auto"
     linear_split_allowed: bool | None = None  # auto may pick split (2x memory); None: when linear weights <= RAM/4
     # Decode-only steps: "static" pads the batch to a bucket in persistent buffers (engine/static_decode.py),

@@ -31,7 +31,7 @@ from splitserve.engine.attention import AttentionMetadata, PrefillChunk
 from splitserve.engine.cuda_graphs import CaptureStats, DecodeGraphs, GraphBackend
 from splitserve.engine.kv_cache.block_manager import BlockManager
 from splitserve.engine.kv_cache.cache import KVCache, context_rows
-from splitserve.engine.model import CausalLM
+from splitserve.engine.model.transformer import CausalLM
 from splitserve.engine.sampler import Sampler
 from splitserve.engine.scheduler import ScheduledRequest, SchedulerOutput
 from splitserve.engine.static_decode import StaticDecodeInputs

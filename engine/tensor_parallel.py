@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from splitserve.engine.model_config import ModelConfig
+from splitserve.engine.model.config import ModelConfig
 from splitserve.engine.tp_layout import HeadRange, check_tp_size, kv_head_range, query_head_range
 
 

@@ -23,8 +23,8 @@ from torch import nn
 from splitserve.engine.attention import AttentionMetadata, paged_attention
 from splitserve.engine.distributed import TPGroup
 from splitserve.engine.kv_cache.cache import KVCache
-from splitserve.engine.model_config import ModelConfig
-from splitserve.engine.rope import RotaryEmbedding, apply_rotary
+from splitserve.engine.model.config import ModelConfig
+from splitserve.engine.model.rope import RotaryEmbedding, apply_rotary
 from splitserve.engine.tensor_parallel import TPShard
 
 
@@ -55,7 +55,7 @@ class Linear(nn.Module):
     - "split": both layouts kept, inputs of at most ``split_rows`` rows go plain, larger ones packed: for CPUs
       where ``F.linear`` wins at decode batches and oneDNN at prefill chunks (twice this layer's memory).
 
-    ``splitserve.engine.linear_tuner`` picks the path per weight shape by timing them at load.
+    ``splitserve.engine.model.linear_tuner`` picks the path per weight shape by timing them at load.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool, device: str | None = None) -> None:
@@ -213,8 +213,8 @@ class CausalLM(nn.Module):
 
     def pack_weights(self, choose: Callable[[str, torch.Tensor, bool], tuple[str, int]]) -> None:
         """Give every linear layer its kernel: ``choose(name, weight, has_bias) -> (path, split_rows)``
-        (``splitserve.engine.linear_tuner``). A tied LM head ("lm_head", over the embedding matrix, which the lookup
-        still needs in plain form) becomes a layer of its own unless its path is "plain"."""
+        (``splitserve.engine.model.linear_tuner``). A tied LM head ("lm_head", over the embedding matrix, which the
+        lookup still needs in plain form) becomes a layer of its own unless its path is "plain"."""
         for name, module in self.named_modules():
             if isinstance(module, Linear):
                 module.use(*choose(name, module.weight, module.bias is not None))
