@@ -19,6 +19,7 @@ import torch
 
 from splitserve.common.arith import ceil_div
 from splitserve.common.validate import check_choice, check_range, check_ranges
+from splitserve.engine.attention.paged_decode import select_backend
 from splitserve.engine.cuda_graphs import CaptureStats, CudaGraphBackend
 from splitserve.engine.distributed import TPGroup
 from splitserve.engine.kv_cache.block_manager import BlockManager
@@ -27,7 +28,6 @@ from splitserve.engine.model.config import ModelConfig
 from splitserve.engine.model.linear_tuner import LINEAR_KERNELS, KernelPolicy
 from splitserve.engine.model.loader import build_model, parse_dtype
 from splitserve.engine.model_runner import ModelRunner
-from splitserve.engine.paged_decode import select_backend
 from splitserve.engine.sampler import Sampler
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.engine.scheduler import Scheduler, SchedulerConfig
@@ -38,7 +38,8 @@ from splitserve.engine.tp_step import PlanChannel
 
 log = logging.getLogger(__name__)
 
-# The decode attention of the dynamic path (every step that is not a static one).
+# The decode attention of the dynamic path (every step that is not a static one). The label names the
+# package (the gather lives in attention/paged_attention.py): reports compare it across runs.
 DYNAMIC_DECODE_BACKEND = "gather (splitserve.engine.attention)"
 
 DECODE_PATHS = ("auto", "dynamic", "static")

@@ -3,10 +3,10 @@
 The only engine module that touches tensors on the device besides the model itself. Two paths:
 
 - dynamic (every step can take it): decodes (one new token) go first in the flattened batch, then
-  prefill chunks, as ``splitserve.engine.attention`` expects; shapes follow the step.
+  prefill chunks, as ``splitserve.engine.attention.paged_attention`` expects; shapes follow the step.
 - static (decode-only steps, when the runner has ``StaticDecodeInputs``): the batch padded to a bucket
   in persistent buffers (``splitserve.engine.static_decode``), attention by
-  ``splitserve.engine.paged_decode``, and on CUDA
+  ``splitserve.engine.attention.paged_decode``, and on CUDA
   a replay of the bucket's captured graph (``splitserve.engine.cuda_graphs``). A step with a prefill chunk, a
   layer hook (a prefill worker streaming layer groups) or more decodes than the largest bucket takes
   the dynamic path.
@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from splitserve.common.arith import ceil_div
-from splitserve.engine.attention import AttentionMetadata, PrefillChunk
+from splitserve.engine.attention.paged_attention import AttentionMetadata, PrefillChunk
 from splitserve.engine.cuda_graphs import CaptureStats, DecodeGraphs, GraphBackend
 from splitserve.engine.kv_cache.block_manager import BlockManager
 from splitserve.engine.kv_cache.cache import KVCache, context_rows

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import torch
 
-from splitserve.engine.attention import StaticDecodeMetadata
-from splitserve.engine.paged_decode import PagedDecodeFn
+from splitserve.engine.attention.paged_attention import StaticDecodeMetadata
+from splitserve.engine.attention.paged_decode import PagedDecodeFn
 from splitserve.engine.scheduler import ScheduledRequest
 
 

@@ -43,7 +43,7 @@ class PlanError(ValueError):
 
 @dataclass(frozen=True, eq=False)
 class StepPlan:
-    """One forward of a flattened batch (decodes first, then prefill chunks; see engine/attention.py).
+    """One forward of a flattened batch (decodes first, then prefill chunks; see engine/attention/paged_attention.py).
 
     Every array is int64. T tokens, D decodes, P prefill chunks, S sampled rows."""
 

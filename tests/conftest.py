@@ -110,7 +110,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    # On CPU, Triton kernels (engine/triton_paged_decode.py) run in Triton's interpreter, which must be on
+    # On CPU, Triton kernels (engine/attention/triton_paged_decode.py) run in Triton's interpreter, which must be on
     # before triton is first imported: triton.language defines its own helpers at import time.
     if not config.getoption("--device").startswith("cuda"):
         os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from splitserve.engine.attention import AttentionMetadata, paged_attention
+from splitserve.engine.attention.paged_attention import AttentionMetadata, paged_attention
 from splitserve.engine.distributed import TPGroup
 from splitserve.engine.kv_cache.cache import KVCache
 from splitserve.engine.model.config import ModelConfig

@@ -10,7 +10,7 @@ import random
 import torch
 
 from splitserve.common.arith import ceil_div
-from splitserve.engine.attention import AttentionMetadata, PrefillChunk
+from splitserve.engine.attention.paged_attention import AttentionMetadata, PrefillChunk
 from splitserve.engine.kv_cache.block_manager import BlockManager
 from splitserve.engine.kv_cache.cache import KVCache, KVCacheSpec, context_rows
 from splitserve.engine.model_runner import ModelRunner
