@@ -30,7 +30,7 @@ from splitserve.engine.model.loader import build_model, parse_dtype
 from splitserve.engine.model_runner import ModelRunner
 from splitserve.engine.sampler import Sampler
 from splitserve.engine.sampling_params import SamplingParams
-from splitserve.engine.scheduler import Scheduler, SchedulerConfig
+from splitserve.engine.scheduler.scheduler import Scheduler, SchedulerConfig
 from splitserve.engine.static_decode import StaticDecodeInputs, batch_buckets
 from splitserve.engine.tensor_parallel import TPShard
 from splitserve.engine.tokenizer import Tokenizer

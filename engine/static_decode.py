@@ -20,7 +20,7 @@ import torch
 
 from splitserve.engine.attention.paged_attention import StaticDecodeMetadata
 from splitserve.engine.attention.paged_decode import PagedDecodeFn
-from splitserve.engine.scheduler import ScheduledRequest
+from splitserve.engine.scheduler.scheduler import ScheduledRequest
 
 
 def batch_buckets(max_num_seqs: int) -> tuple[int, ...]:

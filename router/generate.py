@@ -27,7 +27,7 @@ from splitserve.common.errors import ServingError
 from splitserve.engine.detokenizer import IncrementalDetokenizer
 from splitserve.engine.kv_cache.block_hash import block_hashes
 from splitserve.engine.sampling_params import SamplingParams
-from splitserve.engine.scheduler import stop_reason
+from splitserve.engine.scheduler.scheduler import stop_reason
 from splitserve.engine.stop_strings import StopStringMatcher
 from splitserve.engine.tokenizer import Tokenizer
 from splitserve.engine.wire import FINISH_TO_PB, finish_label, sampling_to_pb, stop_reason_text

@@ -142,8 +142,8 @@ class Measurer:
 
     def _request(self, prompt_len: int, max_tokens: int, computed: int | None):
         """A request holding the KV of its first ``computed`` tokens (None: all but the last), admitted."""
-        from splitserve.engine.request import Request
         from splitserve.engine.sampling_params import SamplingParams
+        from splitserve.engine.scheduler.request import Request
 
         self._ids += 1
         rid = f"profile-{self._ids}"
@@ -170,7 +170,7 @@ class Measurer:
         return StepShape.of(prefill, decodes), seconds
 
     def _clear(self) -> None:
-        from splitserve.engine.request import FinishReason
+        from splitserve.engine.scheduler.request import FinishReason
 
         for rid in list(self.scheduler.requests):
             self.scheduler.finish(rid, FinishReason.ABORT)

@@ -17,8 +17,8 @@ from typing import Literal
 
 from splitserve.common.validate import check_ranges
 from splitserve.engine.kv_cache.block_manager import NO_HIT, BlockManager
-from splitserve.engine.request import FinishReason, Request, RequestStatus
 from splitserve.engine.sampling_params import SamplingParams
+from splitserve.engine.scheduler.request import FinishReason, Request, RequestStatus
 
 
 @dataclass(frozen=True)
