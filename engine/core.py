@@ -28,8 +28,8 @@ from splitserve.engine.model.config import ModelConfig
 from splitserve.engine.model.linear_tuner import LINEAR_KERNELS, KernelPolicy
 from splitserve.engine.model.loader import build_model, parse_dtype
 from splitserve.engine.model_runner import ModelRunner
-from splitserve.engine.sampler import Sampler
-from splitserve.engine.sampling_params import SamplingParams
+from splitserve.engine.sampling.params import SamplingParams
+from splitserve.engine.sampling.sampler import Sampler
 from splitserve.engine.scheduler.scheduler import Scheduler, SchedulerConfig
 from splitserve.engine.static_decode import StaticDecodeInputs, batch_buckets
 from splitserve.engine.tensor_parallel import TPShard

@@ -22,8 +22,8 @@ import torch
 from splitserve.engine.core import EngineConfig, EngineCore
 from splitserve.engine.detokenizer import IncrementalDetokenizer
 from splitserve.engine.distributed import TPGroup
-from splitserve.engine.rng import random_seed
-from splitserve.engine.sampling_params import SamplingParams
+from splitserve.engine.sampling.params import SamplingParams
+from splitserve.engine.sampling.rng import random_seed
 from splitserve.engine.scheduler.request import FinishReason, Request
 from splitserve.engine.stop_strings import StopStringMatcher
 from splitserve.engine.tokenizer import Tokenizer

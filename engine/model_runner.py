@@ -32,7 +32,7 @@ from splitserve.engine.cuda_graphs import CaptureStats, DecodeGraphs, GraphBacke
 from splitserve.engine.kv_cache.block_manager import BlockManager
 from splitserve.engine.kv_cache.cache import KVCache, context_rows
 from splitserve.engine.model.transformer import CausalLM
-from splitserve.engine.sampler import Sampler
+from splitserve.engine.sampling.sampler import Sampler
 from splitserve.engine.scheduler.scheduler import ScheduledRequest, SchedulerOutput
 from splitserve.engine.static_decode import StaticDecodeInputs
 from splitserve.engine.tp_step import PlanChannel, StepPlan

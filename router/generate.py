@@ -26,7 +26,7 @@ import grpc
 from splitserve.common.errors import ServingError
 from splitserve.engine.detokenizer import IncrementalDetokenizer
 from splitserve.engine.kv_cache.block_hash import block_hashes
-from splitserve.engine.sampling_params import SamplingParams
+from splitserve.engine.sampling.params import SamplingParams
 from splitserve.engine.scheduler.scheduler import stop_reason
 from splitserve.engine.stop_strings import StopStringMatcher
 from splitserve.engine.tokenizer import Tokenizer

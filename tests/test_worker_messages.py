@@ -10,7 +10,7 @@ import pytest
 
 from splitserve.common.errors import ServingError
 from splitserve.decode_worker.worker import DecodeWorker, _coalesce
-from splitserve.engine.sampling_params import SamplingParams
+from splitserve.engine.sampling.params import SamplingParams
 from splitserve.engine.scheduler.request import Request
 from splitserve.prefill_worker.colocated import ColocatedWorker
 from splitserve.prefill_worker.jobs import PrefillJob

@@ -142,7 +142,7 @@ class Measurer:
 
     def _request(self, prompt_len: int, max_tokens: int, computed: int | None):
         """A request holding the KV of its first ``computed`` tokens (None: all but the last), admitted."""
-        from splitserve.engine.sampling_params import SamplingParams
+        from splitserve.engine.sampling.params import SamplingParams
         from splitserve.engine.scheduler.request import Request
 
         self._ids += 1

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from splitserve.engine.kv_cache.block_manager import BlockManager
-from splitserve.engine.sampling_params import SamplingParams
+from splitserve.engine.sampling.params import SamplingParams
 from splitserve.engine.scheduler.request import FinishReason, Request
 from splitserve.engine.scheduler.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from splitserve.planning.profile import Profile, StepShape

@@ -46,7 +46,7 @@ def test_hash_is_chained_and_stable_across_processes():
 def test_hash_module_is_torch_free():
     code = (
         "import sys, splitserve.engine.kv_cache.block_hash, splitserve.engine.kv_cache.block_manager, "
-        "splitserve.engine.sampling_params, splitserve.engine.rng, splitserve.engine.scheduler.scheduler, "
+        "splitserve.engine.sampling.params, splitserve.engine.sampling.rng, splitserve.engine.scheduler.scheduler, "
         "splitserve.engine.model.config; assert 'torch' not in sys.modules, 'torch imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -14,8 +14,8 @@ from splitserve.engine.attention.paged_attention import AttentionMetadata, Prefi
 from splitserve.engine.kv_cache.block_manager import BlockManager
 from splitserve.engine.kv_cache.cache import KVCache, KVCacheSpec, context_rows
 from splitserve.engine.model_runner import ModelRunner
-from splitserve.engine.sampler import Sampler
-from splitserve.engine.sampling_params import SamplingParams
+from splitserve.engine.sampling.params import SamplingParams
+from splitserve.engine.sampling.sampler import Sampler
 from splitserve.engine.scheduler.request import Request
 from splitserve.engine.scheduler.scheduler import ScheduledRequest
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from splitserve.engine.kv_cache.block_manager import BlockManager
-from splitserve.engine.sampling_params import SamplingParams
+from splitserve.engine.sampling.params import SamplingParams
 from splitserve.engine.scheduler.request import FinishReason, Request, RequestStatus
 from splitserve.engine.scheduler.scheduler import Scheduler, SchedulerConfig
 

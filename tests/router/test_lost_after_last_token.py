@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from splitserve.engine.sampling_params import SamplingParams
+from splitserve.engine.sampling.params import SamplingParams
 from splitserve.engine.tokenizer import Tokenizer
 from splitserve.router.config import RouterConfig
 from splitserve.router.generate import RequestRun, WorkerLost

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
-from splitserve.engine.rng import keyed_uniform
+from splitserve.engine.sampling.rng import keyed_uniform
 from splitserve.engine.scheduler.request import Request
 
 
