@@ -20,18 +20,18 @@ import torch
 from splitserve.common.arith import ceil_div
 from splitserve.common.validate import check_choice, check_range, check_ranges
 from splitserve.engine.attention.paged_decode import select_backend
-from splitserve.engine.cuda_graphs import CaptureStats, CudaGraphBackend
 from splitserve.engine.distributed import TPGroup
 from splitserve.engine.kv_cache.block_manager import BlockManager
 from splitserve.engine.kv_cache.cache import KVCache, KVCacheSpec
 from splitserve.engine.model.config import ModelConfig
 from splitserve.engine.model.linear_tuner import LINEAR_KERNELS, KernelPolicy
 from splitserve.engine.model.loader import build_model, parse_dtype
-from splitserve.engine.model_runner import ModelRunner
+from splitserve.engine.runner.cuda_graphs import CaptureStats, CudaGraphBackend
+from splitserve.engine.runner.model_runner import ModelRunner
+from splitserve.engine.runner.static_decode import StaticDecodeInputs, batch_buckets
 from splitserve.engine.sampling.params import SamplingParams
 from splitserve.engine.sampling.sampler import Sampler
 from splitserve.engine.scheduler.scheduler import Scheduler, SchedulerConfig
-from splitserve.engine.static_decode import StaticDecodeInputs, batch_buckets
 from splitserve.engine.tensor_parallel import TPShard
 from splitserve.engine.tokenizer import Tokenizer
 from splitserve.engine.tp_step import PlanChannel
@@ -60,7 +60,7 @@ class EngineSettings:
     # cached: engine/model/linear_tuner.py) | plain (F.linear) | packed (oneDNN prepacked) | split (both, by rows)
     linear_kernel: str = "auto"
     linear_split_allowed: bool | None = None  # auto may pick split (2x memory); None: when linear weights <= RAM/4
-    # Decode-only steps: "static" pads the batch to a bucket in persistent buffers (engine/static_decode.py),
+    # Decode-only steps: "static" pads the batch to a bucket in persistent buffers (engine/runner/static_decode.py),
     # "dynamic" runs them as every other step; "auto": static on CUDA, dynamic on CPU (measured faster
     # there: docs/performance.md).
     decode_path: str = "auto"

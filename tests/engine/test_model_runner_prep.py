@@ -13,7 +13,7 @@ from splitserve.common.arith import ceil_div
 from splitserve.engine.attention.paged_attention import AttentionMetadata, PrefillChunk
 from splitserve.engine.kv_cache.block_manager import BlockManager
 from splitserve.engine.kv_cache.cache import KVCache, KVCacheSpec, context_rows
-from splitserve.engine.model_runner import ModelRunner
+from splitserve.engine.runner.model_runner import ModelRunner
 from splitserve.engine.sampling.params import SamplingParams
 from splitserve.engine.sampling.sampler import Sampler
 from splitserve.engine.scheduler.request import Request

@@ -5,9 +5,9 @@ The only engine module that touches tensors on the device besides the model itse
 - dynamic (every step can take it): decodes (one new token) go first in the flattened batch, then
   prefill chunks, as ``splitserve.engine.attention.paged_attention`` expects; shapes follow the step.
 - static (decode-only steps, when the runner has ``StaticDecodeInputs``): the batch padded to a bucket
-  in persistent buffers (``splitserve.engine.static_decode``), attention by
+  in persistent buffers (``splitserve.engine.runner.static_decode``), attention by
   ``splitserve.engine.attention.paged_decode``, and on CUDA
-  a replay of the bucket's captured graph (``splitserve.engine.cuda_graphs``). A step with a prefill chunk, a
+  a replay of the bucket's captured graph (``splitserve.engine.runner.cuda_graphs``). A step with a prefill chunk, a
   layer hook (a prefill worker streaming layer groups) or more decodes than the largest bucket takes
   the dynamic path.
 
@@ -28,13 +28,13 @@ import torch
 
 from splitserve.common.arith import ceil_div
 from splitserve.engine.attention.paged_attention import AttentionMetadata, PrefillChunk
-from splitserve.engine.cuda_graphs import CaptureStats, DecodeGraphs, GraphBackend
 from splitserve.engine.kv_cache.block_manager import BlockManager
 from splitserve.engine.kv_cache.cache import KVCache, context_rows
 from splitserve.engine.model.transformer import CausalLM
+from splitserve.engine.runner.cuda_graphs import CaptureStats, DecodeGraphs, GraphBackend
+from splitserve.engine.runner.static_decode import StaticDecodeInputs
 from splitserve.engine.sampling.sampler import Sampler
 from splitserve.engine.scheduler.scheduler import ScheduledRequest, SchedulerOutput
-from splitserve.engine.static_decode import StaticDecodeInputs
 from splitserve.engine.tp_step import PlanChannel, StepPlan
 
 
@@ -136,8 +136,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def capture_decode_graphs(self, backend: GraphBackend) -> CaptureStats:
-        """Capture the static decode forward of every bucket (see ``splitserve.engine.cuda_graphs``); later decode-only
-        steps replay them. The buffers hold padding while capturing, so the warm-ups write only scratch."""
+        """Capture the static decode forward of every bucket (see ``splitserve.engine.runner.cuda_graphs``); later
+        decode-only steps replay them. The buffers hold padding while capturing, so the warm-ups write only scratch."""
         assert self.static is not None, "CUDA graphs need the static decode path"
         cfg = self.model.config
         hidden = torch.zeros(self.static.max_batch, cfg.hidden_size, dtype=self.kv_cache.spec.dtype, device=self.device)
