@@ -7,7 +7,7 @@ A tensor-parallel engine is one ``EngineCore`` per rank, each given the ranks' `
 holds its shard of the model and a KV cache of its KV heads, and all of them run the same steps in
 lockstep (the scheduler is deterministic and the logits, with the LM head replicated, identical).
 With ``tensor_parallel_step="plan"`` rank 0 drives instead: it alone schedules and samples, and sends each
-step's plan to the other ranks (followers: no block manager, no scheduler; ``splitserve.engine.tp_step``).
+step's plan to the other ranks (followers: no block manager, no scheduler; ``splitserve.engine.tp.step``).
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ import torch
 from splitserve.common.arith import ceil_div
 from splitserve.common.validate import check_choice, check_range, check_ranges
 from splitserve.engine.attention.paged_decode import select_backend
-from splitserve.engine.distributed import TPGroup
 from splitserve.engine.kv_cache.block_manager import BlockManager
 from splitserve.engine.kv_cache.cache import KVCache, KVCacheSpec
 from splitserve.engine.model.config import ModelConfig
@@ -32,9 +31,10 @@ from splitserve.engine.runner.static_decode import StaticDecodeInputs, batch_buc
 from splitserve.engine.sampling.params import SamplingParams
 from splitserve.engine.sampling.sampler import Sampler
 from splitserve.engine.scheduler.scheduler import Scheduler, SchedulerConfig
-from splitserve.engine.tensor_parallel import TPShard
 from splitserve.engine.tokenizer import Tokenizer
-from splitserve.engine.tp_step import PlanChannel
+from splitserve.engine.tp.distributed import TPGroup
+from splitserve.engine.tp.shard import TPShard
+from splitserve.engine.tp.step import PlanChannel
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +95,7 @@ class EngineConfig(EngineSettings):
     tensor_parallel_rank: int = 0
     # How the ranks agree on each step: "lockstep" (every rank schedules, deterministically) or "plan" (rank 0
     # alone schedules, samples and sends each step's plan; the other ranks own no scheduler or block manager
-    # and run splitserve.engine.tp_step.follow).
+    # and run splitserve.engine.tp.step.follow).
     tensor_parallel_step: str = "lockstep"
 
     def __post_init__(self) -> None:
@@ -232,7 +232,7 @@ class EngineCore:
         if self.is_follower:
             raise ValueError(
                 f"tensor_parallel_rank: rank {cfg.tensor_parallel_rank} follows rank 0's plans "
-                "(splitserve.engine.tp_step.follow) and has no scheduler"
+                "(splitserve.engine.tp.step.follow) and has no scheduler"
             )
         scheduler_config = SchedulerConfig(
             max_num_seqs=cfg.max_num_seqs,

@@ -310,7 +310,7 @@ class DeploymentConfig:
         """Raise ConfigError naming ``<role>.tensor_parallel_size`` when a role's size does not split the
         model in ``model_dir`` into whole heads and MLP columns (before any worker starts)."""
         from splitserve.engine.model.config import ModelConfig
-        from splitserve.engine.tensor_parallel import TPShard
+        from splitserve.engine.tp.shard import TPShard
 
         model = ModelConfig.from_model_dir(model_dir)
         for role in self.roles:

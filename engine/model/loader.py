@@ -20,10 +20,10 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from splitserve.engine.distributed import TPGroup
 from splitserve.engine.model.config import ModelConfig
 from splitserve.engine.model.linear_tuner import KernelPolicy, apply_kernels
 from splitserve.engine.model.transformer import CausalLM
+from splitserve.engine.tp.distributed import TPGroup
 
 # The names --dtype accepts (vLLM's) -> the canonical name kept in configs, status and logs.
 DTYPE_NAMES = {

@@ -6,7 +6,7 @@ not change results beyond kernel rounding: q/k/v projections are one ``Linear`` 
 (``[T]``), requests told apart by ``AttentionMetadata``, so one forward mixes prefill chunks and
 decodes. Logits are computed only for the rows that are sampled.
 
-Tensor parallelism (``splitserve.engine.tensor_parallel``): built with a ``TPGroup`` of size t, every
+Tensor parallelism (``splitserve.engine.tp.shard``): built with a ``TPGroup`` of size t, every
 layer holds rank r's shard (its heads, ``intermediate/t`` of the MLP) and ``o_proj`` and ``down_proj``
 are each followed by one in-place sum all-reduce; the embedding and the LM head stay whole. Without a
 group the model is the unsharded one and no collective runs.
@@ -21,11 +21,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from splitserve.engine.attention.paged_attention import AttentionMetadata, paged_attention
-from splitserve.engine.distributed import TPGroup
 from splitserve.engine.kv_cache.cache import KVCache
 from splitserve.engine.model.config import ModelConfig
 from splitserve.engine.model.rope import RotaryEmbedding, apply_rotary
-from splitserve.engine.tensor_parallel import TPShard
+from splitserve.engine.tp.distributed import TPGroup
+from splitserve.engine.tp.shard import TPShard
 
 
 def onednn_runs(dtype: torch.dtype, device: torch.device | str = "cpu") -> bool:

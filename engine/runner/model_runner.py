@@ -13,7 +13,7 @@ The only engine module that touches tensors on the device besides the model itse
 
 The dynamic path is two halves: ``plan`` turns the scheduled items into a ``StepPlan`` (host arrays, no
 tensors) and ``run_plan`` runs its forward. Rank 0 of a tensor-parallel engine whose rank 0 drives sends
-each plan to the other ranks between the two (``splitserve.engine.tp_step``); unsharded, the plan goes
+each plan to the other ranks between the two (``splitserve.engine.tp.step``); unsharded, the plan goes
 straight to ``run_plan``, with no encoding. Such an engine decodes on the dynamic path only.
 """
 
@@ -35,7 +35,7 @@ from splitserve.engine.runner.cuda_graphs import CaptureStats, DecodeGraphs, Gra
 from splitserve.engine.runner.static_decode import StaticDecodeInputs
 from splitserve.engine.sampling.sampler import Sampler
 from splitserve.engine.scheduler.scheduler import ScheduledRequest, SchedulerOutput
-from splitserve.engine.tp_step import PlanChannel, StepPlan
+from splitserve.engine.tp.step import PlanChannel, StepPlan
 
 
 class ModelRunner:
@@ -49,7 +49,7 @@ class ModelRunner:
         channel: PlanChannel | None = None,
     ) -> None:
         """``blocks`` is None on a follower rank, which only runs plans (``run_plan``); ``channel`` is rank 0's
-        of a tensor-parallel engine whose rank 0 drives (``splitserve.engine.tp_step``)."""
+        of a tensor-parallel engine whose rank 0 drives (``splitserve.engine.tp.step``)."""
         self.model = model
         self.kv_cache = kv_cache
         self.blocks = blocks

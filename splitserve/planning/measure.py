@@ -541,8 +541,8 @@ def _follower_main(measurer: dict, port: int, rank: int, size: int, errors) -> N
         import torch
 
         from splitserve.engine.core import EngineCore
-        from splitserve.engine.distributed import TPGroup, connect_store
-        from splitserve.engine.tp_step import follow
+        from splitserve.engine.tp.distributed import TPGroup, connect_store
+        from splitserve.engine.tp.step import follow
 
         args = dict(measurer)
         if args["threads"]:
@@ -567,7 +567,7 @@ def _measure_tp(measurer_args: dict, size: int):
     import torch
     import torch.multiprocessing as mp
 
-    from splitserve.engine.distributed import TPGroup, bind_store
+    from splitserve.engine.tp.distributed import TPGroup, bind_store
 
     store, port = bind_store(HOST, 0, TP_SETUP_TIMEOUT_S)
     ctx = mp.get_context("spawn")

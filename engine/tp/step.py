@@ -31,7 +31,7 @@ import msgpack
 import numpy as np
 import torch
 
-from splitserve.engine.distributed import TPGroup
+from splitserve.engine.tp.distributed import TPGroup
 
 PLAN_VERSION = 1
 MAX_PLAN_BYTES = 256 << 20  # a length past this is a corrupt message, not a step
