@@ -18,7 +18,7 @@ _EXPORTS = {
     "SamplingParamsError": "splitserve.engine.sampling.params",
     "ModelConfig": "splitserve.engine.model.config",
     "BlockManager": "splitserve.engine.kv_cache.block_manager",
-    "Tokenizer": "splitserve.engine.tokenizer",
+    "Tokenizer": "splitserve.engine.text.tokenizer",
 }
 
 __all__ = list(_EXPORTS)

@@ -31,7 +31,7 @@ from splitserve.engine.runner.static_decode import StaticDecodeInputs, batch_buc
 from splitserve.engine.sampling.params import SamplingParams
 from splitserve.engine.sampling.sampler import Sampler
 from splitserve.engine.scheduler.scheduler import Scheduler, SchedulerConfig
-from splitserve.engine.tokenizer import Tokenizer
+from splitserve.engine.text.tokenizer import Tokenizer
 from splitserve.engine.tp.distributed import TPGroup
 from splitserve.engine.tp.shard import TPShard
 from splitserve.engine.tp.step import PlanChannel

@@ -20,12 +20,12 @@ from dataclasses import dataclass, field
 import torch
 
 from splitserve.engine.core import EngineConfig, EngineCore
-from splitserve.engine.detokenizer import IncrementalDetokenizer
 from splitserve.engine.sampling.params import SamplingParams
 from splitserve.engine.sampling.rng import random_seed
 from splitserve.engine.scheduler.request import FinishReason, Request
-from splitserve.engine.stop_strings import StopStringMatcher
-from splitserve.engine.tokenizer import Tokenizer
+from splitserve.engine.text.detokenizer import IncrementalDetokenizer
+from splitserve.engine.text.stop_strings import StopStringMatcher
+from splitserve.engine.text.tokenizer import Tokenizer
 from splitserve.engine.tp.distributed import TPGroup
 
 
