@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 import grpc
 
 from splitserve.common.errors import ServingError
-from splitserve.engine.request import FinishReason, Request
-from splitserve.engine.sampling_params import SamplingParams, SamplingParamsError
+from splitserve.engine.sampling.params import SamplingParams, SamplingParamsError
+from splitserve.engine.scheduler.request import FinishReason, Request
 from splitserve.engine.wire import FINISH_TO_PB, sampling_from_pb, stop_reason_text
 from splitserve.kv_transfer.handles import TransferHandle, TransferState
 from splitserve.kv_transfer.receiver import KVReceiver

@@ -7,7 +7,7 @@ A tensor-parallel engine is one ``EngineCore`` per rank, each given the ranks' `
 holds its shard of the model and a KV cache of its KV heads, and all of them run the same steps in
 lockstep (the scheduler is deterministic and the logits, with the LM head replicated, identical).
 With ``tensor_parallel_step="plan"`` rank 0 drives instead: it alone schedules and samples, and sends each
-step's plan to the other ranks (followers: no block manager, no scheduler; ``splitserve.engine.tp_step``).
+step's plan to the other ranks (followers: no block manager, no scheduler; ``splitserve.engine.tp.step``).
 """
 
 from __future__ import annotations
@@ -19,26 +19,27 @@ import torch
 
 from splitserve.common.arith import ceil_div
 from splitserve.common.validate import check_choice, check_range, check_ranges
-from splitserve.engine.block_manager import BlockManager
-from splitserve.engine.cuda_graphs import CaptureStats, CudaGraphBackend
-from splitserve.engine.distributed import TPGroup
-from splitserve.engine.kv_cache import KVCache, KVCacheSpec
-from splitserve.engine.linear_tuner import LINEAR_KERNELS, KernelPolicy
-from splitserve.engine.loader import build_model, parse_dtype
-from splitserve.engine.model_config import ModelConfig
-from splitserve.engine.model_runner import ModelRunner
-from splitserve.engine.paged_decode import select_backend
-from splitserve.engine.sampler import Sampler
-from splitserve.engine.sampling_params import SamplingParams
-from splitserve.engine.scheduler import Scheduler, SchedulerConfig
-from splitserve.engine.static_decode import StaticDecodeInputs, batch_buckets
-from splitserve.engine.tensor_parallel import TPShard
-from splitserve.engine.tokenizer import Tokenizer
-from splitserve.engine.tp_step import PlanChannel
+from splitserve.engine.attention.paged_decode import select_backend
+from splitserve.engine.kv_cache.block_manager import BlockManager
+from splitserve.engine.kv_cache.cache import KVCache, KVCacheSpec
+from splitserve.engine.model.config import ModelConfig
+from splitserve.engine.model.linear_tuner import LINEAR_KERNELS, KernelPolicy
+from splitserve.engine.model.loader import build_model, parse_dtype
+from splitserve.engine.runner.cuda_graphs import CaptureStats, CudaGraphBackend
+from splitserve.engine.runner.model_runner import ModelRunner
+from splitserve.engine.runner.static_decode import StaticDecodeInputs, batch_buckets
+from splitserve.engine.sampling.params import SamplingParams
+from splitserve.engine.sampling.sampler import Sampler
+from splitserve.engine.scheduler.scheduler import Scheduler, SchedulerConfig
+from splitserve.engine.text.tokenizer import Tokenizer
+from splitserve.engine.tp.distributed import TPGroup
+from splitserve.engine.tp.shard import TPShard
+from splitserve.engine.tp.step import PlanChannel
 
 log = logging.getLogger(__name__)
 
-# The decode attention of the dynamic path (every step that is not a static one).
+# The decode attention of the dynamic path (every step that is not a static one). The label names the
+# package (the gather lives in attention/paged_attention.py): reports compare it across runs.
 DYNAMIC_DECODE_BACKEND = "gather (splitserve.engine.attention)"
 
 DECODE_PATHS = ("auto", "dynamic", "static")
@@ -56,10 +57,10 @@ class EngineSettings:
     max_num_batched_tokens: int = 2048
     prefill_chunk_size: int | None = None  # default: max_num_batched_tokens
     # Which kernel the linear layers run (CPU; CUDA always runs cuBLAS): auto (timed per weight shape at load,
-    # cached: engine/linear_tuner.py) | plain (F.linear) | packed (oneDNN prepacked) | split (both, by rows)
+    # cached: engine/model/linear_tuner.py) | plain (F.linear) | packed (oneDNN prepacked) | split (both, by rows)
     linear_kernel: str = "auto"
     linear_split_allowed: bool | None = None  # auto may pick split (2x memory); None: when linear weights <= RAM/4
-    # Decode-only steps: "static" pads the batch to a bucket in persistent buffers (engine/static_decode.py),
+    # Decode-only steps: "static" pads the batch to a bucket in persistent buffers (engine/runner/static_decode.py),
     # "dynamic" runs them as every other step; "auto": static on CUDA, dynamic on CPU (measured faster
     # there: docs/performance.md).
     decode_path: str = "auto"
@@ -94,7 +95,7 @@ class EngineConfig(EngineSettings):
     tensor_parallel_rank: int = 0
     # How the ranks agree on each step: "lockstep" (every rank schedules, deterministically) or "plan" (rank 0
     # alone schedules, samples and sends each step's plan; the other ranks own no scheduler or block manager
-    # and run splitserve.engine.tp_step.follow).
+    # and run splitserve.engine.tp.step.follow).
     tensor_parallel_step: str = "lockstep"
 
     def __post_init__(self) -> None:
@@ -231,7 +232,7 @@ class EngineCore:
         if self.is_follower:
             raise ValueError(
                 f"tensor_parallel_rank: rank {cfg.tensor_parallel_rank} follows rank 0's plans "
-                "(splitserve.engine.tp_step.follow) and has no scheduler"
+                "(splitserve.engine.tp.step.follow) and has no scheduler"
             )
         scheduler_config = SchedulerConfig(
             max_num_seqs=cfg.max_num_seqs,

@@ -20,13 +20,13 @@ from dataclasses import dataclass, field
 import torch
 
 from splitserve.engine.core import EngineConfig, EngineCore
-from splitserve.engine.detokenizer import IncrementalDetokenizer
-from splitserve.engine.distributed import TPGroup
-from splitserve.engine.request import FinishReason, Request
-from splitserve.engine.rng import random_seed
-from splitserve.engine.sampling_params import SamplingParams
-from splitserve.engine.stop_strings import StopStringMatcher
-from splitserve.engine.tokenizer import Tokenizer
+from splitserve.engine.sampling.params import SamplingParams
+from splitserve.engine.sampling.rng import random_seed
+from splitserve.engine.scheduler.request import FinishReason, Request
+from splitserve.engine.text.detokenizer import IncrementalDetokenizer
+from splitserve.engine.text.stop_strings import StopStringMatcher
+from splitserve.engine.text.tokenizer import Tokenizer
+from splitserve.engine.tp.distributed import TPGroup
 
 
 @dataclass
@@ -58,7 +58,7 @@ class LLM:
         ``tensor_parallel_size``, its ``tensor_parallel_rank`` and the ranks' ``tp_group``, and the same calls
         on every rank in the same order (the ranks run every step together). With
         ``tensor_parallel_step="plan"`` only rank 0 builds an ``LLM``; the other ranks build an ``EngineCore``
-        and run ``splitserve.engine.tp_step.follow`` on it until rank 0's ``close()`` (or the end of its
+        and run ``splitserve.engine.tp.step.follow`` on it until rank 0's ``close()`` (or the end of its
         ``with`` block) stops them."""
         self.core = EngineCore(EngineConfig(model_dir=str(model_dir), **options), tp_group=tp_group)
         core = self.core

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from splitserve.engine.request import FinishReason
-from splitserve.engine.rng import random_seed
-from splitserve.engine.sampling_params import SamplingParams, SamplingParamsError
+from splitserve.engine.sampling.params import SamplingParams, SamplingParamsError
+from splitserve.engine.sampling.rng import random_seed
+from splitserve.engine.scheduler.request import FinishReason
 from splitserve.v1 import splitserve_pb2 as pb
 
 _OPTIONAL_SCALARS = (

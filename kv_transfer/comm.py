@@ -1,7 +1,7 @@
 """Point-to-point byte transport for one (sender, receiver) pair, with deadlines.
 
 - ``choose_backend`` is the one place that picks NCCL (KV on CUDA) or gloo (KV on CPU).
-- ``bind_store`` / ``connect_store`` (from ``splitserve.engine.distributed``) host and join the rendezvous
+- ``bind_store`` / ``connect_store`` (from ``splitserve.engine.tp.distributed``) host and join the rendezvous
   ``TCPStore`` on the advertised address only.
 - ``create_pair_group`` builds a 2-rank group from a ``PrefixStore`` without ``init_process_group``,
   so any number of pairs coexist in one process and workers come and go freely; the gloo device is
@@ -24,9 +24,9 @@ import torch.distributed as dist
 
 # The store helpers live in the engine (its tensor-parallel group uses them too); imported here for the
 # pair groups and re-exported for the sender and receiver.
-from splitserve.engine.distributed import bind_store as bind_store
-from splitserve.engine.distributed import connect_store as connect_store
-from splitserve.engine.distributed import create_group, timeout_delta
+from splitserve.engine.tp.distributed import bind_store as bind_store
+from splitserve.engine.tp.distributed import connect_store as connect_store
+from splitserve.engine.tp.distributed import create_group, timeout_delta
 
 Backend = Literal["gloo", "nccl"]
 

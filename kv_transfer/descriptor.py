@@ -9,7 +9,7 @@ exact key set, a type and range check per field (``commit`` included: a versione
 exact key set), and no msgpack extension types (nothing is ever unpickled or constructed from the wire).
 
 Tensor parallelism: a worker of TP size ``t`` is ``t`` ranks, each holding only its KV heads
-(``splitserve.engine.tp_layout``). A rank's fingerprint says its TP size, its rank and its head range; two
+(``splitserve.engine.tp.layout``). A rank's fingerprint says its TP size, its rank and its head range; two
 ranks can exchange KV when their layouts agree (``mismatches``), whatever their sizes. A descriptor's
 ``heads`` says which of the model's KV heads its payload holds (docs/kv_transfer.md).
 """
@@ -22,7 +22,7 @@ from typing import Any
 
 import msgpack
 
-from splitserve.engine.tp_layout import HeadRange, kv_head_range
+from splitserve.engine.tp.layout import HeadRange, kv_head_range
 
 PROTOCOL_VERSION = 1
 COMMIT_VERSION = 1
@@ -73,7 +73,7 @@ class LayoutFingerprint:
                 f"{self.num_kv_heads} KV heads"
             )
         kv, tp = self.num_kv_heads, self.tp_size
-        if (kv >= tp and kv % tp) or (kv < tp and tp % kv):  # engine/tp_layout.py: whole or replicated heads
+        if (kv >= tp and kv % tp) or (kv < tp and tp % kv):  # engine/tp/layout.py: whole or replicated heads
             raise DescriptorError(f"tp_size: {tp} ranks cannot share the model's {kv} KV heads")
         expected = kv_head_range(kv, tp, self.tp_rank)
         if self.heads != expected:

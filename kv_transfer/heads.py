@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from splitserve.engine.kv_cache import KVCache
+from splitserve.engine.kv_cache.cache import KVCache
 from splitserve.kv_transfer.descriptor import LayoutFingerprint
 
 

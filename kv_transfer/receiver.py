@@ -10,7 +10,7 @@ timeout) breaks the pair instead: its transfers fail, its group is aborted, the 
 
 Tensor parallelism: the receiver is one rank and ``expect`` leases its blocks for its heads only. The
 parts of a transfer may arrive on several pairs (one per sending rank that holds some of those heads,
-``splitserve.engine.tp_layout.transfer_pairs``); each descriptor names its heads, which must lie inside
+``splitserve.engine.tp.layout.transfer_pairs``); each descriptor names its heads, which must lie inside
 both this rank's range and the sender's, and the transfer is DONE once every (layer, block, head) has
 landed exactly once. Every pair that contributed is then acknowledged (docs/kv_transfer.md).
 """
@@ -32,8 +32,8 @@ import torch
 from splitserve.common.arith import ceil_div
 from splitserve.common.errors import ServingError
 from splitserve.common.faults import FaultHooks
-from splitserve.engine.kv_cache import KVCache
-from splitserve.engine.tp_layout import HeadRange
+from splitserve.engine.kv_cache.cache import KVCache
+from splitserve.engine.tp.layout import HeadRange
 from splitserve.kv_transfer.comm import (
     Communicator,
     CommunicatorFactory,

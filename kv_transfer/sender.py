@@ -27,8 +27,8 @@ import torch
 
 from splitserve.common.arith import ceil_div
 from splitserve.common.faults import FaultHooks
-from splitserve.engine.kv_cache import KVCache
-from splitserve.engine.tp_layout import HeadRange
+from splitserve.engine.kv_cache.cache import KVCache
+from splitserve.engine.tp.layout import HeadRange
 from splitserve.kv_transfer.comm import (
     Communicator,
     CommunicatorFactory,

@@ -10,7 +10,7 @@ one transfer with the request's own id, exactly as before.
 
 from __future__ import annotations
 
-from splitserve.engine.tp_layout import TransferPair, transfer_pairs
+from splitserve.engine.tp.layout import TransferPair, transfer_pairs
 
 
 def rank_transfer_id(transfer_id: str, receiver_rank: int, receiver_tp: int) -> str:

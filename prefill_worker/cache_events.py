@@ -7,7 +7,7 @@ from __future__ import annotations
 import queue
 import threading
 
-from splitserve.engine.block_manager import BlockManager
+from splitserve.engine.kv_cache.block_manager import BlockManager
 from splitserve.rpc import workers_pb2 as wpb
 from splitserve.worker_common.messages import Emit, End, Event
 

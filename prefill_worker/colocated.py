@@ -26,7 +26,7 @@ import uuid
 import grpc
 
 from splitserve.common.errors import ServingError
-from splitserve.engine.request import FinishReason, Request
+from splitserve.engine.scheduler.request import FinishReason, Request
 from splitserve.engine.wire import FINISH_TO_PB, stop_reason_text
 from splitserve.prefill_worker.cache_events import CacheEventFeed
 from splitserve.prefill_worker.jobs import PrefillJob, add_job, check_room, finish_job, job_from_pb, mark_scheduled

@@ -10,9 +10,9 @@ import time
 from dataclasses import dataclass, field
 
 from splitserve.common.errors import ServingError
-from splitserve.engine.request import Request
-from splitserve.engine.sampling_params import SamplingParamsError
-from splitserve.engine.scheduler import Scheduler, SchedulerOutput
+from splitserve.engine.sampling.params import SamplingParamsError
+from splitserve.engine.scheduler.request import Request
+from splitserve.engine.scheduler.scheduler import Scheduler, SchedulerOutput
 from splitserve.engine.wire import sampling_from_pb
 from splitserve.kv_transfer.sender import PeerAddress, SendHandle
 from splitserve.rpc import workers_pb2 as wpb

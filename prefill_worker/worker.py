@@ -25,8 +25,8 @@ import grpc
 
 from splitserve.common.arith import ceil_div
 from splitserve.common.errors import ServingError
-from splitserve.engine.request import FinishReason, Request
-from splitserve.engine.scheduler import SchedulerOutput
+from splitserve.engine.scheduler.request import FinishReason, Request
+from splitserve.engine.scheduler.scheduler import SchedulerOutput
 from splitserve.engine.wire import FINISH_TO_PB, stop_reason_text
 from splitserve.kv_transfer.descriptor import Commit
 from splitserve.kv_transfer.handles import TransferHandle, TransferState

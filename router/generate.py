@@ -24,12 +24,12 @@ from dataclasses import dataclass, field
 import grpc
 
 from splitserve.common.errors import ServingError
-from splitserve.engine.block_hash import block_hashes
-from splitserve.engine.detokenizer import IncrementalDetokenizer
-from splitserve.engine.sampling_params import SamplingParams
-from splitserve.engine.scheduler import stop_reason
-from splitserve.engine.stop_strings import StopStringMatcher
-from splitserve.engine.tokenizer import Tokenizer
+from splitserve.engine.kv_cache.block_hash import block_hashes
+from splitserve.engine.sampling.params import SamplingParams
+from splitserve.engine.scheduler.scheduler import stop_reason
+from splitserve.engine.text.detokenizer import IncrementalDetokenizer
+from splitserve.engine.text.stop_strings import StopStringMatcher
+from splitserve.engine.text.tokenizer import Tokenizer
 from splitserve.engine.wire import FINISH_TO_PB, finish_label, sampling_to_pb, stop_reason_text
 from splitserve.router.config import RouterConfig
 from splitserve.router.dispatcher import Dispatcher, Ticket

@@ -19,9 +19,9 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from splitserve.common.errors import ServingError
-from splitserve.engine.model_config import ModelConfig
-from splitserve.engine.sampling_params import SamplingParamsError
-from splitserve.engine.tokenizer import Tokenizer
+from splitserve.engine.model.config import ModelConfig
+from splitserve.engine.sampling.params import SamplingParamsError
+from splitserve.engine.text.tokenizer import Tokenizer
 from splitserve.engine.wire import sampling_from_pb
 from splitserve.observability.exporter import MetricsServer
 from splitserve.observability.logs import request_context

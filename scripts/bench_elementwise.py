@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from splitserve.engine.hardware import print_header  # noqa: E402
-from splitserve.engine.rope import apply_rotary  # noqa: E402
+from splitserve.engine.model.rope import apply_rotary  # noqa: E402
 
 HIDDEN, INTERMEDIATE, HEADS, HEAD_DIM = 896, 4864, 16, 64
 

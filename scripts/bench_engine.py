@@ -45,7 +45,7 @@ from splitserve.bench import peer  # noqa: E402
 from splitserve.cli import dtype_arg  # noqa: E402
 from splitserve.engine import LLM, ModelConfig, SamplingParams  # noqa: E402
 from splitserve.engine.hardware import print_header  # noqa: E402
-from splitserve.engine.loader import parse_dtype  # noqa: E402
+from splitserve.engine.model.loader import parse_dtype  # noqa: E402
 
 
 def log(msg: str) -> None:

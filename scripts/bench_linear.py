@@ -7,8 +7,8 @@ whole pass over those matrices, three ways:
 
 - ``F.linear`` on the plain ``[out, in]`` weight (MKL for float32, oneDNN or an emulation for bf16);
 - oneDNN prepacked (``mkldnn._reorder_linear_weight`` once, then ``mkldnn._linear_pointwise``), the
-  path ``splitserve.engine.model.Linear.pack()`` takes; where this CPU refuses it the reason is printed;
-- the engine's choice, matrix by matrix: what ``splitserve.engine.linear_tuner`` picks at load (``auto``) for each
+  path ``splitserve.engine.model.transformer.Linear.pack()`` takes; where this CPU refuses it the reason is printed;
+- the engine's choice, matrix by matrix: what ``splitserve.engine.model.linear_tuner`` picks at load (``auto``) for each
   shape, timed here on its own row grid (``ROW_GRID``; the LM head up to 64 rows), split allowed,
 
 and reports ms per pass, GB/s of weights read and GFLOP/s; then, per shape, the tuner's times and choice.
@@ -37,8 +37,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from splitserve.engine.hardware import print_header  # noqa: E402
-from splitserve.engine.linear_tuner import ROW_GRID, UNTIMED_BELOW, decide, measure  # noqa: E402
-from splitserve.engine.model_config import ModelConfig  # noqa: E402
+from splitserve.engine.model.config import ModelConfig  # noqa: E402
+from splitserve.engine.model.linear_tuner import ROW_GRID, UNTIMED_BELOW, decide, measure  # noqa: E402
 
 
 def log(message: str) -> None:
@@ -193,7 +193,10 @@ def main() -> int:
                 else (f"{r['ms']:.1f}", f"{r['weight_gb_s']:.1f}", f"{r['gflop_s']:.0f}")
             )
             print(f"| {name} | {r['m']} | {r['path']} | " + " | ".join(cells) + " |")
-    print("\nThe tuner's choice per shape (engine/linear_tuner.py: best-of ms at each row count m, split allowed):\n")
+    print(
+        "\nThe tuner's choice per shape (engine/model/linear_tuner.py: best-of ms at each row count m,"
+        " split allowed):\n"
+    )
     grid = ", ".join(map(str, ROW_GRID))
     print(f"| dtype | shape [out x in] | per step | plain ms (m: {grid}) | packed ms | choice |")
     print("| --- | --- | --- | --- | --- | --- |")

@@ -292,7 +292,7 @@ def main() -> int:
 
         log(f"writing the {args.preset} preset to {args.model} ...")
         make_model(args.preset, args.model, dtype="bfloat16" if args.dtype == "auto" else args.dtype, overwrite=True)
-    from splitserve.engine.loader import parse_dtype
+    from splitserve.engine.model.loader import parse_dtype
 
     checkpoint = json.loads((args.model / "config.json").read_text())
     args.dtype = str(parse_dtype(args.dtype, checkpoint.get("torch_dtype") or checkpoint.get("dtype")))

@@ -166,7 +166,7 @@ def _process_main(model_dir: str, rank: int, size: int, cores: list[int], port: 
 
         group, timer = None, None
         if size > 1:
-            from splitserve.engine.distributed import TPGroup, connect_store, timeout_delta
+            from splitserve.engine.tp.distributed import TPGroup, connect_store, timeout_delta
 
             store = connect_store(HOST, port, SETUP_TIMEOUT_S)
             store.set(f"ready/{rank}", "1")
@@ -193,7 +193,7 @@ def run_config(model_dir: Path, size: int, cores: list[list[int]], args: dict, t
     """Spawn ``size`` processes (one per rank) and return each rank's ``measure`` result, rank order."""
     import torch.multiprocessing as mp
 
-    from splitserve.engine.distributed import bind_store
+    from splitserve.engine.tp.distributed import bind_store
 
     store, port = bind_store(HOST, 0, SETUP_TIMEOUT_S) if size > 1 else (None, 0)
     ctx = mp.get_context("spawn")

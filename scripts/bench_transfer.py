@@ -77,8 +77,8 @@ def _process(
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     import torch
 
-    from splitserve.engine.kv_cache import KVCache, KVCacheSpec
-    from splitserve.engine.tp_layout import HeadRange, kv_head_range
+    from splitserve.engine.kv_cache.cache import KVCache, KVCacheSpec
+    from splitserve.engine.tp.layout import HeadRange, kv_head_range
     from splitserve.kv_transfer.comm import connect_store, open_communicator
     from splitserve.kv_transfer.descriptor import LayoutFingerprint
     from splitserve.kv_transfer.receiver import KVReceiver
@@ -360,7 +360,7 @@ def measure_sizes(sizes: list[int], repeats: int, config) -> list[dict]:
 
 def measure_tp(sizes: list[int], repeats: int, config, sender_tp: int, receiver_tp: int, one_to_one: list[dict]):
     """The same transfers between a TP-``sender_tp`` and a TP-``receiver_tp`` worker, one process per rank."""
-    from splitserve.engine.tp_layout import transfer_pairs
+    from splitserve.engine.tp.layout import transfer_pairs
     from splitserve.kv_transfer.tp import rank_transfer_id, sends_for
 
     bs, heads = PRESET_SPEC["block_size"], PRESET_SPEC["num_kv_heads"]
@@ -501,7 +501,7 @@ def main() -> int:
             tp = tuple(int(x) for x in args.tp.split(":"))
             if len(tp) != 2 or min(tp) < 1:
                 raise ValueError
-            from splitserve.engine.tp_layout import check_tp_size
+            from splitserve.engine.tp.layout import check_tp_size
 
             for size in tp:
                 check_tp_size(size * PRESET_SPEC["num_kv_heads"], PRESET_SPEC["num_kv_heads"], size)

@@ -169,7 +169,7 @@ def prefill_flops(cfg: ModelConfig, tokens: int) -> float:
 
 
 def triton_status(device: str) -> str:
-    from splitserve.engine import triton_paged_decode
+    from splitserve.engine.attention import triton_paged_decode
 
     if triton_paged_decode.triton is None:
         return "not installed (the Triton paged decode kernel is unavailable)"

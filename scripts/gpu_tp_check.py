@@ -84,8 +84,8 @@ def _rank_main(model_dir: str, rank: int, size: int, backend: str, device: str, 
 
         from splitserve.engine import LLM
         from splitserve.engine.core import EngineConfig, EngineCore
-        from splitserve.engine.distributed import TPGroup, connect_store
-        from splitserve.engine.tp_step import follow
+        from splitserve.engine.tp.distributed import TPGroup, connect_store
+        from splitserve.engine.tp.step import follow
 
         torch.set_num_threads(1)
         if device.startswith("cuda"):
@@ -116,7 +116,7 @@ def _rank_main(model_dir: str, rank: int, size: int, backend: str, device: str, 
 def run_ranks(model_dir: str, size: int, backend: str, devices: list[str]) -> dict[int, dict]:
     import torch.multiprocessing as mp
 
-    from splitserve.engine.distributed import bind_store
+    from splitserve.engine.tp.distributed import bind_store
 
     store, port = bind_store(HOST, 0, SETUP_TIMEOUT_S)
     ctx = mp.get_context("spawn")

@@ -60,11 +60,11 @@ from torch.autograd.profiler import record_function
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-import splitserve.engine.attention  # noqa: E402
-import splitserve.engine.model  # noqa: E402
+import splitserve.engine.attention.paged_attention  # noqa: E402
+import splitserve.engine.model.transformer  # noqa: E402
 from splitserve.engine import LLM, SamplingParams  # noqa: E402
 from splitserve.engine.hardware import print_header  # noqa: E402
-from splitserve.engine.model import MLP, Attention, DecoderLayer, Linear, RMSNorm  # noqa: E402
+from splitserve.engine.model.transformer import MLP, Attention, DecoderLayer, Linear, RMSNorm  # noqa: E402
 
 CATEGORIES = ("matmuls", "attention", "elementwise", "cache writes/gathers", "host prep", "sampling", "other")
 PHASES = ("schedule", "host prep", "forward", "LM head", "sampling", "rest of execute", "update")
@@ -183,8 +183,8 @@ def add_ranges(llm: LLM) -> Callable[[], None]:
     patch(model, "forward", "elementwise")
     patch(model, "compute_logits", "matmuls")
     for name in ("write_kv", "gather_context"):
-        patch(splitserve.engine.attention, name, "cache writes/gathers")
-    patch(splitserve.engine.model, "apply_rotary", "elementwise")
+        patch(splitserve.engine.attention.paged_attention, name, "cache writes/gathers")
+    patch(splitserve.engine.model.transformer, "apply_rotary", "elementwise")
     for obj, name in host_prep_pieces(llm):
         patch(obj, name, "host prep")
     patch(llm.runner, "execute", "sampling")  # what execute runs outside the model and prep: row selection

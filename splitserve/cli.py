@@ -28,7 +28,7 @@ DTYPE_HELP = "auto (the checkpoint's), bfloat16/bf16, float16/half/fp16, float32
 
 def dtype_arg(text: str) -> str:
     """The argparse type of every --dtype: any of vLLM's names -> the canonical one ("bf16" -> "bfloat16")."""
-    from splitserve.engine.loader import canonical_dtype
+    from splitserve.engine.model.loader import canonical_dtype
 
     try:
         return canonical_dtype(text)

@@ -216,7 +216,7 @@ class DeploymentConfig:
     planner: PlannerSettings = field(default_factory=PlannerSettings)  # the live planner (off by default)
 
     def __post_init__(self) -> None:
-        from splitserve.engine.loader import canonical_dtype
+        from splitserve.engine.model.loader import canonical_dtype
 
         object.__setattr__(self, "dtype", canonical_dtype(self.dtype))  # vLLM's names; the canonical one kept
         check_choice(self, "mode", MODES)
@@ -309,8 +309,8 @@ class DeploymentConfig:
     def check_model(self, model_dir: str) -> None:
         """Raise ConfigError naming ``<role>.tensor_parallel_size`` when a role's size does not split the
         model in ``model_dir`` into whole heads and MLP columns (before any worker starts)."""
-        from splitserve.engine.model_config import ModelConfig
-        from splitserve.engine.tensor_parallel import TPShard
+        from splitserve.engine.model.config import ModelConfig
+        from splitserve.engine.tp.shard import TPShard
 
         model = ModelConfig.from_model_dir(model_dir)
         for role in self.roles:

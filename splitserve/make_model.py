@@ -18,7 +18,7 @@ import torch
 from tokenizers import Tokenizer
 
 from splitserve.bpe_tokenizer import DEFAULT_SPECIAL_TOKENS, tokenizer_config, train_tokenizer
-from splitserve.engine.loader import canonical_dtype, parse_dtype
+from splitserve.engine.model.loader import canonical_dtype, parse_dtype
 from splitserve.random_weights import random_weights, write_safetensors
 
 __all__ = ["PRESETS", "make_model", "train_tokenizer", "write_random_checkpoint"]

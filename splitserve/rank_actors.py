@@ -18,7 +18,7 @@ import os
 import uuid
 from collections.abc import Sequence
 
-from splitserve.engine.distributed import TPGroup, bind_store, connect_store
+from splitserve.engine.tp.distributed import TPGroup, bind_store, connect_store
 from splitserve.worker_common.config import WorkerConfig
 from splitserve.worker_common.follower import Follower
 from splitserve.worker_common.rank_link import RankInfo, Ranks

@@ -88,9 +88,10 @@ ARCH_CONFIGS: dict[str, dict] = {
 }
 
 
-# The same architectures at sizes where every projection and the LM head reach splitserve.engine.model.can_pack's
-# 2^18-weight floor (o_proj is 512 x 512 = 2^18 exactly; Mistral's is 512 x 640), so the fp32 parity runs
-# the prepacked oneDNN path that the benchmarks time, not only plain F.linear.
+# The same architectures at sizes where every projection and the LM head reach
+# splitserve.engine.model.transformer.can_pack's 2^18-weight floor (o_proj is 512 x 512 = 2^18 exactly;
+# Mistral's is 512 x 640), so the fp32 parity runs the prepacked oneDNN path that the benchmarks time, not
+# only plain F.linear.
 _PACKABLE = {"hidden_size": 512, "intermediate_size": 1536, "num_hidden_layers": 4, "num_attention_heads": 8}
 PACKABLE_ARCH_CONFIGS: dict[str, dict] = {
     "qwen2": {**ARCH_CONFIGS["qwen2"], **_PACKABLE, "max_window_layers": 2},
@@ -109,7 +110,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    # On CPU, Triton kernels (engine/triton_paged_decode.py) run in Triton's interpreter, which must be on
+    # On CPU, Triton kernels (engine/attention/triton_paged_decode.py) run in Triton's interpreter, which must be on
     # before triton is first imported: triton.language defines its own helpers at import time.
     if not config.getoption("--device").startswith("cuda"):
         os.environ.setdefault("TRITON_INTERPRET", "1")

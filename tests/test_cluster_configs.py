@@ -290,8 +290,8 @@ def test_the_70b_example_splits_each_phase_and_fits_its_nodes(tmp_path):
     import torch
 
     from splitserve.deploy_config import DeploymentConfig
-    from splitserve.engine.kv_cache import KVCacheSpec
-    from splitserve.engine.model_config import ModelConfig
+    from splitserve.engine.kv_cache.cache import KVCacheSpec
+    from splitserve.engine.model.config import ModelConfig
 
     config = DeploymentConfig.from_file(ROOT / "cluster_configs" / "gpu-cluster-70b.yaml")
     assert (config.prefill.tensor_parallel_size, config.decode.tensor_parallel_size) == (4, 2)

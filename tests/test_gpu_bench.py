@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from splitserve.engine.model_config import ModelConfig
+from splitserve.engine.model.config import ModelConfig
 from splitserve.make_model import PRESETS
 
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "gpu_bench.py"
@@ -103,7 +103,7 @@ def test_the_report_says_what_the_timed_steps_ran_not_what_was_configured(
     """An engine configured static (CPU: no graphs) runs its timed decode steps static, eager, with the
     paged_decode backend; when its buckets hold no batch, the same configuration runs them dynamic."""
     from splitserve.engine import LLM
-    from splitserve.engine.static_decode import StaticDecodeInputs
+    from splitserve.engine.runner.static_decode import StaticDecodeInputs
 
     class StaticLLM(LLM):
         def __init__(self, *args, **options) -> None:

@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 from tokenizers import Tokenizer
 
 from splitserve.bpe_tokenizer import corpus_texts, train_tokenizer
-from splitserve.engine.model_config import ModelConfig
+from splitserve.engine.model.config import ModelConfig
 from splitserve.make_model import DEFAULT_SHARD_BYTES, PRESETS, make_model, write_random_checkpoint
 from splitserve.random_weights import _pack_shards, random_weights, tensor_shapes
 

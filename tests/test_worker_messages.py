@@ -10,8 +10,8 @@ import pytest
 
 from splitserve.common.errors import ServingError
 from splitserve.decode_worker.worker import DecodeWorker, _coalesce
-from splitserve.engine.request import Request
-from splitserve.engine.sampling_params import SamplingParams
+from splitserve.engine.sampling.params import SamplingParams
+from splitserve.engine.scheduler.request import Request
 from splitserve.prefill_worker.colocated import ColocatedWorker
 from splitserve.prefill_worker.jobs import PrefillJob
 from splitserve.prefill_worker.worker import PrefillWorker

@@ -33,7 +33,7 @@ from google.protobuf.message import Message
 
 from splitserve.common.errors import ServingError
 from splitserve.engine.core import EngineCore
-from splitserve.engine.distributed import CollectiveError
+from splitserve.engine.tp.distributed import CollectiveError
 from splitserve.observability.exporter import MetricsServer
 from splitserve.rpc import workers_pb2 as wpb
 from splitserve.rpc.auth import server_interceptors

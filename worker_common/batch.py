@@ -13,8 +13,8 @@ from collections.abc import Callable
 from typing import Literal
 
 from splitserve.engine.core import EngineCore
-from splitserve.engine.request import Request
-from splitserve.engine.scheduler import Scheduler, SchedulerOutput
+from splitserve.engine.scheduler.request import Request
+from splitserve.engine.scheduler.scheduler import Scheduler, SchedulerOutput
 from splitserve.worker_common.metrics import WorkerMetrics
 
 StepKind = Literal["prefill", "decode"]  # "prefill" if the step computes prompt tokens

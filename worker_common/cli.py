@@ -13,7 +13,7 @@ import threading
 
 from splitserve.common.validate import field_default
 from splitserve.engine.core import EngineConfig
-from splitserve.engine.linear_tuner import LINEAR_KERNELS
+from splitserve.engine.model.linear_tuner import LINEAR_KERNELS
 from splitserve.observability.logs import LOG_FORMATS, configure_logging
 from splitserve.worker_common.affinity import parse_cpu_list, thread_count
 from splitserve.worker_common.base import WorkerBase
@@ -46,7 +46,7 @@ def main(role: str, worker_class: type[WorkerBase], argv: list[str] | None = Non
         "--linear-kernel",
         choices=LINEAR_KERNELS,
         default=field_default(EngineConfig, "linear_kernel"),
-        help="CPU linear-layer kernel; auto: timed per weight shape at load (engine/linear_tuner.py)",
+        help="CPU linear-layer kernel; auto: timed per weight shape at load (engine/model/linear_tuner.py)",
     )
     p.add_argument(
         "--max-inflight",

@@ -32,8 +32,8 @@ import torch
 
 from splitserve.common.errors import ServingError
 from splitserve.engine.core import EngineCore
-from splitserve.engine.distributed import TPGroup
-from splitserve.engine.tp_step import Notice, PlanChannel, StepPlan, Stop, Tick
+from splitserve.engine.tp.distributed import TPGroup
+from splitserve.engine.tp.step import Notice, PlanChannel, StepPlan, Stop, Tick
 from splitserve.kv_transfer.handles import TransferHandle, TransferState
 from splitserve.kv_transfer.receiver import KVReceiver
 from splitserve.kv_transfer.sender import KVSender, SendHandle

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from splitserve.engine.core import EngineCore
-from splitserve.engine.tp_layout import kv_head_range
+from splitserve.engine.tp.layout import kv_head_range
 from splitserve.kv_transfer.descriptor import LayoutFingerprint
 from splitserve.worker_common.config import WorkerConfig
 

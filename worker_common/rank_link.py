@@ -1,7 +1,7 @@
 """Rank 0 of a tensor-parallel worker and its other ranks (the followers).
 
 Rank 0 owns the scheduler, the block manager and the worker's gRPC server; every step it broadcasts the
-step's plan on the ranks' own process group (``TPGroup``, ``splitserve.engine.tp_step``) and all ranks run
+step's plan on the ranks' own process group (``TPGroup``, ``splitserve.engine.tp.step``) and all ranks run
 the same forward on their shards. KV transfers are per rank: each rank moves its own heads
 (``splitserve.kv_transfer.tp``). What is not ordered with the steps goes over gRPC, each follower serving
 ``TensorParallelRank`` to rank 0 (``splitserve.worker_common.follower``):
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from splitserve.engine.distributed import TPGroup
+from splitserve.engine.tp.distributed import TPGroup
 from splitserve.kv_transfer.handles import TransferState
 from splitserve.kv_transfer.sender import PeerAddress
 from splitserve.rpc import workers_pb2 as wpb

@@ -13,7 +13,7 @@ import threading
 from collections.abc import Sequence
 
 from splitserve.common.errors import ServingError
-from splitserve.engine.tp_step import Notice, PlanChannel
+from splitserve.engine.tp.step import Notice, PlanChannel
 from splitserve.kv_transfer.descriptor import Commit
 from splitserve.kv_transfer.handles import TransferHandle
 from splitserve.kv_transfer.receiver import KVReceiver

@@ -2,7 +2,7 @@
 renders it, without transformers (the router is torch-free).
 
 The template comes from the model folder (``chat_template.jinja``, else ``tokenizer_config.json``'s
-``chat_template``; splitserve.engine.tokenizer reads both). It is the operator's code, run in jinja2's immutable
+``chat_template``; splitserve.engine.text.tokenizer reads both). It is the operator's code, run in jinja2's immutable
 sandbox with what transformers provides: ``trim_blocks``, ``lstrip_blocks``, loop controls, a
 ``tojson`` that does not escape HTML, ``raise_exception``, ``strftime_now``, the ``{% generation %}``
 tag, and the tokenizer's ``bos_token`` and ``eos_token``. Messages are the client's data: special
@@ -23,7 +23,7 @@ from jinja2 import nodes
 from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from splitserve.engine.tokenizer import Tokenizer
+from splitserve.engine.text.tokenizer import Tokenizer
 
 
 class ChatTemplateError(ValueError):

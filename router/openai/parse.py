@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from splitserve.common.errors import ServingError
-from splitserve.engine.tokenizer import Tokenizer
+from splitserve.engine.text.tokenizer import Tokenizer
 from splitserve.router.openai.chat_template import ChatTemplate, ChatTemplateError
 from splitserve.router.openai.errors import OpenAIError, invalid, unsupported
 from splitserve.v1 import splitserve_pb2 as pb

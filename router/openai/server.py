@@ -25,8 +25,8 @@ from typing import Protocol
 from aiohttp import web
 
 from splitserve.common.errors import ServingError
-from splitserve.engine.model_config import ModelConfig
-from splitserve.engine.tokenizer import Tokenizer
+from splitserve.engine.model.config import ModelConfig
+from splitserve.engine.text.tokenizer import Tokenizer
 from splitserve.router.config import RouterConfig
 from splitserve.router.generate import RequestRun
 from splitserve.router.openai.chat_template import ChatTemplate, ChatTemplateError

@@ -142,8 +142,8 @@ class Measurer:
 
     def _request(self, prompt_len: int, max_tokens: int, computed: int | None):
         """A request holding the KV of its first ``computed`` tokens (None: all but the last), admitted."""
-        from splitserve.engine.request import Request
-        from splitserve.engine.sampling_params import SamplingParams
+        from splitserve.engine.sampling.params import SamplingParams
+        from splitserve.engine.scheduler.request import Request
 
         self._ids += 1
         rid = f"profile-{self._ids}"
@@ -170,7 +170,7 @@ class Measurer:
         return StepShape.of(prefill, decodes), seconds
 
     def _clear(self) -> None:
-        from splitserve.engine.request import FinishReason
+        from splitserve.engine.scheduler.request import FinishReason
 
         for rid in list(self.scheduler.requests):
             self.scheduler.finish(rid, FinishReason.ABORT)
@@ -245,7 +245,7 @@ def _receiver_main(conn, spec: dict, dtype: str) -> None:
     """A spawned process: a KVReceiver behind its gRPC service; answers expect / received commands."""
     import torch
 
-    from splitserve.engine.kv_cache import KVCache, KVCacheSpec
+    from splitserve.engine.kv_cache.cache import KVCache, KVCacheSpec
     from splitserve.kv_transfer.receiver import KVReceiver
     from splitserve.kv_transfer.service import serve
 
@@ -343,7 +343,7 @@ class _LocalReceiver:
     def __init__(self, spec: dict, dtype: str, device) -> None:
         import torch
 
-        from splitserve.engine.kv_cache import KVCache, KVCacheSpec
+        from splitserve.engine.kv_cache.cache import KVCache, KVCacheSpec
         from splitserve.kv_transfer.config import TransferConfig
         from splitserve.kv_transfer.receiver import KVReceiver
         from splitserve.kv_transfer.sender import PeerAddress
@@ -383,7 +383,7 @@ def measure_transfers(
     import torch
 
     from splitserve.common.arith import ceil_div
-    from splitserve.engine.kv_cache import KVCache, KVCacheSpec
+    from splitserve.engine.kv_cache.cache import KVCache, KVCacheSpec
     from splitserve.kv_transfer.sender import KVSender
 
     element = torch.empty((), dtype=getattr(torch, dtype)).element_size()
@@ -541,8 +541,8 @@ def _follower_main(measurer: dict, port: int, rank: int, size: int, errors) -> N
         import torch
 
         from splitserve.engine.core import EngineCore
-        from splitserve.engine.distributed import TPGroup, connect_store
-        from splitserve.engine.tp_step import follow
+        from splitserve.engine.tp.distributed import TPGroup, connect_store
+        from splitserve.engine.tp.step import follow
 
         args = dict(measurer)
         if args["threads"]:
@@ -567,7 +567,7 @@ def _measure_tp(measurer_args: dict, size: int):
     import torch
     import torch.multiprocessing as mp
 
-    from splitserve.engine.distributed import TPGroup, bind_store
+    from splitserve.engine.tp.distributed import TPGroup, bind_store
 
     store, port = bind_store(HOST, 0, TP_SETUP_TIMEOUT_S)
     ctx = mp.get_context("spawn")

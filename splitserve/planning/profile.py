@@ -210,7 +210,7 @@ class Profile:
 
     def block_bytes(self, block_size: int, tensor_parallel_size: int = 1) -> int:
         """Bytes of one KV block on one rank of a worker of this TP size (its share of the KV heads)."""
-        from splitserve.engine.tp_layout import kv_head_range
+        from splitserve.engine.tp.layout import kv_head_range
 
         heads = kv_head_range(self.model.num_kv_heads, tensor_parallel_size, 0).count
         return block_size * 2 * self.model.num_layers * heads * self.model.head_dim * self.dtype_bytes

@@ -1,4 +1,4 @@
-"""A CUDA-graph backend for the CPU (``engine.cuda_graphs.GraphBackend``) that replays what it recorded.
+"""A CUDA-graph backend for the CPU (``engine.runner.cuda_graphs.GraphBackend``) that replays what it recorded.
 
 A real CUDA graph records, at capture, every kernel the captured function launches with the addresses of
 its arguments; a replay runs those kernels again on those addresses, and no Python runs. So a replay

@@ -10,7 +10,7 @@ from contextlib import contextmanager
 import torch
 
 from splitserve.engine import LLM
-from splitserve.engine.model import CausalLM, Linear
+from splitserve.engine.model.transformer import CausalLM, Linear
 
 
 @contextmanager

@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from splitserve.engine.block_hash import ROOT_HASH, block_hashes, hash_block
-from splitserve.engine.block_manager import BlockEvent, BlockIntegrityError, BlockManager
+from splitserve.engine.kv_cache.block_hash import ROOT_HASH, block_hashes, hash_block
+from splitserve.engine.kv_cache.block_manager import BlockEvent, BlockIntegrityError, BlockManager
 
 
 def make_manager(num_blocks: int = 8, block_size: int = 4, **kw) -> BlockManager:
@@ -32,7 +32,7 @@ def test_hash_is_chained_and_stable_across_processes():
     assert hashes[1] == hash_block(hashes[0], [4, 5, 6, 7])
     # The same block after a different prefix hashes differently.
     assert block_hashes([9, 9, 9, 9, 4, 5, 6, 7], 4)[1] != hashes[1]
-    code = "from splitserve.engine.block_hash import block_hashes; print(block_hashes(list(range(10)), 4))"
+    code = "from splitserve.engine.kv_cache.block_hash import block_hashes; print(block_hashes(list(range(10)), 4))"
     other = subprocess.run(
         [sys.executable, "-c", code],
         capture_output=True,
@@ -45,9 +45,9 @@ def test_hash_is_chained_and_stable_across_processes():
 
 def test_hash_module_is_torch_free():
     code = (
-        "import sys, splitserve.engine.block_hash, splitserve.engine.block_manager, "
-        "splitserve.engine.sampling_params, splitserve.engine.rng, splitserve.engine.scheduler, "
-        "splitserve.engine.model_config; assert 'torch' not in sys.modules, 'torch imported'"
+        "import sys, splitserve.engine.kv_cache.block_hash, splitserve.engine.kv_cache.block_manager, "
+        "splitserve.engine.sampling.params, splitserve.engine.sampling.rng, splitserve.engine.scheduler.scheduler, "
+        "splitserve.engine.model.config; assert 'torch' not in sys.modules, 'torch imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
 

@@ -9,8 +9,8 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import decoders, models
 
-from splitserve.engine.detokenizer import NUM_PROMPT_CONTEXT_TOKENS, IncrementalDetokenizer
-from splitserve.engine.tokenizer import Tokenizer
+from splitserve.engine.text.detokenizer import NUM_PROMPT_CONTEXT_TOKENS, IncrementalDetokenizer
+from splitserve.engine.text.tokenizer import Tokenizer
 from tests.engine.tokenizer_fixtures import make_byte_level_backend, make_byte_level_tokenizer_dir
 
 # Characters that the test tokenizer splits into several byte tokens, plus merged multi-byte ones.

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from splitserve.cli import build_parser
-from splitserve.engine.loader import DTYPE_NAMES, canonical_dtype, parse_dtype
+from splitserve.engine.model.loader import DTYPE_NAMES, canonical_dtype, parse_dtype
 
 ALIASES = [
     (("bfloat16", "bf16", "BF16"), torch.bfloat16),

@@ -9,7 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from splitserve.engine.core import EngineConfig
-from splitserve.engine.linear_tuner import (
+from splitserve.engine.model.config import ModelConfig
+from splitserve.engine.model.linear_tuner import (
     FORCED_SPLIT_ROWS,
     KernelPolicy,
     ShapeKey,
@@ -19,8 +20,7 @@ from splitserve.engine.linear_tuner import (
     machine_key,
     measure,
 )
-from splitserve.engine.model import CausalLM, Linear, onednn_runs
-from splitserve.engine.model_config import ModelConfig
+from splitserve.engine.model.transformer import CausalLM, Linear, onednn_runs
 from tests.conftest import PACKABLE_ARCH_CONFIGS
 from tests.engine.parity import linear_paths, torch_threads
 

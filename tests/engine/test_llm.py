@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from splitserve.engine import LLM, SamplingParams
-from splitserve.engine.loader import CheckpointError
-from splitserve.engine.model_config import ModelConfig, ModelConfigError
+from splitserve.engine.model.config import ModelConfig, ModelConfigError
+from splitserve.engine.model.loader import CheckpointError
 from tests.engine.parity import prompt_logits
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)

@@ -10,14 +10,14 @@ import random
 import torch
 
 from splitserve.common.arith import ceil_div
-from splitserve.engine.attention import AttentionMetadata, PrefillChunk
-from splitserve.engine.block_manager import BlockManager
-from splitserve.engine.kv_cache import KVCache, KVCacheSpec, context_rows
-from splitserve.engine.model_runner import ModelRunner
-from splitserve.engine.request import Request
-from splitserve.engine.sampler import Sampler
-from splitserve.engine.sampling_params import SamplingParams
-from splitserve.engine.scheduler import ScheduledRequest
+from splitserve.engine.attention.paged_attention import AttentionMetadata, PrefillChunk
+from splitserve.engine.kv_cache.block_manager import BlockManager
+from splitserve.engine.kv_cache.cache import KVCache, KVCacheSpec, context_rows
+from splitserve.engine.runner.model_runner import ModelRunner
+from splitserve.engine.sampling.params import SamplingParams
+from splitserve.engine.sampling.sampler import Sampler
+from splitserve.engine.scheduler.request import Request
+from splitserve.engine.scheduler.scheduler import ScheduledRequest
 
 BLOCK_SIZE = 4
 KV_HEADS = 2

@@ -1,5 +1,5 @@
-"""``splitserve.engine.paged_decode``: the torch reference against a naive per-request attention, and the backend
-registry.
+"""``splitserve.engine.attention.paged_decode``: the torch reference against a naive per-request attention, and the
+backend registry.
 
 The naive reference reads each request's keys straight from its block table in a Python loop, cuts them
 to its window and runs a float64 softmax; the static-shape reference must agree with it on scattered
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from splitserve.common.arith import ceil_div
-from splitserve.engine.paged_decode import REGISTRY, BackendRegistry, paged_decode_torch, select_backend
+from splitserve.engine.attention.paged_decode import REGISTRY, BackendRegistry, paged_decode_torch, select_backend
 
 KV_HEADS, HEADS, HEAD_DIM, BLOCK_SIZE, NUM_BLOCKS, MAX_BLOCKS = 2, 6, 16, 4, 40, 6
 
@@ -120,10 +120,10 @@ def test_selected_cuda_backend_matches_the_reference(dtype):
 
 
 def test_the_gpu_kernels_register_behind_the_same_interface():
-    """engine/triton_paged_decode.py's BACKENDS join the registry on first selection: on the CPU the
+    """engine/attention/triton_paged_decode.py's BACKENDS join the registry on first selection: on the CPU the
     reference is chosen, and the Triton kernel (preferred where it runs) refuses a CPU device by name."""
     pytest.importorskip("triton", reason="triton is not installed: the kernels cannot register")
-    from splitserve.engine.paged_decode import REGISTRY, select_backend
+    from splitserve.engine.attention.paged_decode import REGISTRY, select_backend
 
     assert select_backend("cpu", torch.float32).name == "torch"
     assert {"torch", "triton", "flashinfer", "flash_attn"} <= set(REGISTRY.names())

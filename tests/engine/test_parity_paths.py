@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from splitserve.engine import LLM, SamplingParams
-from splitserve.engine.linear_tuner import FORCED_SPLIT_ROWS
+from splitserve.engine.model.linear_tuner import FORCED_SPLIT_ROWS
 from tests.conftest import PACKABLE_ARCH_CONFIGS
 from tests.engine.parity import (
     assert_greedy_parity,

@@ -6,10 +6,10 @@ from collections import Counter
 import pytest
 import torch
 
-from splitserve.engine.request import Request
-from splitserve.engine.rng import keyed_uniform
-from splitserve.engine.sampler import Sampler
-from splitserve.engine.sampling_params import SamplingParams, SamplingParamsError
+from splitserve.engine.sampling.params import SamplingParams, SamplingParamsError
+from splitserve.engine.sampling.rng import keyed_uniform
+from splitserve.engine.sampling.sampler import Sampler
+from splitserve.engine.scheduler.request import Request
 
 
 def make_request(seed: int = 0, prompt=(1, 2, 3), output=(), **sampling) -> Request:

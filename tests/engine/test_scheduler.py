@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from splitserve.engine.block_manager import BlockManager
-from splitserve.engine.request import FinishReason, Request, RequestStatus
-from splitserve.engine.sampling_params import SamplingParams
-from splitserve.engine.scheduler import Scheduler, SchedulerConfig
+from splitserve.engine.kv_cache.block_manager import BlockManager
+from splitserve.engine.sampling.params import SamplingParams
+from splitserve.engine.scheduler.request import FinishReason, Request, RequestStatus
+from splitserve.engine.scheduler.scheduler import Scheduler, SchedulerConfig
 
 
 def make_scheduler(num_blocks=32, block_size=4, eos=(), **cfg) -> Scheduler:

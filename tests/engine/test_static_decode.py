@@ -23,7 +23,7 @@ import torch
 
 from splitserve.engine import LLM, SamplingParams
 from splitserve.engine.core import EngineConfig
-from splitserve.engine.static_decode import batch_buckets
+from splitserve.engine.runner.static_decode import batch_buckets
 from tests.engine.fake_graphs import FakeGraphBackend
 from tests.engine.parity import assert_no_blocks_in_use, make_prompts, torch_threads
 

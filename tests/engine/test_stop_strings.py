@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from splitserve.engine.stop_strings import StopStringMatcher
+from splitserve.engine.text.stop_strings import StopStringMatcher
 
 
 def run(matcher: StopStringMatcher, deltas: Sequence[str]) -> tuple[list[str], str | None]:

@@ -15,9 +15,9 @@ import torch
 from safetensors import safe_open
 
 from splitserve.engine import LLM, SamplingParams
-from splitserve.engine.distributed import TPGroup, bind_store
-from splitserve.engine.loader import build_model
-from splitserve.engine.model_config import ModelConfig
+from splitserve.engine.model.config import ModelConfig
+from splitserve.engine.model.loader import build_model
+from splitserve.engine.tp.distributed import TPGroup, bind_store
 from tests.engine import tp_ranks
 from tests.engine.parity import assert_greedy_parity, assert_matches, hf_greedy, make_prompts, torch_threads
 

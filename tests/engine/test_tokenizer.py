@@ -11,7 +11,7 @@ import pytest
 import tokenizers
 from tokenizers import processors
 
-from splitserve.engine.tokenizer import Tokenizer
+from splitserve.engine.text.tokenizer import Tokenizer
 from tests.engine.tokenizer_fixtures import CHAT_TEMPLATE, make_byte_level_backend, make_byte_level_tokenizer_dir
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -95,7 +95,7 @@ def test_encode_matches_transformers(tmp_path: Path, variant: str) -> None:
 
 def test_add_bos_token_disagreeing_with_post_processor_is_logged(tmp_path: Path, caplog) -> None:
     model_dir = make_variant_dir(tmp_path, "add_bos_token_ignored")
-    with caplog.at_level(logging.WARNING, logger="splitserve.engine.tokenizer"):
+    with caplog.at_level(logging.WARNING, logger="splitserve.engine.text.tokenizer"):
         tokenizer = Tokenizer.from_model_dir(model_dir)
     assert tokenizer.bos_token_id == 0
     assert tokenizer.encode("hi")[0] != 0
@@ -176,8 +176,8 @@ def test_malformed_files_name_the_file(tmp_path: Path, file_name: str, content: 
 
 def test_router_modules_do_not_import_torch() -> None:
     code = (
-        "import sys; import splitserve.engine.tokenizer, splitserve.engine.detokenizer, "
-        "splitserve.engine.stop_strings; "
+        "import sys; import splitserve.engine.text.tokenizer, splitserve.engine.text.detokenizer, "
+        "splitserve.engine.text.stop_strings; "
         "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))"
     )
     result = subprocess.run(

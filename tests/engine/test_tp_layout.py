@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from splitserve.engine.tp_layout import (
+from splitserve.engine.tp.layout import (
     HeadRange,
     check_tp_size,
     kv_head_range,

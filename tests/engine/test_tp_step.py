@@ -1,4 +1,4 @@
-"""Rank 0 drives a tensor-parallel engine (engine/tp_step.py), on CPU with gloo and real processes
+"""Rank 0 drives a tensor-parallel engine (engine/tp/step.py), on CPU with gloo and real processes
 (tests/engine/tp_ranks.py): rank 0's ``LLM.generate`` sends each step's plan, rank 1 ``follow``s it.
 
 Covered: greedy output equal to TP 1 token for token (the tiny preset, with and without chunked prefill,
@@ -18,7 +18,7 @@ import pytest
 
 from splitserve.engine import LLM, SamplingParams
 from splitserve.engine.core import EngineConfig, EngineCore
-from splitserve.engine.tp_step import PLAN_VERSION, Notice, PlanError, StepPlan, Stop, Tick, decode, encode
+from splitserve.engine.tp.step import PLAN_VERSION, Notice, PlanError, StepPlan, Stop, Tick, decode, encode
 from tests.engine import tp_ranks
 from tests.engine.parity import make_prompts, torch_threads
 from tests.engine.test_model_runner_prep import make_item, make_runner

@@ -1,4 +1,4 @@
-"""engine/triton_paged_decode.py against a naive per-request reference, on small shapes.
+"""engine/attention/triton_paged_decode.py against a naive per-request reference, on small shapes.
 
 On CPU the Triton kernel runs in Triton's interpreter (TRITON_INTERPRET=1, which tests/conftest.py sets
 before anything imports triton); with ``--device cuda`` it is compiled for the GPU. Without Triton the
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from splitserve.common.arith import ceil_div
-from splitserve.engine import triton_paged_decode
+from splitserve.engine.attention import triton_paged_decode
 
 BLOCK = 4
 HEAD_DIM = 16
@@ -29,7 +29,7 @@ def kernel(device: str):
     triton = pytest.importorskip(
         "triton", reason="the paged decode kernel needs Triton (CUDA, or its CPU interpreter); triton is not installed"
     )
-    module = importlib.import_module("splitserve.engine.triton_paged_decode")
+    module = importlib.import_module("splitserve.engine.attention.triton_paged_decode")
     if not device.startswith("cuda") and not triton.knobs.runtime.interpret:
         pytest.skip("on CPU the Triton kernel runs only in Triton's interpreter, and TRITON_INTERPRET=0 is set")
     return module

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from splitserve.engine.request import FinishReason
+from splitserve.engine.scheduler.request import FinishReason
 from splitserve.engine.wire import FINISH_FROM_PB, FINISH_TO_PB, finish_label
 from splitserve.v1 import splitserve_pb2 as pb
 

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
-from splitserve.engine.distributed import CollectiveError, TPGroup, bind_store, connect_store, timeout_delta
+from splitserve.engine.tp.distributed import CollectiveError, TPGroup, bind_store, connect_store, timeout_delta
 
 HOST = "127.0.0.1"
 GROUP_TIMEOUT_S = 5.0  # every collective (default)
@@ -160,7 +160,7 @@ def lead_or_follow(group: TPGroup, runs: list[tuple[str, list[list[int]], dict, 
     """For each (model_dir, prompts, sampling kwargs, engine options): rank 0 runs ``generate`` and closes;
     the others ``follow`` until then. Rank 0 reports tokens and blocks in use, the others steps run."""
     from splitserve.engine import SamplingParams
-    from splitserve.engine.tp_step import follow
+    from splitserve.engine.tp.step import follow
 
     out = []
     for model_dir, prompts, sampling, options in runs:
@@ -196,7 +196,7 @@ def leader_exits(group: TPGroup, model_dir: str, prompts: list[list[int]], stall
     """Rank 0 runs one ``generate`` and then exits (or, with ``stall``, stays silent past the timeout)
     without Stop; the follower's loop must fail. It reports when its last plan arrived and when it failed."""
     from splitserve.engine import SamplingParams
-    from splitserve.engine.tp_step import follow
+    from splitserve.engine.tp.step import follow
 
     engine = _plan_engine(group, model_dir, {})
     if group.rank == 0:

@@ -22,7 +22,7 @@ SPEC = {"num_layers": 4, "num_kv_heads": 2, "head_dim": 16, "num_blocks": 512, "
 
 
 def make_fingerprint(dtype: str, spec: dict, checksum: str = "weights-v1", tp: tuple[int, int] = (1, 0)):
-    from splitserve.engine.tp_layout import kv_head_range
+    from splitserve.engine.tp.layout import kv_head_range
     from splitserve.kv_transfer.descriptor import LayoutFingerprint
 
     heads = kv_head_range(spec["num_kv_heads"], *tp)
@@ -47,9 +47,9 @@ def _worker_main(
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     import torch
 
-    from splitserve.engine.block_manager import BlockManager
-    from splitserve.engine.kv_cache import KVCache, KVCacheSpec
-    from splitserve.engine.tp_layout import HeadRange
+    from splitserve.engine.kv_cache.block_manager import BlockManager
+    from splitserve.engine.kv_cache.cache import KVCache, KVCacheSpec
+    from splitserve.engine.tp.layout import HeadRange
     from splitserve.kv_transfer.receiver import KVReceiver
     from splitserve.kv_transfer.sender import KVSender, PeerAddress
     from splitserve.kv_transfer.service import GrpcConnection, serve

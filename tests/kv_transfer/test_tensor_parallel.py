@@ -11,7 +11,7 @@ import pytest
 
 from splitserve.common.arith import ceil_div
 from splitserve.common.faults import Faults
-from splitserve.engine.tp_layout import transfer_pairs
+from splitserve.engine.tp.layout import transfer_pairs
 from splitserve.kv_transfer.config import FaultPoint
 from splitserve.kv_transfer.tp import rank_transfer_id, sends_for
 from tests.kv_transfer.harness import SPEC, Worker

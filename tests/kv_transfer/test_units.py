@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from splitserve.common.arith import ceil_div
-from splitserve.engine.kv_cache import KVCache, KVCacheSpec
+from splitserve.engine.kv_cache.cache import KVCache, KVCacheSpec
 from splitserve.kv_transfer.comm import choose_backend
 from splitserve.kv_transfer.config import FaultPoint, TransferConfig
 from splitserve.kv_transfer.descriptor import (

@@ -11,7 +11,7 @@ import jinja2
 import pytest
 import transformers
 
-from splitserve.engine.tokenizer import Tokenizer
+from splitserve.engine.text.tokenizer import Tokenizer
 from splitserve.router.openai.chat_template import ChatTemplate, ChatTemplateError
 
 CONVERSATIONS = [

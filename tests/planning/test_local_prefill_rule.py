@@ -12,7 +12,7 @@ import pytest
 
 import splitserve.planning.simulator as simulator
 import splitserve.router.dispatcher as dispatcher
-from splitserve.engine.block_hash import block_hashes
+from splitserve.engine.kv_cache.block_hash import block_hashes
 from splitserve.router import policy
 from splitserve.router.config import RouterConfig
 from splitserve.router.policy import PrefillView

@@ -9,8 +9,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from splitserve.engine.sampling_params import SamplingParams
-from splitserve.engine.tokenizer import Tokenizer
+from splitserve.engine.sampling.params import SamplingParams
+from splitserve.engine.text.tokenizer import Tokenizer
 from splitserve.router.config import RouterConfig
 from splitserve.router.generate import RequestRun, WorkerLost
 from splitserve.router.metrics import RouterMetrics

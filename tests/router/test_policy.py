@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from splitserve.engine.block_hash import block_hashes
+from splitserve.engine.kv_cache.block_hash import block_hashes
 from splitserve.router.config import RouterConfig
 from splitserve.router.policy import DecodeView, PrefillView, choose_decode, choose_prefill, prefill_on_decode
 

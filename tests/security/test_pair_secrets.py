@@ -7,7 +7,7 @@ import re
 
 import torch
 
-from splitserve.engine.kv_cache import KVCache, KVCacheSpec
+from splitserve.engine.kv_cache.cache import KVCache, KVCacheSpec
 from splitserve.kv_transfer.config import TransferConfig
 from splitserve.kv_transfer.control import Welcome
 from splitserve.kv_transfer.handles import TransferState

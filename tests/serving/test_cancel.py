@@ -214,7 +214,7 @@ def test_router_view_of_prefix_cache_converges_after_evictions(slow):
 
 
 def _hashes(tokens: list[int]) -> list[int]:
-    from splitserve.engine.block_hash import block_hashes
+    from splitserve.engine.kv_cache.block_hash import block_hashes
 
     return block_hashes(tokens, 16)
 

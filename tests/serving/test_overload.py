@@ -79,7 +79,7 @@ def test_a_burst_far_above_capacity_is_refused_quickly_and_leaves_the_server_hea
 def test_a_decode_worker_refuses_leases_past_its_max_inflight(small):
     """Raw leases on the decode worker: it grants max_inflight, refuses the next one by name, and frees
     every lease when its call ends."""
-    from splitserve.engine.sampling_params import SamplingParams
+    from splitserve.engine.sampling.params import SamplingParams
     from splitserve.engine.wire import sampling_to_pb
     from splitserve.rpc import workers_pb2 as wpb
     from splitserve.rpc import workers_pb2_grpc as wpb_grpc

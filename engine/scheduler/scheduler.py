@@ -16,9 +16,9 @@ from dataclasses import dataclass
 from typing import Literal
 
 from splitserve.common.validate import check_ranges
-from splitserve.engine.block_manager import NO_HIT, BlockManager
-from splitserve.engine.request import FinishReason, Request, RequestStatus
-from splitserve.engine.sampling_params import SamplingParams
+from splitserve.engine.kv_cache.block_manager import NO_HIT, BlockManager
+from splitserve.engine.sampling.params import SamplingParams
+from splitserve.engine.scheduler.request import FinishReason, Request, RequestStatus
 
 
 @dataclass(frozen=True)

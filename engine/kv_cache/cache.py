@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
-from splitserve.engine.model_config import ModelConfig
-from splitserve.engine.tp_layout import kv_head_range
+from splitserve.engine.model.config import ModelConfig
+from splitserve.engine.tp.layout import kv_head_range
 
 
 @dataclass(frozen=True)

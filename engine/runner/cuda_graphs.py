@@ -2,7 +2,7 @@
 
 A decode step of a small model on a fast GPU is bound by the host launching ~1,500 small kernels, not
 by the GPU. A graph records those launches once and replays them with one call. What makes that
-correct is ``splitserve.engine.static_decode``: each bucket's forward reads only persistent buffers (refilled in
+correct is ``splitserve.engine.runner.static_decode``: each bucket's forward reads only persistent buffers (refilled in
 place before each replay) and the KV cache, at fixed addresses and shapes.
 
 Lifecycle::

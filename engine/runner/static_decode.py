@@ -4,7 +4,7 @@ A step where every scheduled request computes exactly one token runs at a fixed 
 smallest bucket (1, 2, 4, 8, ..., ``max_num_seqs``) that holds it, with every input in a buffer that
 lives as long as the engine and is overwritten in place each step. So the forward of one bucket always
 sees the same tensors at the same addresses and the same shapes: it can be captured once as a CUDA
-graph and replayed (``splitserve.engine.cuda_graphs``), and on any device it does no host work per layer.
+graph and replayed (``splitserve.engine.runner.cuda_graphs``), and on any device it does no host work per layer.
 
 Padding rows (bucket minus batch) decode token 0 at position 0 with context length 0; their K/V go
 to a scratch block that the block manager never hands out (the cache holds one block more than the
@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import torch
 
-from splitserve.engine.attention import StaticDecodeMetadata
-from splitserve.engine.paged_decode import PagedDecodeFn
-from splitserve.engine.scheduler import ScheduledRequest
+from splitserve.engine.attention.paged_attention import StaticDecodeMetadata
+from splitserve.engine.attention.paged_decode import PagedDecodeFn
+from splitserve.engine.scheduler.scheduler import ScheduledRequest
 
 
 def batch_buckets(max_num_seqs: int) -> tuple[int, ...]:

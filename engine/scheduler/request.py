@@ -14,8 +14,8 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from splitserve.engine.rng import random_seed
-from splitserve.engine.sampling_params import SamplingParams
+from splitserve.engine.sampling.params import SamplingParams
+from splitserve.engine.sampling.rng import random_seed
 
 
 class RequestStatus(enum.Enum):

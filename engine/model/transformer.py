@@ -6,7 +6,7 @@ not change results beyond kernel rounding: q/k/v projections are one ``Linear`` 
 (``[T]``), requests told apart by ``AttentionMetadata``, so one forward mixes prefill chunks and
 decodes. Logits are computed only for the rows that are sampled.
 
-Tensor parallelism (``splitserve.engine.tensor_parallel``): built with a ``TPGroup`` of size t, every
+Tensor parallelism (``splitserve.engine.tp.shard``): built with a ``TPGroup`` of size t, every
 layer holds rank r's shard (its heads, ``intermediate/t`` of the MLP) and ``o_proj`` and ``down_proj``
 are each followed by one in-place sum all-reduce; the embedding and the LM head stay whole. Without a
 group the model is the unsharded one and no collective runs.
@@ -20,12 +20,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from splitserve.engine.attention import AttentionMetadata, paged_attention
-from splitserve.engine.distributed import TPGroup
-from splitserve.engine.kv_cache import KVCache
-from splitserve.engine.model_config import ModelConfig
-from splitserve.engine.rope import RotaryEmbedding, apply_rotary
-from splitserve.engine.tensor_parallel import TPShard
+from splitserve.engine.attention.paged_attention import AttentionMetadata, paged_attention
+from splitserve.engine.kv_cache.cache import KVCache
+from splitserve.engine.model.config import ModelConfig
+from splitserve.engine.model.rope import RotaryEmbedding, apply_rotary
+from splitserve.engine.tp.distributed import TPGroup
+from splitserve.engine.tp.shard import TPShard
 
 
 def onednn_runs(dtype: torch.dtype, device: torch.device | str = "cpu") -> bool:
@@ -55,7 +55,7 @@ class Linear(nn.Module):
     - "split": both layouts kept, inputs of at most ``split_rows`` rows go plain, larger ones packed: for CPUs
       where ``F.linear`` wins at decode batches and oneDNN at prefill chunks (twice this layer's memory).
 
-    ``splitserve.engine.linear_tuner`` picks the path per weight shape by timing them at load.
+    ``splitserve.engine.model.linear_tuner`` picks the path per weight shape by timing them at load.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool, device: str | None = None) -> None:
@@ -213,8 +213,8 @@ class CausalLM(nn.Module):
 
     def pack_weights(self, choose: Callable[[str, torch.Tensor, bool], tuple[str, int]]) -> None:
         """Give every linear layer its kernel: ``choose(name, weight, has_bias) -> (path, split_rows)``
-        (``splitserve.engine.linear_tuner``). A tied LM head ("lm_head", over the embedding matrix, which the lookup
-        still needs in plain form) becomes a layer of its own unless its path is "plain"."""
+        (``splitserve.engine.model.linear_tuner``). A tied LM head ("lm_head", over the embedding matrix, which the
+        lookup still needs in plain form) becomes a layer of its own unless its path is "plain"."""
         for name, module in self.named_modules():
             if isinstance(module, Linear):
                 module.use(*choose(name, module.weight, module.bias is not None))

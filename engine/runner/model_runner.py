@@ -3,17 +3,17 @@
 The only engine module that touches tensors on the device besides the model itself. Two paths:
 
 - dynamic (every step can take it): decodes (one new token) go first in the flattened batch, then
-  prefill chunks, as ``splitserve.engine.attention`` expects; shapes follow the step.
+  prefill chunks, as ``splitserve.engine.attention.paged_attention`` expects; shapes follow the step.
 - static (decode-only steps, when the runner has ``StaticDecodeInputs``): the batch padded to a bucket
-  in persistent buffers (``splitserve.engine.static_decode``), attention by
-  ``splitserve.engine.paged_decode``, and on CUDA
-  a replay of the bucket's captured graph (``splitserve.engine.cuda_graphs``). A step with a prefill chunk, a
+  in persistent buffers (``splitserve.engine.runner.static_decode``), attention by
+  ``splitserve.engine.attention.paged_decode``, and on CUDA
+  a replay of the bucket's captured graph (``splitserve.engine.runner.cuda_graphs``). A step with a prefill chunk, a
   layer hook (a prefill worker streaming layer groups) or more decodes than the largest bucket takes
   the dynamic path.
 
 The dynamic path is two halves: ``plan`` turns the scheduled items into a ``StepPlan`` (host arrays, no
 tensors) and ``run_plan`` runs its forward. Rank 0 of a tensor-parallel engine whose rank 0 drives sends
-each plan to the other ranks between the two (``splitserve.engine.tp_step``); unsharded, the plan goes
+each plan to the other ranks between the two (``splitserve.engine.tp.step``); unsharded, the plan goes
 straight to ``run_plan``, with no encoding. Such an engine decodes on the dynamic path only.
 """
 
@@ -27,15 +27,15 @@ import numpy as np
 import torch
 
 from splitserve.common.arith import ceil_div
-from splitserve.engine.attention import AttentionMetadata, PrefillChunk
-from splitserve.engine.block_manager import BlockManager
-from splitserve.engine.cuda_graphs import CaptureStats, DecodeGraphs, GraphBackend
-from splitserve.engine.kv_cache import KVCache, context_rows
-from splitserve.engine.model import CausalLM
-from splitserve.engine.sampler import Sampler
-from splitserve.engine.scheduler import ScheduledRequest, SchedulerOutput
-from splitserve.engine.static_decode import StaticDecodeInputs
-from splitserve.engine.tp_step import PlanChannel, StepPlan
+from splitserve.engine.attention.paged_attention import AttentionMetadata, PrefillChunk
+from splitserve.engine.kv_cache.block_manager import BlockManager
+from splitserve.engine.kv_cache.cache import KVCache, context_rows
+from splitserve.engine.model.transformer import CausalLM
+from splitserve.engine.runner.cuda_graphs import CaptureStats, DecodeGraphs, GraphBackend
+from splitserve.engine.runner.static_decode import StaticDecodeInputs
+from splitserve.engine.sampling.sampler import Sampler
+from splitserve.engine.scheduler.scheduler import ScheduledRequest, SchedulerOutput
+from splitserve.engine.tp.step import PlanChannel, StepPlan
 
 
 class ModelRunner:
@@ -49,7 +49,7 @@ class ModelRunner:
         channel: PlanChannel | None = None,
     ) -> None:
         """``blocks`` is None on a follower rank, which only runs plans (``run_plan``); ``channel`` is rank 0's
-        of a tensor-parallel engine whose rank 0 drives (``splitserve.engine.tp_step``)."""
+        of a tensor-parallel engine whose rank 0 drives (``splitserve.engine.tp.step``)."""
         self.model = model
         self.kv_cache = kv_cache
         self.blocks = blocks
@@ -136,8 +136,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def capture_decode_graphs(self, backend: GraphBackend) -> CaptureStats:
-        """Capture the static decode forward of every bucket (see ``splitserve.engine.cuda_graphs``); later decode-only
-        steps replay them. The buffers hold padding while capturing, so the warm-ups write only scratch."""
+        """Capture the static decode forward of every bucket (see ``splitserve.engine.runner.cuda_graphs``); later
+        decode-only steps replay them. The buffers hold padding while capturing, so the warm-ups write only scratch."""
         assert self.static is not None, "CUDA graphs need the static decode path"
         cfg = self.model.config
         hidden = torch.zeros(self.static.max_batch, cfg.hidden_size, dtype=self.kv_cache.spec.dtype, device=self.device)

@@ -20,10 +20,10 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from splitserve.engine.distributed import TPGroup
-from splitserve.engine.linear_tuner import KernelPolicy, apply_kernels
-from splitserve.engine.model import CausalLM
-from splitserve.engine.model_config import ModelConfig
+from splitserve.engine.model.config import ModelConfig
+from splitserve.engine.model.linear_tuner import KernelPolicy, apply_kernels
+from splitserve.engine.model.transformer import CausalLM
+from splitserve.engine.tp.distributed import TPGroup
 
 # The names --dtype accepts (vLLM's) -> the canonical name kept in configs, status and logs.
 DTYPE_NAMES = {
@@ -275,7 +275,7 @@ def build_model(
 ) -> tuple[CausalLM, str]:
     """Construct without random init (meta device), allocate on ``device``, load; returns (model, checksum).
 
-    ``kernels`` says which kernel each linear layer runs (``splitserve.engine.linear_tuner``: timed per shape at
+    ``kernels`` says which kernel each linear layer runs (``splitserve.engine.model.linear_tuner``: timed per shape at
     ``auto``, the default); the checksum is of the weights as loaded, before any repacking. With ``tp`` (size
     > 1) the model is rank ``tp.rank``'s shard and the checksum still that of the whole checkpoint.
     """

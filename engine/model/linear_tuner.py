@@ -40,7 +40,7 @@ import torch.nn.functional as F
 
 from splitserve.common.validate import check_choice
 from splitserve.engine.hardware import describe_machine
-from splitserve.engine.model import CausalLM, Linear, can_pack, onednn_runs
+from splitserve.engine.model.transformer import CausalLM, Linear, can_pack, onednn_runs
 
 logger = logging.getLogger(__name__)
 

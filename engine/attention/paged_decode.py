@@ -17,7 +17,7 @@ The contract every backend meets (``PagedDecodeFn``)::
   block (a dummy one): they are never attended to, so they never disturb a live row.
 
 ``paged_decode_torch`` is the reference, always available. Faster backends (a Triton kernel on CUDA,
-``engine/triton_paged_decode.py``) are listed in that module's ``BACKENDS`` and registered on the first
+``engine/attention/triton_paged_decode.py``) are listed in that module's ``BACKENDS`` and registered on the first
 selection (``OPTIONAL_PRIORITIES`` ranks them), or with ``register_backend``; ``select_backend`` returns the
 preferred one available for a device and dtype.
 """
@@ -35,7 +35,7 @@ import torch.nn.functional as F
 PagedDecodeFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float, "int | None"], torch.Tensor]
 
 # Modules that register a backend when imported; absent ones are skipped.
-OPTIONAL_BACKEND_MODULES = ("splitserve.engine.triton_paged_decode",)
+OPTIONAL_BACKEND_MODULES = ("splitserve.engine.attention.triton_paged_decode",)
 # The Triton kernel is preferred over the torch reference where it runs (CUDA). FlashInfer and
 # FlashAttention rank below the reference, so they run only when named: FlashInfer's plan reads the
 # lengths on the host (a CUDA graph cannot capture it) and FlashAttention 2 needs 256-token pages.

@@ -31,7 +31,7 @@ import msgpack
 import numpy as np
 import torch
 
-from splitserve.engine.distributed import TPGroup
+from splitserve.engine.tp.distributed import TPGroup
 
 PLAN_VERSION = 1
 MAX_PLAN_BYTES = 256 << 20  # a length past this is a corrupt message, not a step
@@ -43,7 +43,7 @@ class PlanError(ValueError):
 
 @dataclass(frozen=True, eq=False)
 class StepPlan:
-    """One forward of a flattened batch (decodes first, then prefill chunks; see engine/attention.py).
+    """One forward of a flattened batch (decodes first, then prefill chunks; see engine/attention/paged_attention.py).
 
     Every array is int64. T tokens, D decodes, P prefill chunks, S sampled rows."""
 

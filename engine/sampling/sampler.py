@@ -12,8 +12,8 @@ from collections.abc import Sequence
 
 import torch
 
-from splitserve.engine.request import Request
-from splitserve.engine.rng import keyed_uniform
+from splitserve.engine.sampling.rng import keyed_uniform
+from splitserve.engine.scheduler.request import Request
 
 
 class Sampler:

@@ -10,7 +10,7 @@ import math
 
 import torch
 
-from splitserve.engine.model_config import RopeConfig
+from splitserve.engine.model.config import RopeConfig
 
 
 def inverse_frequencies(rope: RopeConfig, head_dim: int) -> tuple[torch.Tensor, float]:

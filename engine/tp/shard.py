@@ -1,6 +1,6 @@
 """What one tensor-parallel rank holds of the model, Megatron-style; torch-free.
 
-With ``t`` ranks, rank ``r`` holds (heads from ``splitserve.engine.tp_layout``):
+With ``t`` ranks, rank ``r`` holds (heads from ``splitserve.engine.tp.layout``):
 
 - column-parallel (output rows split, no communication): the fused ``qkv_proj`` rows of its query
   heads and of its KV heads (a KV head replicated on ``t/H`` ranks when ``H < t``), and the fused
@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from splitserve.engine.model_config import ModelConfig
-from splitserve.engine.tp_layout import HeadRange, check_tp_size, kv_head_range, query_head_range
+from splitserve.engine.model.config import ModelConfig
+from splitserve.engine.tp.layout import HeadRange, check_tp_size, kv_head_range, query_head_range
 
 
 @dataclass(frozen=True)

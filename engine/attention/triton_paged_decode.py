@@ -8,7 +8,8 @@ Every backend has one signature::
 Request ``b`` attends to its keys ``0 .. context_lens[b] - 1`` (only the last ``window`` of them when a
 window is given), stored at ``cache_layer[block_tables[b, t // block_size], :, :, t % block_size]``.
 Entries of a block table past a request's last block are never read. A row with context length 0
-gives zeros. ``BACKENDS`` lists ``(name, fn, is_available)`` for ``splitserve.engine.paged_decode`` to register.
+gives zeros. ``BACKENDS`` lists ``(name, fn, is_available)`` for ``splitserve.engine.attention.paged_decode`` to
+register.
 
 The Triton kernel (``paged_decode_triton``) is graph-capturable: its grid and every buffer follow from
 shapes alone, it reads lengths and block ids on the device, and nothing returns to the host. One

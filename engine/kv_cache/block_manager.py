@@ -18,7 +18,7 @@ Block states (every block is in exactly one; ``check_integrity()`` proves it)::
 
 A request's table is created by its first ``allocate`` and lives until ``free``. Full blocks become
 prefix-cache entries when ``cache_blocks`` is told their KV has been computed; a block's hash chains
-over every token before it (``splitserve.engine.block_hash``), so a hit is always a whole prefix.
+over every token before it (``splitserve.engine.kv_cache.block_hash``), so a hit is always a whole prefix.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from splitserve.common.arith import ceil_div
-from splitserve.engine.block_hash import ROOT_HASH, hash_block
+from splitserve.engine.kv_cache.block_hash import ROOT_HASH, hash_block
 
 
 class BlockIntegrityError(AssertionError):

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from splitserve.engine.tokenizer import Tokenizer
+from splitserve.engine.text.tokenizer import Tokenizer
 
 # Prompt tokens decoded as context before the first output token (vLLM uses the same number).
 NUM_PROMPT_CONTEXT_TOKENS = 5

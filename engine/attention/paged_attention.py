@@ -13,7 +13,7 @@ shared by every layer.
 
 A decode-only step may instead come with ``StaticDecodeMetadata`` (the model runner's static path):
 a padded batch of decodes whose slots, block tables and lengths are device tensors of fixed shape,
-attended by a ``splitserve.engine.paged_decode`` backend with no host work per layer.
+attended by a ``splitserve.engine.attention.paged_decode`` backend with no host work per layer.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from splitserve.engine.kv_cache import gather_context, write_kv
-from splitserve.engine.paged_decode import PagedDecodeFn
+from splitserve.engine.attention.paged_decode import PagedDecodeFn
+from splitserve.engine.kv_cache.cache import gather_context, write_kv
 
 
 @dataclass
