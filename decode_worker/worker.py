@@ -52,10 +52,14 @@ from splitserve.worker_common.messages import (
     make_event_queue,
     unknown_command,
 )
-from splitserve.worker_common.rank_link import Ranks
-from splitserve.worker_common.tp_kv import TPReceiver
+from splitserve.worker_common.tp.kv import TPReceiver
+from splitserve.worker_common.tp.rank_link import Ranks
 
 log = logging.getLogger("splitserve.decode")
+
+# Decode calls open at once beyond the leases held (max_inflight): lease asks being refused (at capacity,
+# no blocks, draining), each answered at once, as the router tries the next worker. 16 leaves room to spare.
+REFUSED_LEASE_CALLS = 16
 
 
 @dataclass(eq=False)
@@ -94,7 +98,7 @@ class DecodeWorker(WorkerBase):
         return self.receiver.incarnation
 
     def max_request_calls(self) -> int:
-        return self.config.max_inflight + 16  # leases held, and lease asks being refused
+        return self.config.max_inflight + REFUSED_LEASE_CALLS
 
     def add_services(self, server: grpc.Server) -> None:
         wpb_grpc.add_DecodeWorkerServicer_to_server(_Servicer(self), server)
@@ -106,6 +110,9 @@ class DecodeWorker(WorkerBase):
 
     def kv_pairs(self) -> int:
         return self.receiver.num_pairs()
+
+    def kv_transfers(self) -> int:
+        return self.receiver.num_transfers()
 
     # ---- leases, from handler threads -----------------------------------------------------------
 

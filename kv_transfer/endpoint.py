@@ -8,7 +8,7 @@ import time
 
 from splitserve.common.faults import NO_FAULTS, FaultHooks
 from splitserve.kv_transfer.config import Role, TransferConfig
-from splitserve.kv_transfer.handles import TransferHandle, TransferState
+from splitserve.kv_transfer.handles import TransferHandle
 
 log = logging.getLogger("splitserve.kv_transfer")
 
@@ -63,5 +63,5 @@ class Endpoint:
             for handle in list(self._transfers.values()):
                 if not handle.terminal and now > handle.deadline:
                     message = f"transfer deadline of {handle.deadline - handle.created:.1f}s passed"
-                    if handle._end(TransferState.FAILED, message):
+                    if handle.fail(message):
                         self._on_deadline(handle, message)

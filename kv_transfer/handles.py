@@ -8,9 +8,12 @@ States::
                    ▼
           FAILED (error says why) | CANCELLED
 
-Terminal states never change again. The handle's lock is held by whoever writes into the KV cache on
-its behalf, so once ``cancel``/``fail`` returns, nothing touches the request's blocks any more and the
-owner may free them.
+Terminal states never change again. The handle changes state only through its own methods: ``start``
+(the first payload), then one of ``complete``, ``fail`` and ``cancel``; each checks the move against
+``_NEXT`` and returns False, changing nothing, where the move is not one (a later payload, or an end
+that lost a race with another end). The handle's lock is held by whoever writes into the KV cache on its
+behalf, so once ``cancel``/``fail`` returns, nothing touches the request's blocks any more and the owner
+may free them.
 """
 
 from __future__ import annotations
@@ -30,6 +33,17 @@ class TransferState(enum.Enum):
     @property
     def terminal(self) -> bool:
         return self in (TransferState.DONE, TransferState.FAILED, TransferState.CANCELLED)
+
+
+# Where each state may go; any other move is refused (``_move``). WAITING may end at once: a transfer
+# refused, cancelled or past its deadline before anything moved, or a hand-off whose parts all ended.
+_NEXT: dict[TransferState, frozenset[TransferState]] = {
+    TransferState.WAITING: frozenset(TransferState) - {TransferState.WAITING},
+    TransferState.TRANSFERRING: frozenset(s for s in TransferState if s.terminal),
+    TransferState.DONE: frozenset(),
+    TransferState.FAILED: frozenset(),
+    TransferState.CANCELLED: frozenset(),
+}
 
 
 class TransferHandle:
@@ -81,24 +95,50 @@ class TransferHandle:
             return None
         return self.finished_at - self.started_at
 
-    def _start(self) -> None:
+    def start(self) -> bool:
+        """The first payload was posted (sender) or landed (receiver): WAITING to TRANSFERRING, noting when.
+        False, and no change, in any other state (every later payload calls it too)."""
         with self.lock:
-            if self._state is TransferState.WAITING:
-                self._state = TransferState.TRANSFERRING
-                self.started_at = time.monotonic()
-
-    def _end(self, state: TransferState, error: str = "") -> bool:
-        """Move to a terminal state; False (and no change) if it already is terminal."""
-        assert state.terminal
-        with self.lock:
-            if self._state.terminal:
+            if not self._move(TransferState.TRANSFERRING):
                 return False
-            self._state, self._error = state, error
+            self.started_at = time.monotonic()
+        return True
+
+    def complete(self) -> bool:
+        """Every byte landed (receiver) or was acknowledged (sender): DONE. False if already terminal.
+        (Not ``finish``: ``KVSender.finish`` means every layer is computed, and ``SendHandle.finished`` says so.)"""
+        return self._settle(TransferState.DONE)
+
+    def fail(self, error: str) -> bool:
+        """FAILED, ``error`` saying why. False (and the first end kept) if already terminal."""
+        return self._settle(TransferState.FAILED, error)
+
+    def cancel(self, reason: str) -> bool:
+        """CANCELLED, ``reason`` saying by whom. False (and the first end kept) if already terminal."""
+        return self._settle(TransferState.CANCELLED, reason)
+
+    def _settle(self, state: TransferState, error: str = "") -> bool:
+        """Move to terminal ``state`` and run the ``on_terminal`` callbacks; False (and no change) if the
+        handle is terminal already. For ``complete``/``fail``/``cancel``, and for subclasses whose end is
+        reported as a state (a part another rank moved, a hand-off ending as its first failed part)."""
+        if not state.terminal:
+            raise ValueError(f"state: {state.value!r} is not a terminal state; start() moves to transferring")
+        with self.lock:
+            if not self._move(state):
+                return False
+            self._error = error
             self.finished_at = time.monotonic()
             self._terminal.set()
             callbacks, self._callbacks = self._callbacks, []
         for callback in callbacks:
             callback(self)
+        return True
+
+    def _move(self, state: TransferState) -> bool:
+        """The one place ``_state`` changes (caller holds the lock): to ``state`` if ``_NEXT`` allows it."""
+        if state not in _NEXT[self._state]:
+            return False
+        self._state = state
         return True
 
     def __repr__(self) -> str:

@@ -64,7 +64,7 @@ from splitserve.kv_transfer.descriptor import (
 )
 from splitserve.kv_transfer.endpoint import Endpoint
 from splitserve.kv_transfer.handles import TransferHandle, TransferState
-from splitserve.kv_transfer.heads import check_cache_heads, scatter_heads
+from splitserve.kv_transfer.tp.heads import check_cache_heads, scatter_heads
 
 log = logging.getLogger("splitserve.kv_transfer")
 
@@ -143,7 +143,7 @@ class KVReceiver(Endpoint):
     def cancel(self, transfer_id: str, reason: str = "cancelled by the receiver") -> None:
         """End a transfer; once this returns nothing writes into its blocks. Tells the sender to stop."""
         handle = self._transfers.get(transfer_id)
-        if handle is not None and handle._end(TransferState.CANCELLED, reason):
+        if handle is not None and handle.cancel(reason):
             self._notify(handle, AckStatus.CANCELLED, reason)
 
     def release(self, transfer_id: str) -> None:
@@ -246,7 +246,7 @@ class KVReceiver(Endpoint):
             return
         if handle.pairs and pair not in handle.pairs and pair.hello.fingerprint.tp_size == 1:
             return
-        if handle._end(TransferState.FAILED, f"sender gave up: {message.reason}"):
+        if handle.fail(f"sender gave up: {message.reason}"):
             self._notify(handle, AckStatus.FAILED, f"another sending rank gave up: {message.reason}", skip=pair)
 
     # ---- the lane: receives in FIFO order, then scatters ---------------------------------------
@@ -310,10 +310,10 @@ class KVReceiver(Endpoint):
             except DescriptorError as e:  # names the field
                 problem = str(e)
             if problem:
-                handle._end(TransferState.FAILED, f"refused: {problem}")
+                handle.fail(f"refused: {problem}")
                 pair.send(Ack(desc.transfer_id, desc.seq, AckStatus.REFUSED, problem))
                 return
-            handle._start()
+            handle.start()
             h0, h1 = self._local_heads(desc)
             dest = handle.dest[desc.block_start : desc.block_end]
             layers = range(desc.layer_start, desc.layer_end)
@@ -327,7 +327,7 @@ class KVReceiver(Endpoint):
             if handle.units_landed == len(handle.landed):
                 if self.cache.device.type == "cuda":
                     torch.cuda.current_stream(self.cache.device).synchronize()
-                handle._end(TransferState.DONE)
+                handle.complete()
                 pair.send(Ack(desc.transfer_id, desc.seq, AckStatus.DONE))
                 self._notify(handle, AckStatus.DONE, "", skip=pair)  # the other sending ranks
 
@@ -435,7 +435,7 @@ class KVReceiver(Endpoint):
         for transfer_id in list(pair.transfers):
             handle = self._transfers.get(transfer_id)
             message = f"pair with {pair.hello.sender_id} broke: {reason}"
-            if handle is not None and handle._end(TransferState.FAILED, message):
+            if handle is not None and handle.fail(message):
                 self._notify(handle, AckStatus.FAILED, message, skip=pair)  # the other sending ranks
         pair.queue.put(None)
         if end_stream:

@@ -8,7 +8,7 @@ the next message is already being gathered. The handle turns DONE when the recei
 that every layer landed; only then (or on failure) may the owner release the blocks.
 
 Tensor parallelism: a sender is one rank. ``start(..., heads=)`` sends only those of the model's KV heads
-(the overlap of this rank's and the destination rank's ranges, as ``splitserve.kv_transfer.tp.sends_for``
+(the overlap of this rank's and the destination rank's ranges, as ``splitserve.kv_transfer.tp.parts.sends_for``
 lists them); by default every head this rank holds. Each descriptor names the heads it carries.
 """
 
@@ -56,8 +56,8 @@ from splitserve.kv_transfer.descriptor import (
     encode_descriptor,
 )
 from splitserve.kv_transfer.endpoint import Endpoint
-from splitserve.kv_transfer.handles import TransferHandle, TransferState
-from splitserve.kv_transfer.heads import check_cache_heads, gather_heads
+from splitserve.kv_transfer.handles import TransferHandle
+from splitserve.kv_transfer.tp.heads import check_cache_heads, gather_heads
 
 log = logging.getLogger("splitserve.kv_transfer")
 
@@ -215,7 +215,7 @@ class KVSender(Endpoint):
         """Stop a transfer: nothing more is sent for it (a payload already posted completes) and the
         receiver is told."""
         handle = self._transfers.get(transfer_id)
-        if handle is not None and handle._end(TransferState.CANCELLED, reason):
+        if handle is not None and handle.cancel(reason):
             self._tell_receiver(handle, reason)
 
     def release(self, transfer_id: str) -> None:
@@ -376,7 +376,7 @@ class KVSender(Endpoint):
         )
         pair.next_seq += 1
         handle.messages_moved += 1  # only this pair's lane thread posts for the handle
-        handle._start()
+        handle.start()
         handle.nbytes += desc.nbytes
         pair.conn.send(DescriptorBytes(encode_descriptor(desc)))
         return pair.comm.isend(data.reshape(-1).view(torch.uint8))
@@ -395,11 +395,11 @@ class KVSender(Endpoint):
             if handle is None:
                 continue
             if ack.status is AckStatus.DONE:
-                handle._end(TransferState.DONE)
+                handle.complete()
             elif ack.status is AckStatus.CANCELLED:
-                handle._end(TransferState.CANCELLED, ack.error or "cancelled by the receiver")
+                handle.cancel(ack.error or "cancelled by the receiver")
             elif ack.status in (AckStatus.REFUSED, AckStatus.FAILED):
-                handle._end(TransferState.FAILED, f"receiver: {ack.error}")
+                handle.fail(f"receiver: {ack.error}")
 
     def _break(self, pair: _SenderPair, reason: str) -> None:
         with self._lock:
@@ -416,7 +416,7 @@ class KVSender(Endpoint):
         for transfer_id in list(pair.transfers):
             handle = self._transfers.get(transfer_id)
             if handle is not None:
-                handle._end(TransferState.FAILED, f"pair with {pair.peer.receiver_id} broke: {reason}")
+                handle.fail(f"pair with {pair.peer.receiver_id} broke: {reason}")
         pair.queue.put(None)
 
     def _tell_receiver(self, handle: SendHandle, reason: str) -> None:

@@ -32,17 +32,25 @@ from splitserve.kv_transfer.descriptor import Commit
 from splitserve.kv_transfer.handles import TransferHandle, TransferState
 from splitserve.kv_transfer.sender import KVSender
 from splitserve.kv_transfer.service import GrpcConnection
-from splitserve.prefill_worker.cache_events import CacheEventFeed
-from splitserve.prefill_worker.jobs import PrefillJob, add_job, check_room, finish_job, job_from_pb, mark_scheduled
-from splitserve.prefill_worker.service import PrefillServicer
 from splitserve.rpc import workers_pb2 as wpb
 from splitserve.rpc import workers_pb2_grpc as wpb_grpc
 from splitserve.worker_common.base import WorkerBase
 from splitserve.worker_common.batch import Batch
 from splitserve.worker_common.config import WorkerConfig
 from splitserve.worker_common.messages import Add, Cancel, Command, Drain, Emit, End, Event, Fail, unknown_command
-from splitserve.worker_common.rank_link import Ranks
-from splitserve.worker_common.tp_kv import TPSender
+from splitserve.worker_common.prefill_edge.cache_events import CacheEventFeed
+from splitserve.worker_common.prefill_edge.jobs import (
+    REQUEST_CALLS_FACTOR,
+    PrefillJob,
+    add_job,
+    check_room,
+    finish_job,
+    job_from_pb,
+    mark_scheduled,
+)
+from splitserve.worker_common.prefill_edge.service import PrefillServicer
+from splitserve.worker_common.tp.kv import TPSender
+from splitserve.worker_common.tp.rank_link import Ranks
 
 log = logging.getLogger("splitserve.prefill")
 
@@ -80,6 +88,9 @@ class PrefillWorker(WorkerBase):
     def kv_pairs(self) -> int:
         return self.sender.num_pairs()
 
+    def kv_transfers(self) -> int:
+        return self.sender.num_transfers()
+
     # ---- requests from handler threads ----------------------------------------------------------
 
     def accept(self, message: wpb.PrefillRequest) -> PrefillJob:
@@ -95,7 +106,7 @@ class PrefillWorker(WorkerBase):
 
     def max_request_calls(self) -> int:
         # Twice max_inflight before the first token, and as many again whose KV is still moving.
-        return 4 * self.config.max_inflight
+        return REQUEST_CALLS_FACTOR * self.config.max_inflight
 
     def credited(self) -> int:
         """Requests that count against ``max_inflight``: those before their first token. The router

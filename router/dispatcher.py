@@ -26,6 +26,11 @@ from splitserve.rpc.status import from_status
 
 log = logging.getLogger("splitserve.router")
 
+# Every decode worker refused the lease (or none is in the pool): how long to wait before asking them all
+# again, until the lease deadline. Short, since blocks free as requests finish; long enough that a full
+# pool is not asked in a tight loop on the router's event loop.
+LEASE_RETRY_S = 0.02
+
 
 @dataclass(eq=False)
 class Ticket:
@@ -154,7 +159,7 @@ class Dispatcher:
                         "UNAVAILABLE", f"no decode worker had room for {needed} KV blocks within lease_timeout_s"
                     )
                 refused.clear()
-                await asyncio.sleep(0.02)
+                await asyncio.sleep(LEASE_RETRY_S)
                 continue
             worker = next(d for d in self.pool.decode if d.view is view)
             # Counted from the moment it is asked, so that concurrent requests spread over the workers

@@ -20,6 +20,8 @@ from splitserve.v1 import splitserve_pb2 as pb
 
 log = logging.getLogger("splitserve.router")
 
+REGISTER_POLL_S = 0.05  # how often wait_for looks at the pool while workers register (start-up, scaling)
+
 
 def _left_the_pool() -> grpc.aio.AioRpcError:
     return grpc.aio.AioRpcError(
@@ -169,7 +171,7 @@ class WorkerPool:
         while sum(w.healthy for w in self.prefill) < prefill or sum(w.healthy for w in self.decode) < decode:
             if asyncio.get_running_loop().time() > deadline:
                 raise TimeoutError(f"{prefill} prefill and {decode} decode workers did not register in {timeout_s}s")
-            await asyncio.sleep(0.05)
+            await asyncio.sleep(REGISTER_POLL_S)
 
     def lost(self, handle: WorkerHandle) -> None:
         """A call to this worker failed at the transport: route around it until a poll succeeds."""

@@ -361,7 +361,7 @@ def measure_sizes(sizes: list[int], repeats: int, config) -> list[dict]:
 def measure_tp(sizes: list[int], repeats: int, config, sender_tp: int, receiver_tp: int, one_to_one: list[dict]):
     """The same transfers between a TP-``sender_tp`` and a TP-``receiver_tp`` worker, one process per rank."""
     from splitserve.engine.tp.layout import transfer_pairs
-    from splitserve.kv_transfer.tp import rank_transfer_id, sends_for
+    from splitserve.kv_transfer.tp.parts import rank_transfer_id, sends_for
 
     bs, heads = PRESET_SPEC["block_size"], PRESET_SPEC["num_kv_heads"]
     num_blocks = 2 * ceil_div(max(sizes), bs) + 64

@@ -130,11 +130,10 @@ class WorkerActor:
         """Every rank's pid and the KV transfer parts it holds (rank 0: its own endpoint's, and its KV
         blocks in use), rank 0 first: a tensor-parallel worker at rest holds none on any rank."""
         worker = self.worker
-        endpoint = getattr(worker, "receiver", None) or getattr(getattr(worker, "sender", None), "sender", None)
         rank0 = {
             "rank": 0,
             "pid": os.getpid(),
-            "parts": endpoint.num_transfers() if endpoint is not None else 0,
+            "parts": worker.kv_transfers(),
             "blocks_in_use": worker.kv_figures()[1],
         }
         return [rank0, *(self.followers.status() if self.followers else [])]

@@ -20,8 +20,8 @@ from collections.abc import Sequence
 
 from splitserve.engine.tp.distributed import TPGroup, bind_store, connect_store
 from splitserve.worker_common.config import WorkerConfig
-from splitserve.worker_common.follower import Follower
-from splitserve.worker_common.rank_link import RankInfo, Ranks
+from splitserve.worker_common.tp.follower import Follower
+from splitserve.worker_common.tp.rank_link import RankInfo, Ranks
 
 # Ranks start seconds apart (a Ray worker process, torch to import, on busy cores): they meet at the store
 # within this, before the group's own short timeout applies; loading a shard is bounded by it too.

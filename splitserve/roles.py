@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from types import MappingProxyType
 
+from splitserve.colocated_worker.worker import ColocatedWorker
 from splitserve.decode_worker.worker import DecodeWorker
-from splitserve.prefill_worker.colocated import ColocatedWorker
 from splitserve.prefill_worker.worker import PrefillWorker
 from splitserve.worker_common.base import WorkerBase
 

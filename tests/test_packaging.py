@@ -71,6 +71,9 @@ def test_the_wheel_installs_nothing_outside_splitserve(wheel):
         "splitserve/engine/core.py",
         "splitserve/router/openai/server.py",
         "splitserve/prefill_worker/__main__.py",
+        "splitserve/colocated_worker/worker.py",
+        "splitserve/worker_common/prefill_edge/service.py",
+        "splitserve/kv_transfer/tp/handoff.py",
         "splitserve/bench/data/mooncake_sample.jsonl",
     ):
         assert expected in names
@@ -87,10 +90,11 @@ def test_an_installed_copy_imports_as_splitserve_only(wheel, tmp_path):
         "import importlib, importlib.util, sys\n"
         "for name in ('splitserve.router.server', 'splitserve.engine.core', 'splitserve.kv_transfer.sender',\n"
         "             'splitserve.worker_common.base', 'splitserve.prefill_worker.worker',\n"
-        "             'splitserve.decode_worker.worker', 'splitserve.roles'):\n"
+        "             'splitserve.decode_worker.worker', 'splitserve.colocated_worker.worker', 'splitserve.roles'):\n"
         "    module = importlib.import_module(name)\n"
         "    assert module.__file__.startswith(sys.argv[1]), (name, module.__file__)\n"
-        "for generic in ('engine', 'router', 'kv_transfer', 'worker_common', 'prefill_worker', 'decode_worker'):\n"
+        "for generic in ('engine', 'router', 'kv_transfer', 'worker_common', 'prefill_worker', 'decode_worker',\n"
+        "                'colocated_worker'):\n"
         "    assert importlib.util.find_spec(generic) is None, generic\n"
         "print('imported')\n"
     )

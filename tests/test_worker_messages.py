@@ -8,16 +8,16 @@ import queue
 import grpc
 import pytest
 
+from splitserve.colocated_worker.worker import ColocatedWorker
 from splitserve.common.errors import ServingError
 from splitserve.decode_worker.worker import DecodeWorker, _coalesce
 from splitserve.engine.sampling.params import SamplingParams
 from splitserve.engine.scheduler.request import Request
-from splitserve.prefill_worker.colocated import ColocatedWorker
-from splitserve.prefill_worker.jobs import PrefillJob
 from splitserve.prefill_worker.worker import PrefillWorker
 from splitserve.rpc import workers_pb2 as wpb
 from splitserve.worker_common.base import stream_events
 from splitserve.worker_common.messages import Add, Admit, Cancel, Drain, Emit, End, Fail, make_event_queue
+from splitserve.worker_common.prefill_edge.jobs import PrefillJob
 
 WORKERS = [PrefillWorker, ColocatedWorker, DecodeWorker]
 

@@ -45,16 +45,27 @@ from splitserve.worker_common.config import WorkerConfig
 from splitserve.worker_common.layout import layout_fingerprint
 from splitserve.worker_common.messages import Command, Drain, Emit, End, Event, Fail, unknown_event
 from splitserve.worker_common.metrics import WorkerMetrics
-from splitserve.worker_common.rank_link import GROUP_FAILED_EXIT, Ranks
 from splitserve.worker_common.registration import Registration
+from splitserve.worker_common.tp.rank_link import GROUP_FAILED_EXIT, Ranks
 
 log = logging.getLogger("splitserve.worker")
+
+# Handler threads beyond the request calls and the KV pairs' streams: the router's Status polls and its
+# CacheEvents stream, a few at a time whatever the load; 16 leaves room to spare.
+SPARE_RPC_THREADS = 16
+# How long the idle loop sleeps. submit(), wake() and stop() end the sleep at once, so this only bounds
+# how late an idle loop steps anyway: a tensor-parallel rank 0's keep-alive tick (due every quarter of the
+# group's timeout, seconds) and anything that changed without a wake. 50 ms costs nothing while idle.
+IDLE_WAIT_S = 0.05
+# How long stop() waits for the loop thread, which ends after the step in progress. Past it, stop() goes on
+# without it (a tensor-parallel worker then cannot stop its other ranks, which fail by themselves).
+LOOP_JOIN_S = 5.0
 
 
 class WorkerBase:
     def __init__(self, config: WorkerConfig, ranks: Ranks | None = None) -> None:
         """``ranks``: this process is rank 0 of a tensor-parallel worker (``engine.tensor_parallel_size`` > 1)
-        whose other ranks have joined the group and run ``splitserve.worker_common.follower``."""
+        whose other ranks have joined the group and run ``splitserve.worker_common.tp.follower``."""
         self.config = config
         if config.cpus is not None:  # before the engine: its torch threads start on these cores
             pin(config.cpus)
@@ -93,7 +104,7 @@ class WorkerBase:
         # Every open call holds a handler thread. The pool is sized for the most calls this worker
         # admits, and calls past it are refused at once (RESOURCE_EXHAUSTED) instead of queueing
         # without a deadline behind busy threads.
-        threads = self.max_request_calls() + cfg.transfer.max_pairs + 16  # + status, cache events, pairs
+        threads = self.max_request_calls() + cfg.transfer.max_pairs + SPARE_RPC_THREADS
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix=f"{cfg.role}-rpc"),
             options=SERVER_OPTIONS,
@@ -141,7 +152,7 @@ class WorkerBase:
         if self._server is not None:
             self._server.stop(grace_s).wait(grace_s + 1)
         if self._thread is not None:
-            self._thread.join(5)
+            self._thread.join(LOOP_JOIN_S)
         if self.ranks is not None:
             if not (self._thread is not None and self._thread.is_alive()):
                 try:  # the loop has ended: this thread may use the plan channel now
@@ -200,7 +211,7 @@ class WorkerBase:
                 self.fail_all(f"internal error in the {self.config.role} worker: {type(e).__name__}: {e}")
                 busy = False
             if not busy:
-                self._wake.wait(0.05)
+                self._wake.wait(IDLE_WAIT_S)
                 self._wake.clear()
 
     def _keep_alive(self) -> None:
@@ -235,6 +246,12 @@ class WorkerBase:
 
     def kv_pairs(self) -> int:
         """Open KV-transfer pair groups (metrics)."""
+        return 0
+
+    def kv_transfers(self) -> int:
+        """KV transfers registered at this process's own endpoint, live or ended but not released (with
+        tensor parallelism: rank 0's parts, not the hand-offs; each follower counts its own). A worker at
+        rest holds none."""
         return 0
 
     # ---- shared helpers -------------------------------------------------------------------------

@@ -21,6 +21,13 @@ from splitserve.rpc.security import InternalSecurity
 
 log = logging.getLogger("splitserve.worker")
 
+# Re-registering after the call broke (the router restarting): the first retry soon, then doubling up to a
+# cap, so that a router back within seconds sees its workers at once and a router gone for long is not
+# dialled in a tight loop.
+RETRY_FIRST_S = 0.1
+RETRY_MAX_S = 2.0
+STOP_JOIN_S = 5.0  # how long stop() waits for the registration thread once its call is cancelled
+
 
 class Registration:
     def __init__(
@@ -44,10 +51,10 @@ class Registration:
         self._stopped.set()
         if self._call is not None:
             self._call.cancel()
-        self._thread.join(5)
+        self._thread.join(STOP_JOIN_S)
 
     def _run(self) -> None:
-        backoff = 0.1
+        backoff = RETRY_FIRST_S
         with self.security.channel(self.router_address, CLIENT_OPTIONS) as channel:
             stub = wpb_grpc.RegistryStub(channel)
             while not self._stopped.is_set():
@@ -56,7 +63,7 @@ class Registration:
                     for command in self._call:
                         if command.kind == wpb.RegistryCommand.ACCEPTED:
                             self.registered.set()
-                            backoff = 0.1
+                            backoff = RETRY_FIRST_S
                         elif command.kind == wpb.RegistryCommand.DRAIN:
                             log.info("the router asked this worker to drain")
                             self._on_drain()
@@ -65,4 +72,4 @@ class Registration:
                         log.warning("registration with %s ended: %s", self.router_address, e.code().name)
                 self.registered.clear()
                 self._stopped.wait(backoff)
-                backoff = min(2 * backoff, 2.0)
+                backoff = min(2 * backoff, RETRY_MAX_S)

@@ -65,10 +65,18 @@ class KVCache:
         """One layer's cache: ``[num_blocks, 2, kv_heads, block_size, head_dim]``."""
         return self.tensor[layer]
 
-    def _rows(self, block_ids: torch.Tensor, layers: range) -> torch.Tensor:
-        """Row indices of (layer, block) pairs in the cache viewed as ``[layers * blocks, block bytes]``."""
+    def row_index(self, block_ids: torch.Tensor, layers: range) -> torch.Tensor:
+        """The row of each (layer, block) pair in ``rows()``, layer-major (the order ``gather_blocks`` packs
+        them in): ``[len(layers) * len(block_ids)]``, on the cache's device."""
         layer_ids = torch.arange(layers.start, layers.stop, device=self.device)
         return (layer_ids[:, None] * self.spec.num_blocks + block_ids.to(self.device)[None, :]).reshape(-1)
+
+    def rows(self) -> torch.Tensor:
+        """The cache with one row per (layer, block): ``[num_layers * num_blocks, 2, kv_heads, block_size,
+        head_dim]``, a view (a write lands in the cache). What moves only some of a block's heads selects
+        rows with ``row_index`` and slices dimension 2 (``splitserve.kv_transfer.tp.heads``)."""
+        spec = self.spec
+        return self.tensor.view(-1, 2, spec.num_kv_heads, spec.block_size, spec.head_dim)
 
     def gather_blocks(
         self, block_ids: torch.Tensor, layers: range | None = None, out: torch.Tensor | None = None
@@ -80,7 +88,7 @@ class KVCache:
         elements) avoids page-faulting fresh memory, which costs more than the copy for large sets.
         """
         layers = layers or range(self.spec.num_layers)
-        rows = self._rows(block_ids, layers)
+        rows = self.row_index(block_ids, layers)
         flat = self.tensor.view(-1, self._row_elems)
         shape = (len(layers), len(block_ids), *self.spec.shape[2:])
         if out is None:
@@ -92,7 +100,7 @@ class KVCache:
     def scatter_blocks(self, block_ids: torch.Tensor, data: torch.Tensor, layers: range | None = None) -> None:
         """Write ``data`` (shaped as ``gather_blocks`` returns it) into the given blocks."""
         layers = layers or range(self.spec.num_layers)
-        rows = self._rows(block_ids, layers)
+        rows = self.row_index(block_ids, layers)
         self.tensor.view(-1, self._row_elems).index_copy_(0, rows, data.reshape(rows.numel(), self._row_elems))
 
     @property

@@ -13,7 +13,7 @@ from splitserve.common.arith import ceil_div
 from splitserve.common.faults import Faults
 from splitserve.engine.tp.layout import transfer_pairs
 from splitserve.kv_transfer.config import FaultPoint
-from splitserve.kv_transfer.tp import rank_transfer_id, sends_for
+from splitserve.kv_transfer.tp.parts import rank_transfer_id, sends_for
 from tests.kv_transfer.harness import SPEC, Worker
 from tests.kv_transfer.test_processes import assert_no_blocks_held, commit_for, make_config, wait_until
 

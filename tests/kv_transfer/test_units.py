@@ -368,7 +368,7 @@ def test_descriptor_heads_round_trip_and_are_decoded_strictly():
 
 
 def test_sends_and_part_ids_follow_transfer_pairs():
-    from splitserve.kv_transfer.tp import rank_transfer_id, sends_for
+    from splitserve.kv_transfer.tp.parts import rank_transfer_id, sends_for
 
     assert rank_transfer_id("r", 0, 1) == "r"  # TP 1: the request's own id, as before
     assert [rank_transfer_id("r", i, 2) for i in range(2)] == ["r@kv0", "r@kv1"]
@@ -384,8 +384,21 @@ def test_sends_and_part_ids_follow_transfer_pairs():
     assert [(p.receiver_rank, p.heads.start) for p in sends_for(2, 1, 0, 4)] == [(0, 0), (1, 0), (2, 1), (3, 1)]
 
 
+def test_cache_rows_are_the_layer_block_pairs_gather_blocks_packs():
+    """What packing part of the heads reads of the cache: ``row_index`` in ``rows()``, a view of the cache."""
+    cache = KVCache(KVCacheSpec(LAYERS, 2, HEAD_DIM, 8, BLOCK, torch.float32), "cpu")
+    cache.tensor.copy_(torch.randn(cache.tensor.shape))
+    ids, layers = torch.tensor([6, 1, 4]), range(1, 3)
+    index = cache.row_index(ids, layers)
+    assert index.tolist() == [layer * 8 + block for layer in layers for block in ids.tolist()]
+    picked = cache.rows().index_select(0, index)
+    assert torch.equal(picked.view(len(layers), len(ids), *picked.shape[1:]), cache.gather_blocks(ids, layers))
+    cache.rows()[index[0], 1, 0] = 7.0  # layer 1, block 6, V, head 0
+    assert bool((cache.tensor[1, 6, 1, 0] == 7.0).all()), "rows() is a view: a write lands in the cache"
+
+
 def test_gather_and_scatter_of_part_of_the_heads():
-    from splitserve.kv_transfer.heads import gather_heads, scatter_heads
+    from splitserve.kv_transfer.tp.heads import gather_heads, scatter_heads
 
     full = KVCache(KVCacheSpec(LAYERS, 2, HEAD_DIM, 8, BLOCK, torch.float32), "cpu")
     full.tensor.copy_(torch.randn(full.tensor.shape))

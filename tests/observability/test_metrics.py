@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from splitserve.kv_transfer.handles import TransferHandle, TransferState
+from splitserve.kv_transfer.handles import TransferHandle
 from splitserve.observability.exporter import MetricsServer
 from splitserve.router.metrics import RequestSummary, RouterMetrics
 from splitserve.v1 import splitserve_pb2 as pb
@@ -146,11 +146,11 @@ def test_worker_metrics_carry_its_id_and_read_its_state():
     metrics.step("decode", 0.01, 2, 2)
     metrics.prefix_cache(30, 16)
     done = TransferHandle("t1", (1, 2), 5.0)
-    done._start()
+    done.start()
     done.nbytes = 8192
-    done._end(TransferState.DONE)
+    done.complete()
     failed = TransferHandle("t2", (3,), 5.0)
-    failed._end(TransferState.FAILED, "pair broke")
+    failed.fail("pair broke")
     metrics.transfer_ended("received", done)
     metrics.transfer_ended("received", failed)
     s = Scrape.registry(metrics.registry)

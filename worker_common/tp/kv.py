@@ -18,10 +18,10 @@ from splitserve.kv_transfer.descriptor import Commit
 from splitserve.kv_transfer.handles import TransferHandle
 from splitserve.kv_transfer.receiver import KVReceiver
 from splitserve.kv_transfer.sender import KVSender, PeerAddress, SendHandle
-from splitserve.kv_transfer.tp import rank_transfer_id, sends_for
-from splitserve.worker_common import rank_notices
-from splitserve.worker_common.handoff import Handoff, RemotePart
-from splitserve.worker_common.rank_link import FollowerLink, Ranks
+from splitserve.kv_transfer.tp.handoff import Handoff, RemotePart
+from splitserve.kv_transfer.tp.parts import rank_transfer_id, sends_for
+from splitserve.worker_common.tp import rank_notices
+from splitserve.worker_common.tp.rank_link import FollowerLink, Ranks
 
 
 class TPSender:
@@ -107,6 +107,10 @@ class TPSender:
 
     def num_pairs(self) -> int:
         return self.sender.num_pairs()
+
+    def num_transfers(self) -> int:
+        """Transfers registered at rank 0's own endpoint (its parts, or plain transfers), not the hand-offs."""
+        return self.sender.num_transfers()
 
     def close(self) -> None:
         self.sender.close()

@@ -32,9 +32,8 @@ def gather_heads(
     spec = cache.spec
     if (h0, h1) == (0, spec.num_kv_heads):
         return cache.gather_blocks(block_ids, layers, out=out)
-    rows = cache._rows(block_ids, layers)
-    flat = cache.tensor.view(-1, 2, spec.num_kv_heads, spec.block_size, spec.head_dim)
-    part = flat.index_select(0, rows)[:, :, h0:h1]  # [rows, 2, h1 - h0, block_size, head_dim], strided
+    rows = cache.row_index(block_ids, layers)
+    part = cache.rows().index_select(0, rows)[:, :, h0:h1]  # [rows, 2, h1 - h0, block_size, head_dim], strided
     target = out.view(-1)[: part.numel()].view(part.shape)
     target.copy_(part)
     return target.view(len(layers), len(block_ids), *part.shape[1:])
@@ -46,6 +45,5 @@ def scatter_heads(cache: KVCache, block_ids: torch.Tensor, data: torch.Tensor, l
     if (h0, h1) == (0, spec.num_kv_heads):
         cache.scatter_blocks(block_ids, data, layers)
         return
-    rows = cache._rows(block_ids, layers)
-    flat = cache.tensor.view(-1, 2, spec.num_kv_heads, spec.block_size, spec.head_dim)
-    flat[rows, :, h0:h1] = data.reshape(rows.numel(), 2, h1 - h0, spec.block_size, spec.head_dim)
+    rows = cache.row_index(block_ids, layers)
+    cache.rows()[rows, :, h0:h1] = data.reshape(rows.numel(), 2, h1 - h0, spec.block_size, spec.head_dim)

@@ -7,13 +7,13 @@ from typing import Protocol
 
 from splitserve.common.errors import ServingError
 from splitserve.observability.logs import request_context
-from splitserve.prefill_worker.cache_events import CacheEventFeed
-from splitserve.prefill_worker.jobs import PrefillJob
 from splitserve.rpc import workers_pb2 as wpb
 from splitserve.rpc import workers_pb2_grpc as wpb_grpc
 from splitserve.rpc.status import abort
 from splitserve.v1 import splitserve_pb2 as pb
 from splitserve.worker_common.base import stream_events
+from splitserve.worker_common.prefill_edge.cache_events import CacheEventFeed
+from splitserve.worker_common.prefill_edge.jobs import PrefillJob
 
 
 class PrefillProtocol(Protocol):

@@ -3,7 +3,7 @@
 A KV transfer streams layer groups while the step that computes them runs, on every rank: so each rank must
 start its sends for a request before that step's forward. Rank 0 sends ``StartSends`` as a ``Notice`` on
 the plan channel (``splitserve.engine.tp.step``) right before the plan of the step that runs the request's
-final chunk; each rank starts the parts it holds heads for (``splitserve.kv_transfer.tp.sends_for``).
+final chunk; each rank starts the parts it holds heads for (``splitserve.kv_transfer.tp.parts.sends_for``).
 
 One msgpack map, decoded strictly (exact keys, a version, every type and range checked); errors name the
 field. Torch-free.

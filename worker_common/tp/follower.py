@@ -7,7 +7,7 @@ Threads::
     gRPC threads:  TensorParallelRank (Expect, Release, Events) from rank 0; KVTransfer (a decode rank)
                    from the prefill ranks that send it heads
 
-A part (one transfer of the hand-off, ``splitserve.kv_transfer.tp``) lives here until it ends: its end is
+A part (one transfer of the hand-off, ``splitserve.kv_transfer.tp.parts``) lives here until it ends: its end is
 queued for rank 0's ``Events`` stream and the endpoint forgets it. A ``Release`` for a part that has not
 started yet (rank 0 cancelled before this rank read the notice) is remembered, and the part ends at once
 as it would start.
@@ -38,22 +38,29 @@ from splitserve.kv_transfer.handles import TransferHandle, TransferState
 from splitserve.kv_transfer.receiver import KVReceiver
 from splitserve.kv_transfer.sender import KVSender, SendHandle
 from splitserve.kv_transfer.service import GrpcConnection, KVTransferServicer
-from splitserve.kv_transfer.tp import rank_transfer_id, sends_for
+from splitserve.kv_transfer.tp.parts import rank_transfer_id, sends_for
 from splitserve.rpc import kv_transfer_pb2_grpc
 from splitserve.rpc import workers_pb2 as wpb
 from splitserve.rpc import workers_pb2_grpc as wpb_grpc
 from splitserve.rpc.auth import server_interceptors
 from splitserve.rpc.options import SERVER_OPTIONS
 from splitserve.rpc.status import abort
-from splitserve.worker_common import rank_notices
 from splitserve.worker_common.affinity import pin
 from splitserve.worker_common.config import WorkerConfig
 from splitserve.worker_common.layout import layout_fingerprint
-from splitserve.worker_common.rank_link import GROUP_FAILED_EXIT, RankInfo
+from splitserve.worker_common.tp import rank_notices
+from splitserve.worker_common.tp.rank_link import GROUP_FAILED_EXIT, RankInfo
 
 log = logging.getLogger("splitserve.worker")
 
 TOMBSTONE_S = 120.0  # how long a release of a part not started yet is remembered
+# Handler threads beyond the KV pairs' streams: rank 0's one Events stream and its Expect and Release
+# calls, which return at once. 16 leaves room to spare.
+SPARE_RPC_THREADS = 16
+# How often an Events stream with nothing to report checks that rank 0's call is still open: a stream
+# left by a gone rank 0 frees its thread within this.
+EVENTS_POLL_S = 0.5
+STOP_GRACE_S = 0.5  # the gRPC server's grace at stop, for the calls in flight to end by themselves
 
 
 class Follower:
@@ -95,7 +102,7 @@ class Follower:
         """Serve TensorParallelRank (and KVTransfer, a decode rank) on the configured host; the loop waits
         for ``follow``."""
         cfg = self.config
-        threads = cfg.transfer.max_pairs + 16
+        threads = cfg.transfer.max_pairs + SPARE_RPC_THREADS
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix=f"rank{self.rank}-rpc"),
             options=SERVER_OPTIONS,
@@ -125,7 +132,7 @@ class Follower:
 
     def stop(self) -> None:
         if self._server is not None:
-            self._server.stop(0.5)
+            self._server.stop(STOP_GRACE_S)
         for endpoint in (self.sender, self.receiver):
             if endpoint is not None:
                 endpoint.close()
@@ -251,6 +258,6 @@ class _Servicer(wpb_grpc.TensorParallelRankServicer):
             )
         while context.is_active():
             try:
-                yield self.follower.events.get(timeout=0.5)
+                yield self.follower.events.get(timeout=EVENTS_POLL_S)
             except queue.Empty:
                 continue

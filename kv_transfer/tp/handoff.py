@@ -1,7 +1,7 @@
 """One request's KV hand-off between tensor-parallel workers, seen from rank 0: a handle made of parts.
 
 A hand-off from a worker of TP ``p`` to one of TP ``d`` is one transfer per receiving rank, sent by the
-sending ranks that hold its heads (``splitserve.kv_transfer.tp``). Rank 0 of either worker moves some
+sending ranks that hold its heads (``splitserve.kv_transfer.tp.parts``). Rank 0 of either worker moves some
 parts itself (``SendHandle``/``ReceiveHandle``) and mirrors the others, which its follower ranks move, as
 ``RemotePart``s ended by those ranks' reports. The ``Handoff`` behaves as one ``TransferHandle``::
 
@@ -37,8 +37,8 @@ class RemotePart(TransferHandle):
                 return False
             if nbytes:
                 self.nbytes = nbytes
-                self._start()
-        return self._end(state, error)
+                self.start()
+        return self._settle(state, error)
 
 
 class Handoff(TransferHandle):
@@ -66,6 +66,20 @@ class Handoff(TransferHandle):
             if not part.terminal:
                 self._end_part(part, reason)
 
+    # A hand-off's state follows its parts: ending it directly would let its owner free the blocks while a
+    # part still writes into them (or reads from them).
+    def start(self) -> bool:
+        raise TypeError("a hand-off starts with its parts")
+
+    def complete(self) -> bool:
+        raise TypeError("a hand-off is done when its parts are")
+
+    def fail(self, error: str) -> bool:
+        raise TypeError("a hand-off fails with its parts; end(reason) cancels them")
+
+    def cancel(self, reason: str) -> bool:
+        raise TypeError("a hand-off is cancelled through its parts: end(reason)")
+
     def _part_ended(self, part: TransferHandle) -> None:
         with self.lock:
             failed_first = part.state is not TransferState.DONE and self._first_failure is None
@@ -84,6 +98,6 @@ class Handoff(TransferHandle):
         self.commit = next((p.commit for p in self.parts if getattr(p, "commit", None) is not None), None)
         failure = self._first_failure
         if failure is None:
-            self._end(TransferState.DONE)
+            self._settle(TransferState.DONE)
         else:
-            self._end(failure.state, f"{failure.transfer_id}: {failure.error}")
+            self._settle(failure.state, f"{failure.transfer_id}: {failure.error}")

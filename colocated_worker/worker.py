@@ -15,8 +15,10 @@ instead of moving the KV anywhere, streams the decode worker's events on the sam
 
 A cancelled call frees the request in whatever phase it is.
 
-It shares the prefill worker's edge (``PrefillServicer``, ``PrefillJob``, the cache-event feed) and the
-batch step (``Batch``), not its class: it has no KV sender, as nothing ever leaves it.
+It shares the prefill worker's edge (``splitserve.worker_common.prefill_edge``: ``PrefillServicer``,
+``PrefillJob``, the cache-event feed) and the batch step (``Batch``), not its class: it has no KV sender,
+as nothing ever leaves it. A role package of its own, like the prefill and decode workers, and
+independent of both.
 """
 
 from __future__ import annotations
@@ -28,16 +30,24 @@ import grpc
 from splitserve.common.errors import ServingError
 from splitserve.engine.scheduler.request import FinishReason, Request
 from splitserve.engine.wire import FINISH_TO_PB, stop_reason_text
-from splitserve.prefill_worker.cache_events import CacheEventFeed
-from splitserve.prefill_worker.jobs import PrefillJob, add_job, check_room, finish_job, job_from_pb, mark_scheduled
-from splitserve.prefill_worker.service import PrefillServicer
 from splitserve.rpc import workers_pb2 as wpb
 from splitserve.rpc import workers_pb2_grpc as wpb_grpc
 from splitserve.worker_common.base import WorkerBase
 from splitserve.worker_common.batch import Batch
 from splitserve.worker_common.config import WorkerConfig
 from splitserve.worker_common.messages import Add, Cancel, Command, Drain, Emit, End, Event, Fail, unknown_command
-from splitserve.worker_common.rank_link import Ranks
+from splitserve.worker_common.prefill_edge.cache_events import CacheEventFeed
+from splitserve.worker_common.prefill_edge.jobs import (
+    REQUEST_CALLS_FACTOR,
+    PrefillJob,
+    add_job,
+    check_room,
+    finish_job,
+    job_from_pb,
+    mark_scheduled,
+)
+from splitserve.worker_common.prefill_edge.service import PrefillServicer
+from splitserve.worker_common.tp.rank_link import Ranks
 
 
 class ColocatedWorker(WorkerBase):
@@ -59,7 +69,7 @@ class ColocatedWorker(WorkerBase):
         wpb_grpc.add_PrefillWorkerServicer_to_server(PrefillServicer(self), server)
 
     def max_request_calls(self) -> int:
-        return 4 * self.config.max_inflight  # as the prefill worker's: the router sees one
+        return REQUEST_CALLS_FACTOR * self.config.max_inflight  # as the prefill worker's: the router sees one
 
     # ---- requests from handler threads ----------------------------------------------------------
 

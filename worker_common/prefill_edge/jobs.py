@@ -19,6 +19,15 @@ from splitserve.rpc import workers_pb2 as wpb
 from splitserve.worker_common.base import WorkerBase
 from splitserve.worker_common.messages import Emit, End, Event, Fail, make_event_queue
 
+# A worker refuses a request only past this many times max_inflight held: the router keeps to max_inflight,
+# but a call it has ended (a cancel) leaves here a moment later, and the router may already have sent the
+# next one. (``check_room``'s refusal says "twice".)
+HELD_FACTOR = 2
+# The most Prefill calls open at once, per max_inflight: those held before their first token (up to
+# HELD_FACTOR), and as many again whose KV is still moving. The colocated worker, which holds at most
+# HELD_FACTOR (decoding ones included), keeps the same figure: the router sees the two alike.
+REQUEST_CALLS_FACTOR = 2 * HELD_FACTOR
+
 
 @dataclass(eq=False)
 class PrefillJob:
@@ -70,7 +79,7 @@ def job_from_pb(worker: WorkerBase, message: wpb.PrefillRequest) -> PrefillJob:
 
 def check_room(worker: WorkerBase, held: int) -> None:
     """Refuse a request past twice max_inflight held (under the worker's lock)."""
-    if held >= 2 * worker.config.max_inflight:
+    if held >= HELD_FACTOR * worker.config.max_inflight:
         raise ServingError(
             "RESOURCE_EXHAUSTED", f"{worker.config.role} worker has {held} requests (twice its max_inflight)"
         )

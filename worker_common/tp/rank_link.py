@@ -3,8 +3,8 @@
 Rank 0 owns the scheduler, the block manager and the worker's gRPC server; every step it broadcasts the
 step's plan on the ranks' own process group (``TPGroup``, ``splitserve.engine.tp.step``) and all ranks run
 the same forward on their shards. KV transfers are per rank: each rank moves its own heads
-(``splitserve.kv_transfer.tp``). What is not ordered with the steps goes over gRPC, each follower serving
-``TensorParallelRank`` to rank 0 (``splitserve.worker_common.follower``):
+(``splitserve.kv_transfer.tp.parts``). What is not ordered with the steps goes over gRPC, each follower serving
+``TensorParallelRank`` to rank 0 (``splitserve.worker_common.tp.follower``):
 
     rank 0 ──Expect(part, blocks)──▶ follower   a decode rank leases nothing: rank 0's block ids hold
            ──Release(part)────────▶             end a part (cancel it if live)
@@ -26,12 +26,12 @@ import grpc
 from splitserve.engine.tp.distributed import TPGroup
 from splitserve.kv_transfer.handles import TransferState
 from splitserve.kv_transfer.sender import PeerAddress
+from splitserve.kv_transfer.tp.handoff import RemotePart
 from splitserve.rpc import workers_pb2 as wpb
 from splitserve.rpc import workers_pb2_grpc as wpb_grpc
 from splitserve.rpc.options import CLIENT_OPTIONS
 from splitserve.rpc.security import InternalSecurity
 from splitserve.rpc.status import from_status
-from splitserve.worker_common.handoff import RemotePart
 
 log = logging.getLogger("splitserve.worker")
 
