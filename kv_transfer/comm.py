@@ -22,11 +22,12 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
+from splitserve.engine.tp.distributed import NCCL_POLL_S, create_group, timeout_delta
+
 # The store helpers live in the engine (its tensor-parallel group uses them too); imported here for the
 # pair groups and re-exported for the sender and receiver.
 from splitserve.engine.tp.distributed import bind_store as bind_store
 from splitserve.engine.tp.distributed import connect_store as connect_store
-from splitserve.engine.tp.distributed import create_group, timeout_delta
 
 Backend = Literal["gloo", "nccl"]
 
@@ -92,7 +93,7 @@ class Pending:
                 while not self._work.is_completed():
                     if time.monotonic() > deadline:
                         raise TransferError(f"operation did not complete within {timeout_s:.1f}s")
-                    time.sleep(0.0005)
+                    time.sleep(NCCL_POLL_S)
                 self._work.wait()
         except TransferError:
             raise

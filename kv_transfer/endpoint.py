@@ -10,6 +10,10 @@ from splitserve.common.faults import NO_FAULTS, FaultHooks
 from splitserve.kv_transfer.config import Role, TransferConfig
 from splitserve.kv_transfer.handles import TransferHandle
 
+# How often the deadline watcher looks at the open transfers: a transfer fails at most this long after
+# its deadline passes (deadlines are seconds; 50 ms is well inside them and costs nothing).
+DEADLINE_POLL_S = 0.05
+
 log = logging.getLogger("splitserve.kv_transfer")
 
 
@@ -58,7 +62,7 @@ class Endpoint:
                 self._break(pair, "fault point: connection dropped")
 
     def _watch_deadlines(self) -> None:
-        while not self._closed.wait(0.05):
+        while not self._closed.wait(DEADLINE_POLL_S):
             now = time.monotonic()
             for handle in list(self._transfers.values()):
                 if not handle.terminal and now > handle.deadline:

@@ -183,6 +183,11 @@ class KVTransferServicer(pb_grpc.KVTransferServicer):
             yield receiver_to_pb(item)
 
 
+# Handler threads beyond one per pair's control stream: room for the unary calls (Expect, Release,
+# status) that arrive while every pair's stream is open.
+UNARY_CALL_THREADS = 8
+
+
 def serve(
     receiver: KVReceiver, host: str = "127.0.0.1", port: int = 0, security: InternalSecurity | None = None
 ) -> tuple[grpc.Server, int]:
@@ -190,7 +195,7 @@ def serve(
     when ``security`` says so); returns (server, port)."""
     security = security or InternalSecurity()
     server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=receiver.config.max_pairs + 8),
+        futures.ThreadPoolExecutor(max_workers=receiver.config.max_pairs + UNARY_CALL_THREADS),
         options=SERVER_OPTIONS,
         interceptors=server_interceptors(security.policy(), aio=False),
     )

@@ -25,6 +25,10 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
+# How often a wait on NCCL work polls for completion, so that a deadline is ours and not NCCL's
+# watchdog's: NCCL calls finish in microseconds to milliseconds, and a sleeping poll costs no core.
+NCCL_POLL_S = 0.0005
+
 Backend = Literal["gloo", "nccl"]
 
 # A failed NCCL peer must not take the survivor down; set before any NCCL group exists.
@@ -93,7 +97,7 @@ def create_group(
         if time.monotonic() > deadline:
             group.abort()
             raise CollectiveError(f"{prefix}: NCCL group of {size} did not form within {timeout_s:.1f}s")
-        time.sleep(0.0005)
+        time.sleep(NCCL_POLL_S)
     work.wait()
     return group
 
