@@ -33,13 +33,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from splitserve.launch import use_loopback_ray  # noqa: E402
+from splitserve.deploy.embedded_ray import use_loopback_ray  # noqa: E402
 
 use_loopback_ray()  # before Ray is imported; children inherit it
 
-from splitserve.client import Client  # noqa: E402
+from splitserve.client.grpc_client import Client  # noqa: E402
+from splitserve.deploy.sim_cluster import ServeProcess, SimCluster  # noqa: E402
 from splitserve.engine.hardware import print_header  # noqa: E402
-from splitserve.sim_cluster import ServeProcess, SimCluster  # noqa: E402
 
 PROMPTS = [list(range(1, 30)), list(range(100, 140)), list(range(300, 320)), list(range(500, 545))]
 SAMPLING = dict(max_tokens=150, temperature=0.0, ignore_eos=True)
@@ -152,8 +152,8 @@ def busiest(decode_workers) -> dict:
 
 
 def measure_process_loss(model: str) -> dict:
-    from splitserve.deploy_config import DeploymentConfig
-    from splitserve.launch import Deployment
+    from splitserve.deploy.config import DeploymentConfig
+    from splitserve.deploy.deployment import Deployment
 
     out: dict = {}
     config = DeploymentConfig.from_dict(
@@ -201,7 +201,7 @@ def main() -> int:
     args = p.parse_args()
     threads = "torch's default for the embedded start, 1 per worker otherwise"
     machine = print_header("float32 (tiny preset)", threads, "cpu")
-    from splitserve.make_model import make_model
+    from splitserve.tools.make_model import make_model
 
     with tempfile.TemporaryDirectory(prefix="ssbc") as tmp:
         tmp = Path(tmp)

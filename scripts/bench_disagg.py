@@ -38,7 +38,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from splitserve.launch import use_loopback_ray  # noqa: E402
+from splitserve.deploy.embedded_ray import use_loopback_ray  # noqa: E402
 
 use_loopback_ray()
 
@@ -55,8 +55,8 @@ def log(message: str) -> None:
 def run_config(label: str, model: str, dtype: str, overrides: dict, requests, bench, rates, out_dir: Path) -> dict:
     from splitserve.bench.runner import benchmark
     from splitserve.bench.sweep import run_sweep
-    from splitserve.deploy_config import DeploymentConfig
-    from splitserve.launch import Deployment
+    from splitserve.deploy.config import DeploymentConfig
+    from splitserve.deploy.deployment import Deployment
 
     raw = {"model": model, "dtype": dtype, "port": 0, **overrides}
     with Deployment(DeploymentConfig.from_dict(raw)) as deployment:
@@ -161,7 +161,7 @@ def main() -> int:
     from splitserve.bench.metrics import parse_goodput
     from splitserve.bench.runner import BenchConfig
     from splitserve.bench.sweep import parse_rates
-    from splitserve.make_model import PRESETS, make_model
+    from splitserve.tools.make_model import PRESETS, make_model
 
     rates = parse_rates(args.rates)
     slos = parse_goodput(args.goodput)

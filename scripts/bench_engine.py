@@ -185,7 +185,7 @@ class HFGenerate:
 
 def ensure_model(path: Path, preset: str, dtype: str) -> Path:
     if not (path / "config.json").is_file():
-        from splitserve.make_model import make_model
+        from splitserve.tools.make_model import make_model
 
         log(f"writing the {preset} preset to {path} ...")
         make_model(preset, path, dtype=dtype, overwrite=True)

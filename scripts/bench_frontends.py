@@ -23,14 +23,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from splitserve.launch import use_loopback_ray  # noqa: E402
+from splitserve.deploy.embedded_ray import use_loopback_ray  # noqa: E402
 
 use_loopback_ray()
 
-from splitserve.client import Client  # noqa: E402
+from splitserve.client.grpc_client import Client  # noqa: E402
+from splitserve.deploy.sim_cluster import ServeProcess  # noqa: E402
 from splitserve.engine.hardware import print_header  # noqa: E402
-from splitserve.make_model import make_model  # noqa: E402
-from splitserve.sim_cluster import ServeProcess  # noqa: E402
+from splitserve.tools.make_model import make_model  # noqa: E402
 
 
 def post(url: str, body: dict, stream: bool) -> None:

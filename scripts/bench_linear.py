@@ -147,7 +147,7 @@ def main() -> int:
     ap.add_argument("--gemm-size", type=int, default=2048)
     ap.add_argument("--json", action="store_true", help="print one JSON object with every figure")
     args = ap.parse_args()
-    from splitserve.make_model import PRESETS
+    from splitserve.tools.make_model import PRESETS
 
     if args.preset not in PRESETS:
         ap.error(f"--preset: unknown {args.preset!r}; valid: {', '.join(PRESETS)}")

@@ -41,7 +41,7 @@ sys.path.insert(0, str(ROOT))
 
 from splitserve.bench import peer  # noqa: E402
 from splitserve.cli import dtype_arg  # noqa: E402
-from splitserve.launch import use_loopback_ray  # noqa: E402
+from splitserve.deploy.embedded_ray import use_loopback_ray  # noqa: E402
 
 use_loopback_ray()  # before Ray is imported
 
@@ -60,7 +60,7 @@ def prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
 
 
 def served_single(address: str, prompt: list[int], new: int) -> dict:
-    from splitserve.client import Client
+    from splitserve.client.grpc_client import Client
 
     with Client(address) as client:
         result = client.generate(token_ids=prompt, max_tokens=new, temperature=0.0, ignore_eos=True)
@@ -69,7 +69,7 @@ def served_single(address: str, prompt: list[int], new: int) -> dict:
 
 
 def served_concurrent(address: str, batch: list[list[int]], new: int) -> dict:
-    from splitserve.client import Client
+    from splitserve.client.grpc_client import Client
 
     with Client(address) as client, ThreadPoolExecutor(len(batch)) as pool:
         start = time.perf_counter()
@@ -169,7 +169,7 @@ DEPLOYMENTS = {
 
 
 def deployment_config(args, name: str):
-    from splitserve.deploy_config import DeploymentConfig
+    from splitserve.deploy.config import DeploymentConfig
 
     return DeploymentConfig.from_dict(
         {
@@ -288,7 +288,7 @@ def main() -> int:
     torch.set_num_threads(args.threads)
     peer_python = peer.peer_python(args.peer, args.no_peer)
     if not (args.model / "config.json").is_file():
-        from splitserve.make_model import make_model
+        from splitserve.tools.make_model import make_model
 
         log(f"writing the {args.preset} preset to {args.model} ...")
         make_model(args.preset, args.model, dtype="bfloat16" if args.dtype == "auto" else args.dtype, overwrite=True)
@@ -300,7 +300,7 @@ def main() -> int:
     cpus = peer.pinned_cpus(args.threads)
     os.sched_setaffinity(0, cpus)  # this process, its workers and vLLM all on these cores
     machine = print_header(args.dtype, args.threads, "cpu", to_stderr=args.json)
-    from splitserve.launch import Deployment
+    from splitserve.deploy.deployment import Deployment
 
     vocab = checkpoint["vocab_size"]
     single = prompts(1, args.prompt_len, vocab, seed=1)[0]

@@ -25,7 +25,7 @@ sys.path.insert(0, str(ROOT))
 
 
 def gpu_like_profile():
-    from splitserve.planning.profile import ModelShape, Profile, TransferCost
+    from splitserve.deploy.profile import ModelShape, Profile, TransferCost
 
     model = ModelShape("llama-8b-shaped", "LlamaForCausalLM", 32, 4096, 32, 8, 128, 14336, 128256, 8192)
     coefficients = {

@@ -55,7 +55,7 @@ def log(message: str) -> None:
 
 def ensure_model(path: Path, preset: str) -> Path:
     if not (path / "config.json").is_file():
-        from splitserve.make_model import make_model
+        from splitserve.tools.make_model import make_model
 
         log(f"writing the {preset} preset to {path} ...")
         make_model(preset, path, dtype="float32", overwrite=True)

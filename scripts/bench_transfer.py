@@ -429,7 +429,7 @@ def measure_tp(sizes: list[int], repeats: int, config, sender_tp: int, receiver_
 
 
 def measure_layer_groups(prompt_len: int, repeats: int, config) -> dict:
-    from splitserve.make_model import write_random_checkpoint
+    from splitserve.tools.make_model import write_random_checkpoint
 
     with tempfile.TemporaryDirectory(prefix="ss-kvheavy") as tmp:
         model_dir = str(write_random_checkpoint(tmp + "/model", KV_HEAVY, dtype="bfloat16", seed=0))

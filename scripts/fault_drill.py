@@ -23,11 +23,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from splitserve.launch import use_loopback_ray  # noqa: E402
+from splitserve.deploy.embedded_ray import use_loopback_ray  # noqa: E402
 
 use_loopback_ray()  # before Ray is imported
 
-from splitserve.make_model import make_model  # noqa: E402
+from splitserve.tools.make_model import make_model  # noqa: E402
 from tests.harness.drill import DRILLS, reference_outputs, run_drill, run_router_drill  # noqa: E402
 
 

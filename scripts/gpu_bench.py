@@ -205,7 +205,7 @@ def free(device: str) -> None:
 
 
 def bench_model(preset: str, plan: Plan, args, budget: Budget, work: Path, bw: float) -> dict:
-    from splitserve.make_model import make_model
+    from splitserve.tools.make_model import make_model
 
     log(f"== {preset}")
     model_dir = attempt(

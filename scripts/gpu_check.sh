@@ -10,7 +10,7 @@
 #
 # It uses whatever `python3` the machine has (override with PYTHON=...), with the tree on PYTHONPATH and
 # nothing installed: it needs torch, transformers, safetensors, tokenizers, msgpack, hypothesis and pytest,
-# and imports only engine/, kv_transfer/ (not its gRPC service), the checkpoint writer (splitserve/make_model.py)
+# and imports only engine/, kv_transfer/ (not its gRPC service), the checkpoint writer (splitserve/tools/make_model.py)
 # and the profile's measurement (splitserve/planning/) from the tree. No Ray, no network. Results go to $OUT when set (the device tool collects that folder), else to a temp folder.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -84,7 +84,7 @@ if [[ "$DEVICE" == cuda* ]]; then PROFILED="$WORK/qwen2.5-0.5b" PDTYPE=bfloat16;
 timeout 240 "$PY" - "$PROFILED" "$PDTYPE" "$DEVICE" "$RESULTS/profile.json" <<'PYEOF'
 import sys
 from splitserve.planning.measure import Grid, measure_profile
-from splitserve.planning.profile import Profile, relative_errors
+from splitserve.deploy.profile import Profile, relative_errors
 model, dtype, device, out = sys.argv[1:5]
 grid = Grid() if device.startswith("cuda") else Grid().scaled(0.3)
 profile = measure_profile(model, dtype, device, grid=grid, transfer_in_process=True)

@@ -174,7 +174,7 @@ def main() -> int:
         how = "CPU rehearsal: 2 ranks over gloo"
     model_dir = args.model
     if model_dir is None:
-        from splitserve.make_model import make_model
+        from splitserve.tools.make_model import make_model
 
         model_dir = str(make_model("small", Path(tempfile.mkdtemp()) / "small", dtype="float32", seed=0))
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Multi-node load test: a simulated multi-node Ray cluster, a deployment across it, a bounded load.
 
-1. starts a simulated cluster on this machine (``splitserve.sim_cluster``: a head, one node per
+1. starts a simulated cluster on this machine (``splitserve.deploy.sim_cluster``: a head, one node per
    prefill worker and one per decode worker, real raylets on 127.0.0.1);
 2. ``splitserve serve --config`` joined to it, in its own process, as an operator runs it;
 3. ``splitserve bench sweep`` against it (a list of rates, the chat-like dataset by default, SLOs);
@@ -25,12 +25,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from splitserve.launch import use_loopback_ray  # noqa: E402
+from splitserve.deploy.embedded_ray import use_loopback_ray  # noqa: E402
 
 use_loopback_ray()  # before Ray is imported; every child inherits it
 
+from splitserve.deploy.sim_cluster import ServeProcess, SimCluster  # noqa: E402
 from splitserve.engine.hardware import print_header  # noqa: E402
-from splitserve.sim_cluster import ServeProcess, SimCluster  # noqa: E402
 
 
 def log(message: str) -> None:
@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="sslt") as tmp:
         model = args.model
         if model is None:
-            from splitserve.make_model import make_model
+            from splitserve.tools.make_model import make_model
 
             model = str(make_model(args.preset, Path(tmp) / args.preset, dtype=args.dtype, seed=0))
         started = time.monotonic()

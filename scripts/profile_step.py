@@ -327,7 +327,7 @@ def main() -> int:
     machine = print_header(args.dtype, args.threads, "cpu", to_stderr=args.json)
     model_dir = args.model or ROOT / "models" / f"{args.preset}-{args.dtype}"
     if not (model_dir / "config.json").is_file():
-        from splitserve.make_model import make_model
+        from splitserve.tools.make_model import make_model
 
         log(f"writing the {args.preset} preset ({args.dtype}) to {model_dir} ...")
         make_model(args.preset, model_dir, dtype=args.dtype, overwrite=True)

@@ -75,7 +75,7 @@ def log(message: str) -> None:
 def ensure_model(preset: str) -> Path:
     path = ROOT / "models" / preset
     if not (path / "config.json").is_file():
-        from splitserve.make_model import make_model
+        from splitserve.tools.make_model import make_model
 
         log(f"writing the {preset} preset to {path} ...")
         make_model(preset, path, dtype="float32", overwrite=True)
@@ -84,8 +84,8 @@ def ensure_model(preset: str) -> Path:
 
 def profiles_for(model: Path, preset: str, quick: bool, cache: Path):
     """(one-thread profile with serving overheads, two-thread profile with the same overheads)."""
+    from splitserve.deploy.profile import Profile
     from splitserve.planning.measure import Grid, measure_profile, measure_serving, with_serving
-    from splitserve.planning.profile import Profile
 
     grid = Grid(**GRIDS.get(preset, {}))
     grid = grid.scaled(0.3) if quick else grid
@@ -119,7 +119,7 @@ def deployment_roles(mode: str) -> dict:
 
 
 def deployment_for(model: Path, mode: str):
-    from splitserve.deploy_config import DeploymentConfig
+    from splitserve.deploy.config import DeploymentConfig
 
     raw = {"model": str(model), "dtype": "float32", "port": 0, "mode": mode, **deployment_roles(mode)}
     return DeploymentConfig.from_dict(raw)
@@ -129,7 +129,7 @@ def slos(profile, requests) -> dict[str, float]:
     """TTFT within 4x and TPOT within 3x what the profile predicts for one request alone, at the
     workload's 90th-percentile prompt (a median prompt's figure would have the longer prompts miss even
     alone, once a model's prefill outweighs the serving overhead)."""
-    from splitserve.planning.profile import StepShape
+    from splitserve.deploy.profile import StepShape
 
     def p90(values: list[int]) -> int:
         return sorted(values)[int(0.9 * (len(values) - 1))]
@@ -255,8 +255,8 @@ def main() -> int:
     from splitserve.bench.arrivals import arrival_offsets
     from splitserve.bench.config import BenchConfig
     from splitserve.bench.runner import benchmark
+    from splitserve.deploy.deployment import Deployment
     from splitserve.engine.hardware import describe_machine
-    from splitserve.launch import Deployment
     from splitserve.planning.deployment import sim_config
     from splitserve.planning.fidelity import binding_slos, compare_under, relative_error, sweep_rates
 

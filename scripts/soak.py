@@ -49,18 +49,18 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from splitserve.launch import use_loopback_ray  # noqa: E402
+from splitserve.deploy.embedded_ray import use_loopback_ray  # noqa: E402
 
 use_loopback_ray()  # before Ray is imported; every child inherits it
 
 import grpc  # noqa: E402
 
-from splitserve.client import Client, make_request  # noqa: E402
+from splitserve.client.grpc_client import Client, make_request  # noqa: E402
 from splitserve.common.arith import ceil_div  # noqa: E402
-from splitserve.deploy_config import RouterSettings  # noqa: E402
-from splitserve.make_model import make_model  # noqa: E402
+from splitserve.deploy.config import RouterSettings  # noqa: E402
+from splitserve.deploy.sim_cluster import ServeProcess  # noqa: E402
 from splitserve.rpc.options import CLIENT_OPTIONS  # noqa: E402
-from splitserve.sim_cluster import ServeProcess  # noqa: E402
+from splitserve.tools.make_model import make_model  # noqa: E402
 from splitserve.v1 import splitserve_pb2 as pb  # noqa: E402
 from splitserve.v1 import splitserve_pb2_grpc as pb_grpc  # noqa: E402
 

@@ -12,7 +12,7 @@ import threading
 import time
 from collections.abc import Sequence
 
-from splitserve.client_flags import add_client_security_arguments, client_security
+from splitserve.client.flags import add_client_security_arguments, client_security
 
 log = logging.getLogger("splitserve.cli")
 
@@ -68,7 +68,7 @@ def _add_make_model(sub: argparse._SubParsersAction) -> None:
 
 
 def _make_model(args: argparse.Namespace) -> int:
-    from splitserve.make_model import make_model
+    from splitserve.tools.make_model import make_model
 
     start = time.perf_counter()
     out = make_model(
@@ -129,7 +129,7 @@ def _generate(args: argparse.Namespace) -> int:
         return _generate_offline(args, token_ids)
     import grpc
 
-    from splitserve.client import Client
+    from splitserve.client.grpc_client import Client
     from splitserve.engine.wire import finish_label
 
     if bool(args.prompt) == bool(token_ids) or (args.prompt and len(args.prompt) > 1):
@@ -286,8 +286,9 @@ def _security_overrides(args: argparse.Namespace, config):
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from splitserve.deploy_config import DeploymentConfig
-    from splitserve.launch import Deployment, use_loopback_ray
+    from splitserve.deploy.config import DeploymentConfig
+    from splitserve.deploy.deployment import Deployment
+    from splitserve.deploy.embedded_ray import use_loopback_ray
     from splitserve.observability.logs import configure_logging
 
     config = DeploymentConfig.from_file(args.config) if args.config else DeploymentConfig()
@@ -426,8 +427,8 @@ def _add_status(sub: argparse._SubParsersAction) -> None:
 def _status(args: argparse.Namespace) -> int:
     import grpc
 
-    from splitserve.client import Client
-    from splitserve.status_view import format_status, status_json
+    from splitserve.client.grpc_client import Client
+    from splitserve.client.status_view import format_status, status_json
 
     with Client(args.addr, **client_security(args)) as client:
         try:
@@ -500,7 +501,7 @@ def _add_make_certs(sub: argparse._SubParsersAction) -> None:
 
 
 def _make_certs(args: argparse.Namespace) -> int:
-    from splitserve.certs import make_certs
+    from splitserve.tools.certs import make_certs
 
     out = make_certs(args.out, args.host, args.days)
     print(f"wrote ca.pem, server.pem, client.pem and their keys to {out}")

@@ -123,7 +123,7 @@ def device(request: pytest.FixtureRequest) -> str:
 
 @pytest.fixture(scope="session")
 def test_tokenizer():
-    from splitserve.make_model import train_tokenizer
+    from splitserve.tools.make_model import train_tokenizer
 
     return train_tokenizer(TEST_VOCAB)
 
@@ -131,7 +131,7 @@ def test_tokenizer():
 @pytest.fixture(scope="session")
 def arch_model_dirs(tmp_path_factory: pytest.TempPathFactory, test_tokenizer) -> dict[str, Path]:
     """fp32 checkpoints of every supported architecture, sharing one tokenizer."""
-    from splitserve.make_model import write_random_checkpoint
+    from splitserve.tools.make_model import write_random_checkpoint
 
     root = tmp_path_factory.mktemp("arch-models")
     return {
@@ -143,8 +143,8 @@ def arch_model_dirs(tmp_path_factory: pytest.TempPathFactory, test_tokenizer) ->
 @pytest.fixture(scope="session")
 def packable_model_dirs(tmp_path_factory: pytest.TempPathFactory, test_tokenizer) -> dict[str, Path]:
     """fp32 checkpoints of PACKABLE_ARCH_CONFIGS (init gains PACKABLE_INIT), sharing one tokenizer."""
-    from splitserve import random_weights
-    from splitserve.make_model import write_random_checkpoint
+    from splitserve.tools import random_weights
+    from splitserve.tools.make_model import write_random_checkpoint
 
     root = tmp_path_factory.mktemp("packable-models")
     with pytest.MonkeyPatch.context() as patch:
@@ -159,7 +159,7 @@ def packable_model_dirs(tmp_path_factory: pytest.TempPathFactory, test_tokenizer
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The `tiny` preset, as `splitserve make-model` writes it, in fp32."""
-    from splitserve.make_model import make_model
+    from splitserve.tools.make_model import make_model
 
     return make_model("tiny", tmp_path_factory.mktemp("tiny") / "model", dtype="float32", seed=0)
 
@@ -190,7 +190,7 @@ def serving_model(tmp_path_factory):
     """The tiny preset in fp32, with one extra EOS id: the 4th greedy token of EOS_PROMPT, so that a
     request can end on EOS deterministically."""
     from splitserve.engine import LLM, SamplingParams
-    from splitserve.make_model import make_model
+    from splitserve.tools.make_model import make_model
 
     path = make_model("tiny", tmp_path_factory.mktemp("serving") / "tiny", dtype="float32", seed=0)
     llm = LLM(path, dtype="float32", num_blocks=64)

@@ -21,9 +21,10 @@ from pathlib import Path
 import jsonschema  # Ray's validate_config needs it (a ray[default] dependency); a real import, not a skip
 import pytest
 import yaml
-from ray._private.label_utils import validate_node_label_syntax
 from ray.autoscaler._private.kuberay.autoscaling_config import _derive_autoscaling_config_from_ray_cr
 from ray.autoscaler._private.util import prepare_config, validate_config, with_head_node_ip
+
+from splitserve.deploy import ray_adapter
 
 ROOT = Path(__file__).resolve().parent.parent
 RAY_CONFIGS = sorted((ROOT / "cluster_configs" / "ray").glob("*.yaml"))
@@ -126,7 +127,7 @@ def test_aws_node_types_follow_the_placement_convention():
         # One worker per GPU: as many role units as GPUs.
         assert resources[ROLES[role]] == resources["GPU"] > 0
         assert types[node_type]["labels"] == {"splitserve-role": role}
-        validate_node_label_syntax(types[node_type]["labels"])
+        ray_adapter.validate_node_labels(types[node_type]["labels"])
         # splitserve asks for the role resource only when the cluster has it at `serve` time.
         assert types[node_type]["min_workers"] >= 1
     assert sum(t["min_workers"] for t in types.values()) <= config["max_workers"]
@@ -289,7 +290,7 @@ def rank_weight_bytes(cfg: dict, tp: int) -> float:
 def test_the_70b_example_splits_each_phase_and_fits_its_nodes(tmp_path):
     import torch
 
-    from splitserve.deploy_config import DeploymentConfig
+    from splitserve.deploy.config import DeploymentConfig
     from splitserve.engine.kv_cache.cache import KVCacheSpec
     from splitserve.engine.model.config import ModelConfig
 

@@ -7,7 +7,7 @@ import pytest
 import yaml
 
 from splitserve.common.faults import NO_FAULTS
-from splitserve.deploy_config import ConfigError, DeploymentConfig
+from splitserve.deploy.config import ConfigError, DeploymentConfig
 from splitserve.engine.core import EngineSettings
 from splitserve.router.config import RouterConfig, RouterSettings
 
@@ -62,7 +62,7 @@ def test_kill_points_go_to_their_worker_only():
 
 
 def test_each_worker_config_carries_its_own_faults():
-    from splitserve.launch import Deployment
+    from splitserve.deploy.deployment import Deployment
 
     faults = {
         "prefill_delay_s": 0.5,
@@ -71,7 +71,7 @@ def test_each_worker_config_carries_its_own_faults():
         "kill": [{"target": "decode-0", "at": "decode", "after": 4}],
     }
     deployment = Deployment(DeploymentConfig.from_dict({"model": "m", "faults": faults}))
-    prefill, decode = (deployment._worker_config(role, f"{role}-0").faults for role in ("prefill", "decode"))
+    prefill, decode = (deployment.fleet.worker_config(role, f"{role}-0").faults for role in ("prefill", "decode"))
     assert (prefill.prefill_delay_s, prefill.decode_step_delay_s, prefill.die_at) == (0.5, 0.0, "")
     assert (decode.prefill_delay_s, decode.decode_step_delay_s, decode.die_at, decode.die_after) == (
         0.0,
@@ -84,7 +84,7 @@ def test_each_worker_config_carries_its_own_faults():
 
 
 def test_engine_and_router_settings_are_the_runtime_configs_own():
-    from splitserve.launch import Deployment
+    from splitserve.deploy.deployment import Deployment
 
     config = DeploymentConfig.from_dict(
         {
@@ -96,7 +96,7 @@ def test_engine_and_router_settings_are_the_runtime_configs_own():
     )
     router = config.router_config("m")
     assert isinstance(router, RouterSettings) and (router.max_queue, router.block_size) == (7, 32)
-    engine = Deployment(config)._worker_config("decode", "decode-0").engine
+    engine = Deployment(config).fleet.worker_config("decode", "decode-0").engine
     assert isinstance(engine, EngineSettings)
     assert (engine.block_size, engine.max_num_seqs, engine.num_blocks, engine.enable_prefix_caching) == (
         32,
@@ -213,11 +213,11 @@ def test_cluster_deployment_examples_load(name):
 
 
 def test_metrics_and_log_settings_reach_the_router_and_every_worker():
-    from splitserve.launch import Deployment
+    from splitserve.deploy.deployment import Deployment
 
     off = Deployment(DeploymentConfig(model="m"))
     assert off.config.router_config("m").metrics_port is None
-    assert off._worker_config("decode", "decode-0").metrics_port is None
+    assert off.fleet.worker_config("decode", "decode-0").metrics_port is None
     on = Deployment(
         DeploymentConfig.from_dict(
             {"model": "m", "metrics_port": 9400, "metrics_host": "10.0.0.5", "log_format": "json"}
@@ -226,24 +226,24 @@ def test_metrics_and_log_settings_reach_the_router_and_every_worker():
     router = on.config.router_config("m")
     assert (router.metrics_port, router.metrics_host) == (9400, "10.0.0.5")
     for role in ("prefill", "decode"):
-        worker = on._worker_config(role, f"{role}-0")
+        worker = on.fleet.worker_config(role, f"{role}-0")
         assert (worker.metrics_port, worker.log_format) == (0, "json")  # workers: a free port each
 
 
 def test_linear_kernel_settings_reach_every_worker():
-    from splitserve.launch import Deployment
+    from splitserve.deploy.deployment import Deployment
 
     engine = {"linear_kernel": "split", "linear_split_allowed": False}
     deployment = Deployment(DeploymentConfig.from_dict({"model": "m", "engine": engine}))
     for role in ("prefill", "decode"):
-        config = deployment._worker_config(role, f"{role}-0").engine
+        config = deployment.fleet.worker_config(role, f"{role}-0").engine
         assert (config.linear_kernel, config.linear_split_allowed) == ("split", False)
 
 
 def test_scale_past_the_cpu_sets_is_refused_naming_the_field():
     import asyncio
 
-    from splitserve.launch import Deployment
+    from splitserve.deploy.deployment import Deployment
 
     deployment = Deployment(DeploymentConfig.from_dict({"model": "/m", "decode": {"cpus": "0|1", "replicas": 2}}))
     with pytest.raises(ValueError, match=r"decode\.cpus: 2 cpu sets bind at most 2 decode workers, not 3"):
@@ -267,7 +267,7 @@ def test_a_section_keeps_its_own_defaults_for_the_keys_it_leaves_out():
 
 
 def test_a_tensor_parallel_worker_splits_its_cpus_and_gives_each_rank_its_faults():
-    from splitserve.launch import Deployment
+    from splitserve.deploy.deployment import Deployment
 
     config = DeploymentConfig.from_dict(
         {
@@ -280,7 +280,7 @@ def test_a_tensor_parallel_worker_splits_its_cpus_and_gives_each_rank_its_faults
     p = config.prefill
     assert [p.cpu_set(1, rank) for rank in (0, 1)] == [(4, 5), (6, 7)]
     assert (p.worker_threads(1), p.worker_num_cpus(1)) == (2, 2.0), "threads and Ray CPUs are per rank"
-    worker = Deployment(config)._worker_config("prefill", "prefill-1", slot=1)
+    worker = Deployment(config).fleet.worker_config("prefill", "prefill-1", slot=1)
     engine = worker.engine
     assert (engine.tensor_parallel_size, engine.tensor_parallel_rank, engine.tensor_parallel_step) == (2, 0, "plan")
     assert worker.cpus == (4, 5) and worker.faults.die_at == ""
@@ -291,9 +291,9 @@ def test_a_tensor_parallel_worker_splits_its_cpus_and_gives_each_rank_its_faults
     assert worker.restarted().for_rank(1).faults.die_at == "", "a restarted worker's ranks run clean"
     with pytest.raises(ValueError, match="^rank: must be 1 to 1"):
         worker.for_rank(2)
-    decode = Deployment(config)._worker_config("decode", "decode-0")
+    decode = Deployment(config).fleet.worker_config("decode", "decode-0")
     assert len(decode.follower_ranks) == 3 and decode.engine.tensor_parallel_step == "plan"
-    plain = Deployment(config)._worker_config("decode", "decode-0")
+    plain = Deployment(config).fleet.worker_config("decode", "decode-0")
     assert DeploymentConfig().engine_config("m", "decode").tensor_parallel_step == "lockstep"
     assert plain.engine.tensor_parallel_timeout_s == 10.0
 

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 
 from splitserve.engine.model.config import ModelConfig
-from splitserve.make_model import PRESETS
+from splitserve.tools.make_model import PRESETS
 
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "gpu_bench.py"
 

@@ -17,10 +17,10 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 from tokenizers import Tokenizer
 
-from splitserve.bpe_tokenizer import corpus_texts, train_tokenizer
 from splitserve.engine.model.config import ModelConfig
-from splitserve.make_model import DEFAULT_SHARD_BYTES, PRESETS, make_model, write_random_checkpoint
-from splitserve.random_weights import _pack_shards, random_weights, tensor_shapes
+from splitserve.tools.bpe_tokenizer import corpus_texts, train_tokenizer
+from splitserve.tools.make_model import DEFAULT_SHARD_BYTES, PRESETS, make_model, write_random_checkpoint
+from splitserve.tools.random_weights import _pack_shards, random_weights, tensor_shapes
 
 # Qwen/Qwen2.5-0.5B's config.json (the base model: bos = eos = <|endoftext|>), less the keys that vary.
 QWEN25_05B_CONFIG = {
@@ -415,7 +415,10 @@ def test_same_seed_gives_identical_files_and_another_seed_other_weights(tmp_path
 
 def test_tokenizer_training_is_deterministic_across_processes():
     """Another hash seed, no transformers imported, single-threaded: the same tokenizer.json."""
-    script = "import sys; from splitserve.bpe_tokenizer import train_tokenizer as t; sys.stdout.write(t(2048).to_str())"
+    script = (
+        "import sys; from splitserve.tools.bpe_tokenizer import train_tokenizer as t;"
+        " sys.stdout.write(t(2048).to_str())"
+    )
     env = {**os.environ, "PYTHONHASHSEED": "12345", "TOKENIZERS_PARALLELISM": "false"}
     other_process = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True)
     assert other_process.stdout == train_tokenizer(2048).to_str()

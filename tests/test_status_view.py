@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from splitserve.status_view import COLUMNS, format_status, status_json
+from splitserve.client.status_view import COLUMNS, format_status, status_json
 from splitserve.v1 import splitserve_pb2 as pb
 
 

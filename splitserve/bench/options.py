@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from splitserve.bench import DATASETS
-from splitserve.client_flags import add_client_security_arguments, client_security
+from splitserve.client.flags import add_client_security_arguments, client_security
 
 if TYPE_CHECKING:
     from splitserve.bench.config import BenchConfig

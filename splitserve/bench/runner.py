@@ -22,7 +22,7 @@ from splitserve.bench.config import BenchConfig
 from splitserve.bench.datasets import BenchRequest
 from splitserve.bench.metrics import SERVER_TIMINGS, RequestRecord, per_request_lists, summarize
 from splitserve.bench.progress import Progress, run_timed
-from splitserve.client import make_request
+from splitserve.client.grpc_client import make_request
 from splitserve.engine.hardware import describe_machine
 from splitserve.rpc.options import CLIENT_OPTIONS
 from splitserve.rpc.security import ClientSecurity

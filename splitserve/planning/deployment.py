@@ -4,22 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from splitserve.deploy_config import DeploymentConfig
-from splitserve.planning.profile import Profile
+from splitserve.deploy.config import DeploymentConfig
+from splitserve.deploy.live_planner import role_blocks
+from splitserve.deploy.profile import Profile
 from splitserve.planning.simulator import RoleSpec, SimConfig
-
-
-def role_blocks(deployment: DeploymentConfig, role: str, profile: Profile) -> int:
-    """KV blocks of one worker of the role: its ``num_blocks``, the engine's, else what one rank's KV
-    memory holds (every rank of a worker has the same count): the profile's ``kv_cache_bytes`` where it
-    says what the device leaves after the weights (a GPU profile), else the engine's ``kv_cache_bytes``."""
-    role_config = getattr(deployment, role)
-    engine = deployment.engine
-    if role_config.num_blocks or engine.num_blocks:
-        return role_config.num_blocks or engine.num_blocks
-    per_block = profile.block_bytes(engine.block_size, role_config.tensor_parallel_size)
-    memory = int(profile.notes.get("kv_cache_bytes") or engine.kv_cache_bytes)
-    return max(1, memory // per_block)
 
 
 def sim_config(

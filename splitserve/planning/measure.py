@@ -1,5 +1,5 @@
 """``splitserve profile``: measure a model's steps on its device through the real engine, and the real KV
-transfer between two processes, then fit ``splitserve.planning.profile.Profile``.
+transfer between two processes, then fit ``splitserve.deploy.profile.Profile``.
 
 Steps are timed as a worker takes them (``worker_common.batch.Batch``): schedule, run the model, apply the
 results, on an ``EngineCore`` built as the workers build theirs. Grids:
@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass, field
 from datetime import datetime
 
-from splitserve.planning.profile import (
+from splitserve.deploy.profile import (
     MEASURED,
     NOT_MEASURED,
     ModelShape,
@@ -457,8 +457,8 @@ def measure_serving(
 
     from splitserve.bench.datasets import BenchRequest
     from splitserve.bench.runner import benchmark
-    from splitserve.deploy_config import DeploymentConfig
-    from splitserve.launch import Deployment
+    from splitserve.deploy.config import DeploymentConfig
+    from splitserve.deploy.deployment import Deployment
 
     role = {"threads": threads} if threads else {}
     roles = roles or ({"prefill": role, "decode": role} if mode == "disaggregated" else {"colocated": role})

@@ -75,8 +75,8 @@ def run_roofline(args: argparse.Namespace) -> int:
 
 
 def run_profile(args: argparse.Namespace) -> int:
+    from splitserve.deploy.profile import relative_errors
     from splitserve.planning.measure import Grid, measure_profile
-    from splitserve.planning.profile import relative_errors
 
     if args.roofline:
         return run_roofline(args)
@@ -172,9 +172,9 @@ def add_simulate_arguments(p: argparse.ArgumentParser) -> None:
 def run_simulate(args: argparse.Namespace) -> int:
     from splitserve.bench.datasets import TokenRange, make_requests
     from splitserve.bench.metrics import format_summary, parse_goodput, parse_percentiles
-    from splitserve.deploy_config import DeploymentConfig
+    from splitserve.deploy.config import DeploymentConfig
+    from splitserve.deploy.profile import Profile
     from splitserve.planning.deployment import sim_config
-    from splitserve.planning.profile import Profile
     from splitserve.planning.simulator import Simulation, simulate, utilization
 
     deployment = DeploymentConfig.from_file(args.config) if args.config else DeploymentConfig()
@@ -241,8 +241,8 @@ def run_simulate(args: argparse.Namespace) -> int:
 def _planned(args: argparse.Namespace, deployment, profile):
     """``--planner``: the simulation the live planner resizes, with the config's ``planner:`` settings and
     the oracles the live one builds (``live.profile_oracles``) from ``planner.profile``, else ``--profile``."""
-    from splitserve.planning.live import Planner, profile_oracles
-    from splitserve.planning.profile import Profile
+    from splitserve.deploy.live_planner import Planner, profile_oracles
+    from splitserve.deploy.profile import Profile
     from splitserve.planning.sim_planner import PlannedSimulation
 
     if args.startup_s < 0:
@@ -441,9 +441,9 @@ def run_plan(args: argparse.Namespace) -> int:
 
     from splitserve.bench.datasets import TokenRange, make_requests
     from splitserve.bench.metrics import parse_goodput
-    from splitserve.deploy_config import DeploymentConfig
+    from splitserve.deploy.config import DeploymentConfig
+    from splitserve.deploy.profile import Profile
     from splitserve.planning import plan
-    from splitserve.planning.profile import Profile
 
     profiles = {}
     for path in args.profile:

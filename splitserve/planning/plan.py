@@ -27,9 +27,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from splitserve.bench.arrivals import arrival_offsets
-from splitserve.deploy_config import DeploymentConfig, RoleConfig
+from splitserve.deploy.config import DeploymentConfig, RoleConfig
+from splitserve.deploy.profile import Profile
 from splitserve.planning.deployment import sim_config
-from splitserve.planning.profile import Profile
 from splitserve.planning.simulator import simulate
 
 Workload = Sequence[tuple[list[int], int]]  # (prompt token ids, output length)
@@ -243,7 +243,7 @@ def local_prefill_threshold(profile: Profile, tpot_ms: float, share: float = 0.5
     decode step that carries it still leaves the rest of the SLO to the batch it stalls. 0: none does (no
     local prefill). A remote prefill of such a prompt would cost a KV transfer and a second worker's step
     for little: Dynamo's rule of thumb, made a number by the profile."""
-    from splitserve.planning.profile import StepShape
+    from splitserve.deploy.profile import StepShape
 
     budget = share * tpot_ms / 1e3
     if profile.serving_step_s(StepShape.of([(0, 1)]), 1) > budget:

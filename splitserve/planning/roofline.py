@@ -23,7 +23,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from splitserve.planning.profile import ModelShape, Profile, TransferCost
+from splitserve.deploy.profile import ModelShape, Profile, TransferCost
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """The live planner on a simulated deployment (``splitserve simulate --planner``).
 
-The planner is the live one (``splitserve.planning.live.Planner``, its hysteresis and cool-down
+The planner is the live one (``splitserve.deploy.live_planner.Planner``, its hysteresis and cool-down
 included). It reads a ``LoadWindow`` (the router's own class), which the simulated router feeds as the
 real router feeds its own: an arrival at admission, and each finished request's prompt, output, TTFT and
 decode time. Every ``interval_s`` it decides. An applied change takes the path of ``splitserve scale``:
@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from splitserve.planning.live import Decision, Planner
+from splitserve.deploy.live_planner import Decision, Planner
 from splitserve.planning.sim_workers import SimRequest
 from splitserve.planning.simulator import SimConfig, Simulation
 from splitserve.router.load import LoadSnapshot, LoadWindow

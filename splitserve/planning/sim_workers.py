@@ -18,11 +18,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from splitserve.deploy.profile import Profile, StepShape
 from splitserve.engine.kv_cache.block_manager import BlockManager
 from splitserve.engine.sampling.params import SamplingParams
 from splitserve.engine.scheduler.request import FinishReason, Request
 from splitserve.engine.scheduler.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from splitserve.planning.profile import Profile, StepShape
 
 TOKEN = 1  # what every simulated step samples: no stop token, so length alone ends a request
 

@@ -29,10 +29,10 @@ from dataclasses import dataclass, field
 
 from splitserve.bench.metrics import RequestRecord, per_request_lists, summarize
 from splitserve.common.arith import ceil_div
+from splitserve.deploy.profile import Profile
 from splitserve.engine.kv_cache.block_hash import block_hashes
 from splitserve.engine.scheduler.request import Request
 from splitserve.engine.scheduler.scheduler import SchedulerConfig
-from splitserve.planning.profile import Profile
 from splitserve.planning.sim_workers import SimColocated, SimDecode, SimPrefill, SimRequest, SimWorker
 from splitserve.router.policy import DecodeView, PrefillView, choose_decode, choose_prefill, prefill_on_decode
 

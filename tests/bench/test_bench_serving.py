@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from splitserve.bench.mooncake import SAMPLE_TRACE
-from splitserve.client import Client
+from splitserve.client.grpc_client import Client
 from tests.serving.conftest import start_deployment
 
 RESULT_KEYS = (

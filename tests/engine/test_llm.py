@@ -149,7 +149,7 @@ def test_half_precision_runs_close_to_fp32(tiny_model_dir, llm, dtype, device):
 
 
 def test_sharded_checkpoint_and_config_forms_load_the_same(tmp_path, tiny_model_dir, llm, device):
-    from splitserve.make_model import make_model
+    from splitserve.tools.make_model import make_model
 
     sharded = make_model(
         "tiny", tmp_path / "sharded", dtype="float32", seed=0, max_shard_bytes=400_000, config_format="current"

@@ -136,7 +136,7 @@ def test_decode_across_many_blocks_and_preemption(arch_model_dirs, hf_models, de
 def test_rope_scaling_variants_match_transformers(rope_scaling, config_format, tmp_path, test_tokenizer, device):
     from transformers import AutoModelForCausalLM
 
-    from splitserve.make_model import write_random_checkpoint
+    from splitserve.tools.make_model import write_random_checkpoint
     from tests.conftest import ARCH_CONFIGS
 
     cfg = {**ARCH_CONFIGS["llama"], "rope_scaling": rope_scaling}

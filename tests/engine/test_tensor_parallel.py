@@ -167,7 +167,7 @@ def test_sharded_load_reads_each_ranks_rows_and_columns(arch, size, arch_model_d
 def test_row_parallel_bias_on_rank_zero_only(tmp_path, test_tokenizer):
     """A model with o_proj and down_proj biases: rank 0 holds them (added once by the all-reduce), rank 1
     has none, and both load without a bias left unwritten or refused."""
-    from splitserve.make_model import write_random_checkpoint
+    from splitserve.tools.make_model import write_random_checkpoint
     from tests.conftest import ARCH_CONFIGS
 
     config = {**ARCH_CONFIGS["llama"], "attention_bias": True, "mlp_bias": True}

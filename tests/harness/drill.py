@@ -15,7 +15,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from splitserve.client import Client
+from splitserve.client.grpc_client import Client
 
 PROMPTS = [list(range(1, 30)), list(range(100, 140)), list(range(300, 320)), list(range(500, 545))]
 SAMPLING = dict(max_tokens=40, temperature=0.0, ignore_eos=True)
@@ -115,8 +115,8 @@ class DeathWatch:
 
 def run_drill(model_dir: str, drill: str) -> dict:
     """Run one drill on an embedded Ray (or the one this process has); returns what happened."""
-    from splitserve.deploy_config import DeploymentConfig
-    from splitserve.launch import Deployment
+    from splitserve.deploy.config import DeploymentConfig
+    from splitserve.deploy.deployment import Deployment
 
     victim = DRILLS[drill][1]["target"]
     deployment = Deployment(DeploymentConfig.from_dict(deployment_config(model_dir, drill)))
@@ -206,7 +206,7 @@ def run_router_drill(model_dir: str, folder) -> dict:
     same cluster and port, as a supervisor would, and the four streams once more."""
     from pathlib import Path
 
-    from splitserve.sim_cluster import ServeProcess, SimCluster
+    from splitserve.deploy.sim_cluster import ServeProcess, SimCluster
 
     folder = Path(folder)
     config = {

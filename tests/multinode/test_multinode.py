@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from splitserve.client import Client
-from splitserve.sim_cluster import ServeProcess, SimCluster
+from splitserve.client.grpc_client import Client
+from splitserve.deploy.sim_cluster import ServeProcess, SimCluster
 from tests.serving.conftest import wait_for
 from tests.serving.streams import stream_all
 

@@ -22,8 +22,8 @@ from pathlib import Path
 
 import pytest
 
-from splitserve.client import Client
-from splitserve.sim_cluster import ServeProcess, SimCluster
+from splitserve.client.grpc_client import Client
+from splitserve.deploy.sim_cluster import ServeProcess, SimCluster
 from tests.serving.conftest import wait_for
 
 PROFILE = Path(__file__).parents[1] / "planning" / "data" / "tiny-profile.json"
@@ -81,9 +81,9 @@ class Load:
 
 @pytest.fixture(scope="module")
 def planned(serving_model, tmp_path_factory):
-    from splitserve.deploy_config import DeploymentConfig
-    from splitserve.planning.live import ProfileModel
-    from splitserve.planning.profile import Profile, StepShape
+    from splitserve.deploy.config import DeploymentConfig
+    from splitserve.deploy.live_planner import ProfileModel
+    from splitserve.deploy.profile import Profile, StepShape
 
     folder = tmp_path_factory.mktemp("planner")
     profile = Profile.load(PROFILE)

@@ -17,13 +17,13 @@ from dataclasses import replace
 import openai
 import pytest
 
-from splitserve.certs import make_certs
 from splitserve.common.errors import ServingError
 from splitserve.router.config import RouterConfig
 from splitserve.router.openai.parse import Job
 from splitserve.router.openai.server import OpenAIServer
 from splitserve.router.server import Router
 from splitserve.rpc.security import PublicSecurity
+from splitserve.tools.certs import make_certs
 from splitserve.v1 import splitserve_pb2 as pb
 
 MESSAGES = [{"role": "user", "content": "Hi"}]

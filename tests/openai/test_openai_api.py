@@ -8,7 +8,7 @@ import openai
 import pytest
 import transformers
 
-from splitserve.client import Client
+from splitserve.client.grpc_client import Client
 from tests.serving.conftest import start_deployment, wait_for
 
 GREEDY = {"temperature": 0.0}

@@ -1,4 +1,4 @@
-"""The live planner's decisions (splitserve/planning/live.py), on snapshots of the router's load and a fake
+"""The live planner's decisions (splitserve/deploy/live_planner.py), on snapshots of the router's load and a fake
 clock: a load that shifts from prompt-heavy to output-heavy moves workers the right way, steady load
 changes nothing for 10 intervals, one noisy interval never scales, bounds and the cool-down hold."""
 
@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from splitserve.planning.live import Planner
-from splitserve.planning.settings import PlannerSettings
+from splitserve.deploy.live_planner import Planner
+from splitserve.deploy.planner_settings import PlannerSettings
 from splitserve.router.load import LoadSnapshot
 
 SETTINGS = PlannerSettings(

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from splitserve.planning.profile import MissingPart, Profile
+from splitserve.deploy.profile import MissingPart, Profile
 
 CLI = [sys.executable, "-m", "splitserve.cli"]
 WORKLOAD = ["--dataset", "chat", "--num-prompts", "10"]

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import pytest
 
-from splitserve.deploy_config import DeploymentConfig
+from splitserve.deploy.config import DeploymentConfig
+from splitserve.deploy.profile import ModelShape, Profile, TransferCost
 from splitserve.planning import plan
-from splitserve.planning.profile import ModelShape, Profile, TransferCost
 
 MS = 1e-3
 SLO = plan.Slo(ttft_ms=1000.0, tpot_ms=20.0, attainment=0.9)

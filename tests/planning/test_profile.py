@@ -12,7 +12,7 @@ import re
 
 import pytest
 
-from splitserve.planning.profile import (
+from splitserve.deploy.profile import (
     FEATURES,
     MEASURED,
     MissingPart,

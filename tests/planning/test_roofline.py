@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from splitserve.planning.profile import StepShape
+from splitserve.deploy.profile import StepShape
 from splitserve.planning.roofline import DEVICES, SHAPES, roofline_profile
 
 PEAK = {"mfu": 1.0, "mbu": 1.0, "host_step_s": 0.0}

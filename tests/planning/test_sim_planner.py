@@ -21,9 +21,9 @@ from pathlib import Path
 
 import pytest
 
-from splitserve.planning.live import Planner, profile_oracles
-from splitserve.planning.profile import Profile
-from splitserve.planning.settings import PlannerSettings
+from splitserve.deploy.live_planner import Planner, profile_oracles
+from splitserve.deploy.planner_settings import PlannerSettings
+from splitserve.deploy.profile import Profile
 
 PROFILE = Path(__file__).parent / "data" / "tiny-profile.json"
 
@@ -55,7 +55,7 @@ def tiny_profile():
 
 @pytest.fixture(scope="module")
 def tiny_setup(tiny_profile, tiny_model_dir):
-    from splitserve.deploy_config import DeploymentConfig
+    from splitserve.deploy.config import DeploymentConfig
 
     base = DeploymentConfig.from_dict(
         {"model": str(tiny_model_dir), "dtype": "float32", "engine": {"num_blocks": 2048, "max_num_seqs": 32}}
@@ -177,8 +177,8 @@ def test_simulate_planner_scales_a_prompt_heavy_load(tmp_path, capsys, tiny_prof
     """``splitserve simulate --planner``: the config's planner resizes the simulated deployment. Prompt-heavy
     load at 1.3x one prefill worker's capacity (by the planner's own oracle) for 60 s adds a prefill worker,
     and the JSON result lists every interval; the text one prints them."""
-    from splitserve.deploy_config import DeploymentConfig
-    from splitserve.planning.live import profile_oracles
+    from splitserve.deploy.config import DeploymentConfig
+    from splitserve.deploy.live_planner import profile_oracles
 
     config = planner_config(tmp_path)
     capacity, _ = profile_oracles(SETTINGS, DeploymentConfig.from_file(config), tiny_profile)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from splitserve.bench.metrics import RequestRecord, summarize
-from splitserve.planning.profile import ModelShape, Profile, TransferCost
+from splitserve.deploy.profile import ModelShape, Profile, TransferCost
 from splitserve.planning.simulator import RoleSpec, SimConfig, simulate
 
 MS = 1e-3

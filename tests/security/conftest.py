@@ -8,7 +8,7 @@ import pytest
 @pytest.fixture(scope="session")
 def certs(tmp_path_factory):
     """A throwaway CA with a server certificate (server and client usage) and a client certificate."""
-    from splitserve.certs import make_certs
+    from splitserve.tools.certs import make_certs
 
     return make_certs(tmp_path_factory.mktemp("certs") / "ca1")
 
@@ -16,6 +16,6 @@ def certs(tmp_path_factory):
 @pytest.fixture(scope="session")
 def other_certs(tmp_path_factory):
     """Certificates of another CA, which nobody trusts."""
-    from splitserve.certs import make_certs
+    from splitserve.tools.certs import make_certs
 
     return make_certs(tmp_path_factory.mktemp("certs") / "ca2")

@@ -281,7 +281,7 @@ def test_public_tls_with_and_without_client_certificates(certs):
 
 def test_serve_flags_and_variables_fill_the_security_section(monkeypatch, tmp_path):
     from splitserve.cli import _security_overrides, build_parser
-    from splitserve.deploy_config import DeploymentConfig
+    from splitserve.deploy.config import DeploymentConfig
 
     config = DeploymentConfig.from_dict({"security": {"api_keys": ["from-file"], "cluster_token": "in-config"}})
     monkeypatch.setenv("SPLITSERVE_API_KEY", "from-env")

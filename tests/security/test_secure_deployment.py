@@ -12,7 +12,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from splitserve.client import Client
+from splitserve.client.grpc_client import Client
 from splitserve.rpc import kv_transfer_pb2 as kpb
 from splitserve.rpc import kv_transfer_pb2_grpc as kpb_grpc
 from splitserve.rpc import workers_pb2 as wpb

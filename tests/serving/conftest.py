@@ -9,8 +9,8 @@ import time
 
 
 def start_deployment(model_dir, **overrides):
-    from splitserve.deploy_config import DeploymentConfig
-    from splitserve.launch import Deployment
+    from splitserve.deploy.config import DeploymentConfig
+    from splitserve.deploy.deployment import Deployment
 
     raw = {
         "model": str(model_dir),

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import signal
 
-from splitserve.launch import Deployment
+from splitserve.deploy.deployment import Deployment
 
 
 def kill_worker(deployment: Deployment, worker_id: str) -> None:

@@ -54,14 +54,13 @@ def listening_sockets_of(pid: int) -> set[tuple[str, int]]:
 def ray_node_pids() -> dict[str, int]:
     """The processes of the Ray node this process started (GCS, raylet, agents), by kind; {} when it
     joined one started elsewhere."""
-    import ray._private.worker as ray_worker
+    from splitserve.deploy import ray_adapter
 
-    node = getattr(ray_worker, "_global_node", None)
     found = {}
-    for kind, infos in (getattr(node, "all_processes", None) or {}).items():
-        for i, info in enumerate(infos):
-            if info.process is not None and info.process.poll() is None:
-                found[f"ray {kind}" + (f" {i}" if i else "")] = info.process.pid
+    for kind, handles in ray_adapter.node_processes().items():
+        for i, process in enumerate(handles):
+            if process.poll() is None:
+                found[f"ray {kind}" + (f" {i}" if i else "")] = process.pid
     return found
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from splitserve.client import Client
+from splitserve.client.grpc_client import Client
 
 
 def stream_all(

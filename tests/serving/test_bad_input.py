@@ -8,7 +8,7 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from splitserve.client import Client, make_request
+from splitserve.client.grpc_client import Client, make_request
 from splitserve.v1 import splitserve_pb2 as pb
 from splitserve.v1 import splitserve_pb2_grpc as pb_grpc
 from tests.serving.conftest import start_deployment, wait_for

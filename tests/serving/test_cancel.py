@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 
-from splitserve.client import Client, make_request
+from splitserve.client.grpc_client import Client, make_request
 from tests.serving.conftest import start_deployment, wait_for
 from tests.threads import Background
 
@@ -199,7 +199,7 @@ def test_router_view_of_prefix_cache_converges_after_evictions(slow):
         async def copy():
             return set(prefill.view.cached_hashes)
 
-        return asyncio.run_coroutine_threadsafe(copy(), slow._loop).result(5)
+        return asyncio.run_coroutine_threadsafe(copy(), slow.router_host.loop).result(5)
 
     with grpc.insecure_channel(prefill.spec.address) as channel:
         snapshot = next(iter(wpb_grpc.PrefillWorkerStub(channel).CacheEvents(wpb.CacheEventsRequest(), timeout=10)))

@@ -23,7 +23,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from splitserve.client import Client
+from splitserve.client.grpc_client import Client
 
 EXIT_BOUND_S = 15.0  # 3x the 5 s target
 READY_S = 240.0  # a start takes tens of seconds on 2 busy cores
@@ -258,9 +258,9 @@ def test_second_signal_while_stopping_exits_at_once(serving_model, tmp_path):
 
 RAY_PROBE = """
 import json, ray
+from splitserve.deploy import ray_adapter
 ray.init(address={address!r}, log_to_driver=False)
-actors = [{{"class": a["ActorClassName"], "state": a["State"], "pid": a["Pid"]}}
-          for a in ray._private.state.actors().values()]
+actors = ray_adapter.actor_table()
 print(json.dumps({{"actors": actors, "answer": ray.get(ray.remote(lambda: 42).remote(), timeout=60)}}))
 """
 
@@ -275,7 +275,7 @@ def probe_cluster(address: str) -> dict:
 
 
 def test_serve_joined_to_a_cluster_stops_its_workers_and_leaves_the_cluster(serving_model):
-    from splitserve.sim_cluster import SimCluster
+    from splitserve.deploy.sim_cluster import SimCluster
 
     with SimCluster([], head_cpus=2) as cluster:
         served = Served(

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from splitserve.client import Client
+from splitserve.client.grpc_client import Client
 from tests.serving.conftest import start_deployment, wait_for
 from tests.serving.crash import kill_worker
 from tests.serving.streams import stream_all
@@ -94,10 +94,10 @@ def test_a_lost_worker_s_streams_migrate_and_scaling_drains(colocated, reference
     futures = stream_all(colocated.address, PROMPTS, SAMPLING, started, min_tokens=3)
     assert started.wait(30)
     start = time.monotonic()
-    reply = colocated._run(colocated.scale({"colocated": 1}), 120)
+    reply = colocated.router_host.run(colocated.scale({"colocated": 1}), 120)
     assert reply == {"colocated": 1} and time.monotonic() - start < 60
     assert [f.result(timeout=120)[0] for f in futures] == reference
     assert [w.worker_id for w in workers(colocated)] == ["colocated-0"]
     with pytest.raises(ValueError, match="decode: not a role of this deployment"):
-        colocated._run(colocated.scale({"decode": 2}), 30)
+        colocated.router_host.run(colocated.scale({"decode": 2}), 30)
     assert_no_blocks_in_use(colocated)

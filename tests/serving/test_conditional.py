@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from splitserve.client import Client
+from splitserve.client.grpc_client import Client
 from tests.serving.conftest import start_deployment, wait_for
 from tests.serving.test_serving import run_concurrently
 

@@ -15,7 +15,7 @@ import grpc
 import pytest
 
 from splitserve import cli
-from splitserve.client import Client
+from splitserve.client.grpc_client import Client
 from tests.observability.capture import json_log_lines
 from tests.observability.scrape import Scrape
 from tests.serving.conftest import start_deployment, wait_for
@@ -213,9 +213,9 @@ def test_status_table_and_json(served, capsys):
 
 def test_worker_logs_are_json_with_their_id(served):
     """The workers' lines (in Ray's log files for their processes) are JSON objects naming the worker."""
-    import ray
+    from splitserve.deploy import ray_adapter
 
-    logs_dir = ray._private.worker.global_worker.node.get_logs_dir_path()
+    logs_dir = ray_adapter.logs_dir()
     for worker_id in ("prefill-0", "decode-0"):
         pid = served.worker_pid(worker_id)
         files = list(Path(logs_dir).glob(f"*-{pid}.err"))

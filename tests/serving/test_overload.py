@@ -9,7 +9,7 @@ import time
 import grpc
 import pytest
 
-from splitserve.client import Client, make_request
+from splitserve.client.grpc_client import Client, make_request
 from splitserve.rpc.options import CLIENT_OPTIONS
 from splitserve.v1 import splitserve_pb2_grpc as pb_grpc
 from tests.serving.conftest import start_deployment, wait_for

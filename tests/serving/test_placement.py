@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from splitserve.deploy_config import DeploymentConfig
-from splitserve.launch import Deployment
+from splitserve.deploy.config import DeploymentConfig
+from splitserve.deploy.deployment import Deployment
 
 
 def test_actor_options_follow_the_convention_unless_the_config_says_otherwise(ray_session):
@@ -48,7 +48,9 @@ def test_cuda_gives_each_rank_a_gpu_unless_the_config_says_otherwise(ray_session
     deployment = Deployment(config)
     assert deployment.actor_options("prefill")["num_gpus"] == 1.0
     assert deployment.actor_options("decode")["num_gpus"] == 0.5
-    options, rank_options = deployment._place_ranks("prefill-0", "prefill", 0, deployment.actor_options("prefill"), {})
+    options, rank_options = deployment.placement.place_ranks(
+        "prefill-0", "prefill", 0, deployment.actor_options("prefill"), {}
+    )
     try:
         assert [bundle.get("GPU") for bundle in deployment.placement_groups["prefill-0"].bundle_specs] == [1.0, 1.0]
         assert [r["num_gpus"] for r in rank_options] == [1.0]
@@ -63,12 +65,12 @@ def test_router_address_workers_dial(ray_session, monkeypatch):
     import ray
 
     deployment = Deployment(DeploymentConfig())
-    assert deployment._advertised("0.0.0.0:7000") == "127.0.0.1:7000"  # a wildcard bind: this node's address
-    assert deployment._advertised("127.0.0.1:7000") == "127.0.0.1:7000"  # every node is on loopback here
+    assert deployment.ray.advertised("0.0.0.0:7000") == "127.0.0.1:7000"  # a wildcard bind: this node's address
+    assert deployment.ray.advertised("127.0.0.1:7000") == "127.0.0.1:7000"  # every node is on loopback here
     nodes = ray.nodes()
     monkeypatch.setattr(ray, "nodes", lambda: [*nodes, {"NodeManagerAddress": "10.1.2.3", "Alive": True}])
     with pytest.raises(RuntimeError, match="host: .*10.1.2.3"):
-        deployment._advertised("127.0.0.1:7000")
+        deployment.ray.advertised("127.0.0.1:7000")
 
 
 def two_usable_cpus() -> tuple[int, int]:
@@ -85,8 +87,8 @@ def test_prefill_and_decode_on_cores_of_their_own(ray_session, serving_model):
     core only, with one torch thread, Ray reserves one CPU for each, and status reports both."""
     import os
 
-    from splitserve.client import Client
-    from splitserve.status_view import format_status, status_json
+    from splitserve.client.grpc_client import Client
+    from splitserve.client.status_view import format_status, status_json
     from tests.serving.conftest import start_deployment, wait_for
 
     a, b = two_usable_cpus()

@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 
-from splitserve.client import Client
+from splitserve.client.grpc_client import Client
 from tests.serving.conftest import start_deployment, wait_for
 from tests.serving.crash import kill_worker
 from tests.serving.streams import stream_all

@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 
-from splitserve.client import Client
+from splitserve.client.grpc_client import Client
 from tests.conftest import EOS_PROMPT
 from tests.serving.conftest import start_deployment, wait_for
 from tests.serving.netstat import assert_listens_on_loopback_only

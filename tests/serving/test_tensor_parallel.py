@@ -24,7 +24,7 @@ import time
 
 import pytest
 
-from splitserve.client import Client
+from splitserve.client.grpc_client import Client
 from tests.engine.parity import assert_matches, hf_greedy, make_prompts
 from tests.serving.conftest import start_deployment, wait_for
 from tests.serving.test_serving import run_concurrently

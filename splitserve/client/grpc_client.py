@@ -1,6 +1,6 @@
 """A small Python client for splitserve's gRPC API.
 
-    from splitserve.client import Client
+    from splitserve.client.grpc_client import Client
     with Client("127.0.0.1:50051") as client:
         for chunk in client.stream("Once upon a time", max_tokens=32, temperature=0.7, seed=1):
             print(chunk.text, end="", flush=True)

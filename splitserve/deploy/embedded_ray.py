@@ -17,9 +17,9 @@ import shutil
 import signal
 import tempfile
 
-from splitserve import processes
+from splitserve.deploy import processes, ray_adapter
 
-log = logging.getLogger("splitserve.launch")
+log = logging.getLogger("splitserve.deploy.deployment")
 
 # At disconnect Ray's core worker flushes its task events to the GCS: for 5 s when the GCS is gone.
 TASK_EVENTS_FLUSH_ENV = "RAY_task_events_shutdown_flush_timeout_ms"
@@ -44,9 +44,7 @@ class EmbeddedRay:
         # constant is forced here for a Ray imported earlier. Children inherit the environment.
         use_loopback_ray()
         os.environ.setdefault(TASK_EVENTS_FLUSH_ENV, "500")
-        from ray._private import ray_constants
-
-        ray_constants.ENABLE_RAY_CLUSTER = False
+        ray_adapter.disable_cluster_mode()
         self.temp_dir = tempfile.mkdtemp(prefix="ss")
         ray.init(
             address="local",
@@ -107,11 +105,6 @@ class EmbeddedRay:
 
     def _handles(self, *kinds: str) -> list:
         """Ray's handles (Popen) of the processes ray.init started here, of these kinds (default: all)."""
-        import ray._private.worker
-
-        node = ray._private.worker._global_node
-        if node is None:
-            return []
         return [
-            info.process for kind, infos in node.all_processes.items() if not kinds or kind in kinds for info in infos
+            p for kind, handles in ray_adapter.node_processes().items() if not kinds or kind in kinds for p in handles
         ]

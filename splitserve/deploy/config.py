@@ -17,10 +17,10 @@ import yaml
 
 from splitserve.common.faults import FaultPlan, FaultPoint, KillPoint
 from splitserve.common.validate import check_choice, check_range, check_ranges, field_default
+from splitserve.deploy.planner_settings import PlannerSettings
 from splitserve.engine.core import EngineConfig, EngineSettings
 from splitserve.kv_transfer.config import TransferConfig
 from splitserve.observability.logs import LOG_FORMATS
-from splitserve.planning.settings import PlannerSettings
 from splitserve.router.config import RouterConfig, RouterSettings
 from splitserve.rpc.security import InternalSecurity, PublicSecurity
 from splitserve.worker_common.affinity import CpuSet, parse_cpu_sets, thread_count

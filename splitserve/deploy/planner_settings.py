@@ -1,4 +1,4 @@
-"""The deployment config's ``planner:`` section (``splitserve.planning.live`` runs it)."""
+"""The deployment config's ``planner:`` section (``splitserve.deploy.live_planner`` runs it)."""
 
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ Each node is a real Ray node (its own raylet and worker processes) on 127.0.0.1,
 the custom resource of their role (``splitserve_prefill`` / ``splitserve_decode``), so a deployment
 joined to it with ``ray_address`` places each role on its own nodes::
 
-    python -m splitserve.sim_cluster --node prefill:1 --node decode:2 --node decode:2
+    python -m splitserve.deploy.sim_cluster --node prefill:1 --node decode:2 --node decode:2
     {"address": "127.0.0.1:PORT", "nodes": {"head": ID, "prefill-0": ID, "decode-0": ID, ...}}
 
 Then, one JSON command a line on stdin (each answered by one JSON line): ``{"cmd": "remove",
@@ -31,7 +31,7 @@ from pathlib import Path
 
 
 def _serve(specs: list[tuple[str, int]], head_cpus: int) -> int:
-    from splitserve.launch import use_loopback_ray
+    from splitserve.deploy.embedded_ray import use_loopback_ray
 
     use_loopback_ray()
     temp_dir = tempfile.mkdtemp(prefix="sscl")
@@ -102,10 +102,10 @@ def _reply(message: dict) -> None:
 
 
 class SimCluster:
-    """Start ``python -m splitserve.sim_cluster`` and talk to it; ``close()`` stops every node."""
+    """Start ``python -m splitserve.deploy.sim_cluster`` and talk to it; ``close()`` stops every node."""
 
     def __init__(self, nodes: list[tuple[str, int]], head_cpus: int = 1, timeout_s: float = 120.0) -> None:
-        args = [sys.executable, "-m", "splitserve.sim_cluster", "--head-cpus", str(head_cpus)]
+        args = [sys.executable, "-m", "splitserve.deploy.sim_cluster", "--head-cpus", str(head_cpus)]
         for role, units in nodes:
             args += ["--node", f"{role}:{units}"]
         self.timeout_s = timeout_s
@@ -260,7 +260,7 @@ class ServeProcess:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m splitserve.sim_cluster", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m splitserve.deploy.sim_cluster", description=__doc__.split("\n\n")[0])
     p.add_argument(
         "--node",
         action="append",

@@ -32,8 +32,9 @@ from collections import deque
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 
-from splitserve.planning.profile import Profile
-from splitserve.planning.settings import PlannerSettings
+from splitserve.deploy.config import DeploymentConfig
+from splitserve.deploy.planner_settings import PlannerSettings
+from splitserve.deploy.profile import Profile
 
 log = logging.getLogger("splitserve.planner")
 
@@ -167,7 +168,7 @@ class ProfileModel:
     ``slowdown`` scales the profile's step costs: the planner's measured-over-predicted correction."""
 
     profile: Profile
-    deployment: object  # DeploymentConfig (the engine's budgets and the KV blocks)
+    deployment: DeploymentConfig  # the engine's budgets and the KV blocks
     ttft_ms: float
     tpot_ms: float
 
@@ -177,7 +178,7 @@ class ProfileModel:
 
     def _prefill_times(self, prompt: int, slowdown: float) -> tuple[float, float]:
         """(one prompt alone, one prompt's share of full steps), in seconds."""
-        from splitserve.planning.profile import StepShape
+        from splitserve.deploy.profile import StepShape
 
         p, engine = self.profile, self.deployment.engine
         budget = min(engine.max_num_batched_tokens, engine.prefill_chunk_size or engine.max_num_batched_tokens)
@@ -197,13 +198,12 @@ class ProfileModel:
         return (2 * x / (1 + 2 * x)) / packed if x > 0 else 0.0
 
     def _decode_step_s(self, batch: int, context: int, slowdown: float) -> float:
-        from splitserve.planning.profile import StepShape
+        from splitserve.deploy.profile import StepShape
 
         return self.profile.serving_step_s(StepShape.of((), [context] * batch), batch) * slowdown
 
     def _most_sequences(self, prompt: int, output: int) -> int:
         from splitserve.common.arith import ceil_div
-        from splitserve.planning.deployment import role_blocks
 
         engine = self.deployment.engine
         per_request = ceil_div(prompt + output, engine.block_size)
@@ -326,3 +326,16 @@ def counts_of(actors: Mapping[str, object]) -> dict[str, int]:
         if role in out:
             out[role] += 1
     return out
+
+
+def role_blocks(deployment: DeploymentConfig, role: str, profile: Profile) -> int:
+    """KV blocks of one worker of the role: its ``num_blocks``, the engine's, else what one rank's KV
+    memory holds (every rank of a worker has the same count): the profile's ``kv_cache_bytes`` where it
+    says what the device leaves after the weights (a GPU profile), else the engine's ``kv_cache_bytes``."""
+    role_config = getattr(deployment, role)
+    engine = deployment.engine
+    if role_config.num_blocks or engine.num_blocks:
+        return role_config.num_blocks or engine.num_blocks
+    per_block = profile.block_bytes(engine.block_size, role_config.tensor_parallel_size)
+    memory = int(profile.notes.get("kv_cache_bytes") or engine.kv_cache_bytes)
+    return max(1, memory // per_block)

@@ -4,8 +4,8 @@ A checkpoint folder holds config.json, generation_config.json, model.safetensors
 shards plus model.safetensors.index.json), tokenizer.json and tokenizer_config.json. Architectures: Llama,
 Qwen2 and Mistral, with HF's tensor names.
 
-Weights come from splitserve.random_weights (an init under which greedy decoding is not degenerate), the
-tokenizer from splitserve.bpe_tokenizer (a byte-level BPE trained offline, padded to vocab_size).
+Weights come from splitserve.tools.random_weights (an init under which greedy decoding is not degenerate), the
+tokenizer from splitserve.tools.bpe_tokenizer (a byte-level BPE trained offline, padded to vocab_size).
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from typing import Literal
 import torch
 from tokenizers import Tokenizer
 
-from splitserve.bpe_tokenizer import DEFAULT_SPECIAL_TOKENS, tokenizer_config, train_tokenizer
 from splitserve.engine.model.loader import canonical_dtype, parse_dtype
-from splitserve.random_weights import random_weights, write_safetensors
+from splitserve.tools.bpe_tokenizer import DEFAULT_SPECIAL_TOKENS, tokenizer_config, train_tokenizer
+from splitserve.tools.random_weights import random_weights, write_safetensors
 
 __all__ = ["PRESETS", "make_model", "train_tokenizer", "write_random_checkpoint"]
 
