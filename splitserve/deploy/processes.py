@@ -12,6 +12,10 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+# How often ``wait_gone`` looks whether killed processes are gone: SIGKILLed processes go in milliseconds,
+# and the whole wait is bounded by its caller's deadline (seconds).
+GONE_POLL_S = 0.05
+
 _STATE, _PPID, _START = 0, 1, 19  # fields of /proc/PID/stat after the command name: 3 (state), 4, 22
 
 
@@ -80,7 +84,7 @@ def wait_gone(processes: Iterable[Process], timeout_s: float) -> list[Process]:
         left = [p for p in processes if is_running(p)]
         if not left or time.monotonic() >= deadline:
             return left
-        time.sleep(0.05)
+        time.sleep(GONE_POLL_S)
 
 
 def kill(processes: Iterable[Process], timeout_s: float) -> list[Process]:
