@@ -1,5 +1,6 @@
 """Checks the import layers of splitserve (docs/architecture.md): import-linter's contracts in pyproject.toml,
-and no import cycle between any two modules, imports inside functions included.
+no import cycle between any two modules, and no two of the launcher's packages importing each other both
+ways, imports inside functions included.
 
 import-linter's graph builder (grimp) finds modules by walking the root package's folder, so on the source
 tree it would see only splitserve/ and miss the parts that setuptools maps into it (engine/ ->
@@ -22,6 +23,15 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 ROOT_PACKAGE = "splitserve"
+# The launcher's floor: between any two of these, imports go one way only.
+LAUNCHER = [
+    "splitserve.cli",
+    "splitserve.planning",
+    "splitserve.deploy",
+    "splitserve.bench",
+    "splitserve.client",
+    "splitserve.tools",
+]
 
 
 def package_folders(pyproject: Path) -> dict[str, Path]:
@@ -112,6 +122,19 @@ def describe_cycle(graph, component: list[str]) -> str:
     return "\n".join(lines)
 
 
+def two_way_ties(graph, packages: list[str]) -> list[tuple[str, str]]:
+    """Every pair of the given packages (or modules) that import each other both ways, counting the imports
+    of any module inside each."""
+    present = [p for p in packages if p in graph.modules]
+    imports = {
+        (a, b)
+        for a in present
+        for b in present
+        if a != b and graph.direct_import_exists(importer=a, imported=b, as_packages=True)
+    }
+    return sorted((a, b) for a, b in imports if a < b and (b, a) in imports)
+
+
 def check(tree: Path, pyproject: Path) -> bool:
     sys.path.insert(0, str(tree))
     import importlib.util
@@ -135,7 +158,12 @@ def check(tree: Path, pyproject: Path) -> bool:
             print(describe_cycle(graph, component))
     else:
         print(f"\nNo import cycle among the {len(graph.modules)} modules of {ROOT_PACKAGE}.")
-    return contracts_kept and not cycles
+    ties = two_way_ties(graph, LAUNCHER)
+    for a, b in ties:
+        print(f"Two-way tie in the launcher: {a} and {b} import each other")
+    if not ties:
+        print("No two-way tie between the launcher's packages.")
+    return contracts_kept and not cycles and not ties
 
 
 def main(argv: list[str] | None = None) -> int:

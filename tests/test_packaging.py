@@ -135,6 +135,7 @@ def test_the_layer_contracts_hold_on_this_tree():
     done = run_check_layers(ROOT / "pyproject.toml")
     assert done.returncode == 0, done.stdout + done.stderr
     assert re.search(r"Contracts: \d+ kept, 0 broken\.", done.stdout) and "No import cycle" in done.stdout
+    assert "No two-way tie between the launcher's packages." in done.stdout
 
 
 def test_check_layers_fails_on_an_upward_import_and_on_a_lazy_cycle(tmp_path):
@@ -150,3 +151,13 @@ def test_check_layers_fails_on_an_upward_import_and_on_a_lazy_cycle(tmp_path):
     assert "splitserve.engine.upward -> splitserve.router.server" in done.stdout
     assert "splitserve.common.ping -> splitserve.common.pong (line 2)" in done.stdout
     assert "splitserve.common.pong -> splitserve.common.ping (line 2)" in done.stdout
+
+
+def test_check_layers_fails_on_a_two_way_tie_between_launcher_packages(tmp_path):
+    tree = tmp_path / "checkout"
+    shutil.copytree(ROOT, tree, ignore=NOT_COPIED)
+    # planning imports deploy; a deploy module reaching back into planning, inside a function, ties them.
+    (tree / "splitserve" / "deploy" / "back.py").write_text("def f():\n    from splitserve.planning import plan\n")
+    done = run_check_layers(tree / "pyproject.toml")
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "Two-way tie in the launcher: splitserve.deploy and splitserve.planning import each other" in done.stdout
