@@ -16,9 +16,9 @@ instead of moving the KV anywhere, streams the decode worker's events on the sam
 A cancelled call frees the request in whatever phase it is.
 
 It shares the prefill worker's edge (``splitserve.worker_common.prefill_edge``: ``PrefillServicer``,
-``PrefillJob``, the cache-event feed) and the batch step (``Batch``), not its class: it has no KV sender,
-as nothing ever leaves it. A role package of its own, like the prefill and decode workers, and
-independent of both.
+``PrefillJob``, the cache-event feed) and the engine interface (``worker_common.engine_api``), not its
+class: it has no KV sender, as nothing ever leaves it. A role package of its own, like the prefill and
+decode workers, and independent of both.
 """
 
 from __future__ import annotations
@@ -28,13 +28,12 @@ import uuid
 import grpc
 
 from splitserve.common.errors import ServingError
-from splitserve.engine.scheduler.request import FinishReason, Request
 from splitserve.engine.wire import FINISH_TO_PB, stop_reason_text
 from splitserve.rpc import workers_pb2 as wpb
 from splitserve.rpc import workers_pb2_grpc as wpb_grpc
 from splitserve.worker_common.base import WorkerBase
-from splitserve.worker_common.batch import Batch
 from splitserve.worker_common.config import WorkerConfig
+from splitserve.worker_common.engine_api import Engine, FinishReason, Request
 from splitserve.worker_common.messages import Add, Cancel, Command, Drain, Emit, End, Event, Fail, unknown_command
 from splitserve.worker_common.prefill_edge.cache_events import CacheEventFeed
 from splitserve.worker_common.prefill_edge.jobs import (
@@ -51,11 +50,11 @@ from splitserve.worker_common.tp.rank_link import Ranks
 
 
 class ColocatedWorker(WorkerBase):
-    def __init__(self, config: WorkerConfig, ranks: Ranks | None = None) -> None:
-        super().__init__(config, ranks)
-        self.scheduler = self.core.make_scheduler()  # keeps requests to the end; recomputes when preempted
-        self.batch = Batch(self.core, self.scheduler, self.lock, self.metrics)
-        self.cache_events = CacheEventFeed(self.core.blocks, self.lock, self.core.config.block_size)
+    scheduler_mode = {}  # keeps requests to the end; recomputes when preempted
+
+    def __init__(self, config: WorkerConfig, ranks: Ranks | None = None, engine: Engine | None = None) -> None:
+        super().__init__(config, ranks, engine)
+        self.cache_events = CacheEventFeed(self.engine, self.lock)
         self.jobs: dict[str, PrefillJob] = {}
         # Tells the router a restarted worker from the one it knew (the prefill worker's comes from its
         # KV sender; the same format).
@@ -98,7 +97,7 @@ class ColocatedWorker(WorkerBase):
     def handle_command(self, command: Command) -> None:
         match command:
             case Add(job):
-                add_job(self.jobs, self.lock, self.scheduler, job)
+                add_job(self.jobs, self.lock, self.engine, job)
             case Cancel(job):
                 self._cancel(job)
             case Drain():  # hand back what has tokens; the rest is handed back at its first token
@@ -109,19 +108,18 @@ class ColocatedWorker(WorkerBase):
 
     def _cancel(self, job: PrefillJob) -> None:
         if self.jobs.get(job.request.request_id) is job:
-            with self.lock:
-                self.scheduler.finish(job.request.request_id, FinishReason.ABORT)  # frees its blocks
+            self.engine.finish(job.request.request_id, FinishReason.ABORT)  # frees its blocks
             self._finish_job(job, End())
 
     def step(self) -> bool:
-        output = self.batch.schedule()
-        if output.is_empty:
+        scheduled = self.engine.schedule()
+        if scheduled.is_empty:
             self.cache_events.publish()
             return False
-        prompt_work = any(i.request.num_tokens - i.request.num_computed_tokens > 1 for i in output.scheduled)
-        self.faults.step("prefill" if prompt_work else "decode")
-        mark_scheduled(self.jobs, output)
-        for request in self.batch.run(output, "prefill" if prompt_work else "decode"):
+        kind = "prefill" if scheduled.prompt_work else "decode"
+        self.faults.step(kind)
+        mark_scheduled(self.jobs, scheduled)
+        for request in self.engine.run(scheduled, kind).advanced:
             self._advanced(self.jobs[request.request_id], request)
         self.cache_events.publish()
         self.faults.step_done()
@@ -145,8 +143,7 @@ class ColocatedWorker(WorkerBase):
 
     def _hand_back(self, job: PrefillJob) -> None:
         output = job.request.output_token_ids
-        with self.lock:
-            self.scheduler.finish(job.request.request_id, FinishReason.PREEMPTED)
+        self.engine.finish(job.request.request_id, FinishReason.PREEMPTED)
         self._finish_job(job, Emit(wpb.PrefillEvent(preempted=wpb.Preempted(output_token_ids=output))))
 
     def _finish_job(self, job: PrefillJob, last: Event) -> None:
@@ -154,11 +151,10 @@ class ColocatedWorker(WorkerBase):
 
     def fail_all(self, message: str) -> None:
         for job in list(self.jobs.values()):
-            with self.lock:
-                self.scheduler.finish(job.request.request_id, FinishReason.ABORT)
+            self.engine.finish(job.request.request_id, FinishReason.ABORT)
             self._finish_job(job, Fail(ServingError("INTERNAL", message)))
 
     def status_message(self):
         with self.lock:
-            running, waiting = len(self.scheduler.running), len(self.scheduler.waiting)
+            running, waiting = self.engine.num_running, self.engine.num_waiting
         return self.status(running, waiting)

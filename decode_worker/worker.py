@@ -25,7 +25,6 @@ import grpc
 
 from splitserve.common.errors import ServingError
 from splitserve.engine.sampling.params import SamplingParams, SamplingParamsError
-from splitserve.engine.scheduler.request import FinishReason, Request
 from splitserve.engine.wire import FINISH_TO_PB, sampling_from_pb, stop_reason_text
 from splitserve.kv_transfer.handles import TransferHandle, TransferState
 from splitserve.kv_transfer.receiver import KVReceiver
@@ -37,8 +36,8 @@ from splitserve.rpc import workers_pb2 as wpb
 from splitserve.rpc import workers_pb2_grpc as wpb_grpc
 from splitserve.rpc.status import abort
 from splitserve.worker_common.base import WorkerBase, ms_since, stream_events
-from splitserve.worker_common.batch import Batch
 from splitserve.worker_common.config import WorkerConfig
+from splitserve.worker_common.engine_api import Engine, FinishReason, Request
 from splitserve.worker_common.messages import (
     Add,
     Admit,
@@ -77,12 +76,12 @@ class DecodeJob:
 
 
 class DecodeWorker(WorkerBase):
-    def __init__(self, config: WorkerConfig, ranks: Ranks | None = None) -> None:
-        super().__init__(config, ranks)
-        self.scheduler = self.core.make_scheduler(preemption="hand_back")
-        self.batch = Batch(self.core, self.scheduler, self.lock, self.metrics)
+    scheduler_mode = {"preemption": "hand_back"}
+
+    def __init__(self, config: WorkerConfig, ranks: Ranks | None = None, engine: Engine | None = None) -> None:
+        super().__init__(config, ranks, engine)
         self.receiver = KVReceiver(
-            self.core.kv_cache,
+            self.engine.kv_cache,
             self.fingerprint,
             config.worker_id,
             host=config.host,
@@ -126,21 +125,21 @@ class DecodeWorker(WorkerBase):
         self.check_request(prompt + output, sampling)
         if self.draining:
             return None, wpb.DecodeEvent(refused=wpb.LeaseRefused(reason="draining", free_blocks=0))
-        blocks = self.core.blocks
+        engine = self.engine
         with self.lock:
             if message.request_id in self.jobs or self.kv.has_transfer(message.request_id):
                 raise ServingError("ALREADY_EXISTS", f"request_id: {message.request_id!r} is already here")
             if len(self.jobs) >= self.config.max_inflight:
                 refusal = wpb.LeaseRefused(
                     reason=f"at capacity ({self.config.max_inflight} requests, its max_inflight)",
-                    free_blocks=blocks.num_free_blocks,
+                    free_blocks=engine.num_free_blocks,
                 )
                 return None, wpb.DecodeEvent(refused=refusal)
             # Room for the prompt's KV and the first token of this leg; decoding grows it step by step.
-            if not blocks.allocate(message.request_id, len(prompt) + len(output) + 1):
-                refusal = wpb.LeaseRefused(reason="not enough free KV blocks", free_blocks=blocks.num_free_blocks)
+            if not engine.allocate(message.request_id, len(prompt) + len(output) + 1):
+                refusal = wpb.LeaseRefused(reason="not enough free KV blocks", free_blocks=engine.num_free_blocks)
                 return None, wpb.DecodeEvent(refused=refusal)
-            table = list(blocks.block_table(message.request_id))
+            table = engine.block_table(message.request_id)
             job = self.jobs[message.request_id] = DecodeJob(message.request_id, prompt, output, sampling)
         if message.prefill_locally:  # conditional disaggregation: no KV will arrive; prefill it here
             self.submit(Add(job))
@@ -149,7 +148,7 @@ class DecodeWorker(WorkerBase):
             job.transfer = self.kv.expect(message.request_id, table)
         except (ValueError, ServingError) as e:  # an earlier request with this id is still being torn down,
             with self.lock:  # or (tensor-parallel) a rank could not expect its part
-                blocks.free(message.request_id)
+                engine.free(message.request_id)
                 del self.jobs[message.request_id]
             if isinstance(e, ServingError):
                 raise
@@ -204,8 +203,7 @@ class DecodeWorker(WorkerBase):
                 self._cancel(job)
             case Drain():  # hand every running request back to the router (it re-prefills elsewhere)
                 for job in [j for j in self.jobs.values() if j.request is not None]:
-                    with self.lock:
-                        self.scheduler.finish(job.request_id, FinishReason.PREEMPTED)
+                    self.engine.finish(job.request_id, FinishReason.PREEMPTED)
                     self._hand_back(job, job.request.output_token_ids)
             case _:
                 raise unknown_command(command)
@@ -215,8 +213,7 @@ class DecodeWorker(WorkerBase):
             return
         job.cancelled = True
         if job.request is not None:
-            with self.lock:
-                self.scheduler.finish(job.request_id, FinishReason.ABORT)  # frees its blocks
+            self.engine.finish(job.request_id, FinishReason.ABORT)  # frees its blocks
             self._end(job, End())
         else:  # still waiting for its KV: _kv_ended frees the lease (or _admit, if the KV just landed)
             self.kv.cancel(job.request_id, "cancelled by the router")
@@ -233,7 +230,7 @@ class DecodeWorker(WorkerBase):
         request = Request.resume(job.request_id, job.prompt, job.output, job.sampling, job.sampling.seed)
         try:
             with self.lock:
-                self.scheduler.add(request)
+                self.engine.add(request)
                 job.request = request
         except ValueError as e:
             self._end(job, Fail(ServingError("INVALID_ARGUMENT", str(e))))
@@ -243,7 +240,7 @@ class DecodeWorker(WorkerBase):
             self._end(job, End())  # frees the lease
             return
         commit = job.transfer.commit  # its types and version were checked as it was decoded
-        if commit is None or not 0 <= commit.first_token < self.core.model_config.vocab_size:
+        if commit is None or not 0 <= commit.first_token < self.engine.model.vocab_size:
             self._end(job, Fail(ServingError("INTERNAL", f"KV commit carries no valid first token: {commit!r}")))
             return
         first = commit.first_token
@@ -252,19 +249,19 @@ class DecodeWorker(WorkerBase):
             return
         request = Request.resume(job.request_id, job.prompt, job.output + [first], job.sampling, job.sampling.seed)
         with self.lock:
-            self.scheduler.add_running(request)
+            self.engine.add_running(request)
             job.request = request
         landed = wpb.KVLanded(wait_ms=ms_since(job.leased_at), bytes=job.transfer.nbytes)
         job.events.put(Emit(wpb.DecodeEvent(landed=landed)))
 
     def step(self) -> bool:
-        output = self.batch.schedule()
-        for victim in output.preempted:  # handed back: blocks already freed
+        scheduled = self.engine.schedule()
+        for victim in scheduled.preempted:  # handed back: blocks already freed
             self._hand_back(self.jobs[victim.request_id], victim.output_token_ids)
-        if output.is_empty:
+        if scheduled.is_empty:
             return False
         self.faults.step("decode")
-        for request in self.batch.run(output, "decode"):
+        for request in self.engine.run(scheduled, "decode").advanced:
             self._advanced(self.jobs[request.request_id], request)
         self.faults.step_done()
         return True
@@ -292,7 +289,7 @@ class DecodeWorker(WorkerBase):
                 return
             job.ended = True
             if job.request is None:
-                self.core.blocks.free(job.request_id)
+                self.engine.free(job.request_id)
         self.kv.release(job.request_id)  # may call back into _end: it returns at once
         with self.lock:
             if self.jobs.get(job.request_id) is job:
@@ -303,13 +300,12 @@ class DecodeWorker(WorkerBase):
 
     def fail_all(self, message: str) -> None:
         for job in list(self.jobs.values()):
-            with self.lock:
-                self.scheduler.finish(job.request_id, FinishReason.ABORT)
+            self.engine.finish(job.request_id, FinishReason.ABORT)
             self._end(job, Fail(ServingError("INTERNAL", message)))
 
     def status_message(self):
         with self.lock:
-            running = len(self.scheduler.running)
+            running = self.engine.num_running
             waiting = sum(1 for job in self.jobs.values() if job.request is None)
         return self.status(running, waiting)
 

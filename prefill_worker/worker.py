@@ -25,8 +25,6 @@ import grpc
 
 from splitserve.common.arith import ceil_div
 from splitserve.common.errors import ServingError
-from splitserve.engine.scheduler.request import FinishReason, Request
-from splitserve.engine.scheduler.scheduler import SchedulerOutput
 from splitserve.engine.wire import FINISH_TO_PB, stop_reason_text
 from splitserve.kv_transfer.descriptor import Commit
 from splitserve.kv_transfer.handles import TransferHandle, TransferState
@@ -35,8 +33,8 @@ from splitserve.kv_transfer.service import GrpcConnection
 from splitserve.rpc import workers_pb2 as wpb
 from splitserve.rpc import workers_pb2_grpc as wpb_grpc
 from splitserve.worker_common.base import WorkerBase
-from splitserve.worker_common.batch import Batch
 from splitserve.worker_common.config import WorkerConfig
+from splitserve.worker_common.engine_api import Engine, FinishReason, Request, ScheduledStep
 from splitserve.worker_common.messages import Add, Cancel, Command, Drain, Emit, End, Event, Fail, unknown_command
 from splitserve.worker_common.prefill_edge.cache_events import CacheEventFeed
 from splitserve.worker_common.prefill_edge.jobs import (
@@ -56,13 +54,13 @@ log = logging.getLogger("splitserve.prefill")
 
 
 class PrefillWorker(WorkerBase):
-    def __init__(self, config: WorkerConfig, ranks: Ranks | None = None) -> None:
-        super().__init__(config, ranks)
-        self.scheduler = self.core.make_scheduler(hand_off_after_first_token=True)
-        self.batch = Batch(self.core, self.scheduler, self.lock, self.metrics)
-        self.cache_events = CacheEventFeed(self.core.blocks, self.lock, self.core.config.block_size)
+    scheduler_mode = {"hand_off_after_first_token": True}
+
+    def __init__(self, config: WorkerConfig, ranks: Ranks | None = None, engine: Engine | None = None) -> None:
+        super().__init__(config, ranks, engine)
+        self.cache_events = CacheEventFeed(self.engine, self.lock)
         sender = KVSender(
-            self.core.kv_cache,
+            self.engine.kv_cache,
             self.fingerprint,
             config.worker_id,
             connect=lambda peer: GrpcConnection(peer.control, config.security),
@@ -71,7 +69,7 @@ class PrefillWorker(WorkerBase):
             faults=self.faults,
         )
         # The request's KV as one hand-off, whatever the TP sizes of this worker and of its destination.
-        self.sender = TPSender(sender, self.core.model_config.num_kv_heads, ranks, self.core.runner.channel)
+        self.sender = TPSender(sender, self.engine.model.num_kv_heads, ranks, self.engine.plan_channel)
         self.jobs: dict[str, PrefillJob] = {}
 
     @property
@@ -126,7 +124,7 @@ class PrefillWorker(WorkerBase):
     def handle_command(self, command: Command) -> None:
         match command:
             case Add(job):
-                add_job(self.jobs, self.lock, self.scheduler, job)
+                add_job(self.jobs, self.lock, self.engine, job)
             case Cancel(job):
                 self._cancel(job)
             case Drain():  # accept() refuses new requests; the ones here finish as usual
@@ -139,35 +137,34 @@ class PrefillWorker(WorkerBase):
         if self.jobs.get(request_id) is not job:
             return  # already finished
         if not job.done:  # still in the scheduler: abort frees its blocks
-            with self.lock:
-                self.scheduler.finish(request_id, FinishReason.ABORT)
+            self.engine.finish(request_id, FinishReason.ABORT)
             self._finish_job(job, End())
         elif job.transfer is not None:
             self.sender.cancel(request_id, "cancelled by the router")  # the transfer callback frees the blocks
 
     def step(self) -> bool:
-        output = self.batch.schedule()
-        if output.is_empty:
+        scheduled = self.engine.schedule()
+        if scheduled.is_empty:
             self.cache_events.publish()
             return False
         self.faults.step("prefill")  # the kill point, then the delay (tests)
-        mark_scheduled(self.jobs, output)
-        streaming = self._start_transfers(output)
-        for request in self.batch.run(output, "prefill", on_layer_done=self._layers_done(streaming)):
+        mark_scheduled(self.jobs, scheduled)
+        streaming = self._start_transfers(scheduled)
+        result = self.engine.run(scheduled, "prefill", on_layer_done=self._layers_done(streaming))
+        for request in result.advanced:
             self._first_token(self.jobs[request.request_id], request)
         self.cache_events.publish()
         return True
 
-    def _start_transfers(self, output: SchedulerOutput) -> list[TransferHandle]:
+    def _start_transfers(self, scheduled: ScheduledStep) -> list[TransferHandle]:
         """Start the KV transfer of each request whose final chunk runs now: its layer groups stream
         while later layers compute."""
         streaming: list[TransferHandle] = []
-        for item in output.scheduled:
-            job = self.jobs[item.request.request_id]
-            if item.samples and job.destination and job.transfer is None:
-                request = item.request
-                blocks = self.core.blocks.block_table(request.request_id)[
-                    : ceil_div(request.num_tokens, self.core.config.block_size)
+        for request in scheduled.sampling:
+            job = self.jobs[request.request_id]
+            if job.destination and job.transfer is None:
+                blocks = self.engine.block_table(request.request_id)[
+                    : ceil_div(request.num_tokens, self.engine.model.block_size)
                 ]
                 job.transfer = self.sender.start(request.request_id, job.destination, blocks, request.num_tokens)
                 streaming.append(job.transfer)
@@ -228,8 +225,7 @@ class PrefillWorker(WorkerBase):
 
     def _release(self, job: PrefillJob) -> None:
         request_id = job.request.request_id
-        with self.lock:
-            self.core.blocks.free(request_id)
+        self.engine.free(request_id)
         self.sender.release(request_id)
         self.wake()
 
@@ -238,8 +234,7 @@ class PrefillWorker(WorkerBase):
 
     def fail_all(self, message: str) -> None:
         for job in list(self.jobs.values()):
-            with self.lock:
-                self.scheduler.finish(job.request.request_id, FinishReason.ABORT)
+            self.engine.finish(job.request.request_id, FinishReason.ABORT)
             if job.transfer is not None:
                 self.sender.cancel(job.request.request_id, message)
             else:
@@ -248,5 +243,5 @@ class PrefillWorker(WorkerBase):
 
     def status_message(self):
         with self.lock:
-            running, waiting = len(self.scheduler.running), len(self.scheduler.waiting)
+            running, waiting = self.engine.num_running, self.engine.num_waiting
         return self.status(running, waiting)

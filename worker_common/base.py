@@ -9,10 +9,10 @@ Threads and who owns what::
 Commands and events are the dataclasses of ``worker_common.messages``; protobuf is made and read only
 at the edges (the servicers, and ``stream_events``).
 
-The loop thread is the only one that runs the model. The scheduler and the block manager are shared
-with handler threads and transfer callbacks under ``self.lock``, which the loop holds only while it
-schedules or applies results, never while the model runs. Nothing is done while holding the lock
-that could call back into code taking it.
+The loop thread is the only one that runs the model. The engine (``self.engine``, the interface of
+``worker_common.engine_api``) is shared with handler threads and transfer callbacks under ``self.lock``,
+which it holds only while it schedules or applies results, never while the model runs. Nothing is done
+while holding the lock that could call back into code taking it.
 """
 
 from __future__ import annotations
@@ -32,8 +32,6 @@ import torch
 from google.protobuf.message import Message
 
 from splitserve.common.errors import ServingError
-from splitserve.engine.core import EngineCore
-from splitserve.engine.tp.distributed import CollectiveError
 from splitserve.observability.exporter import MetricsServer
 from splitserve.rpc import workers_pb2 as wpb
 from splitserve.rpc.auth import server_interceptors
@@ -42,7 +40,9 @@ from splitserve.rpc.status import abort
 from splitserve.v1 import splitserve_pb2 as pb
 from splitserve.worker_common.affinity import format_cpu_list, pin, usable_cpus
 from splitserve.worker_common.config import WorkerConfig
+from splitserve.worker_common.engine_api import Engine
 from splitserve.worker_common.layout import layout_fingerprint
+from splitserve.worker_common.local_engine import LocalEngine
 from splitserve.worker_common.messages import Command, Drain, Emit, End, Event, Fail, unknown_event
 from splitserve.worker_common.metrics import WorkerMetrics
 from splitserve.worker_common.registration import Registration
@@ -63,20 +63,33 @@ LOOP_JOIN_S = 5.0
 
 
 class WorkerBase:
-    def __init__(self, config: WorkerConfig, ranks: Ranks | None = None) -> None:
+    # The scheduler's mode of this role (``EngineCore.make_scheduler``'s keywords, for the local engine).
+    scheduler_mode: dict[str, object] = {}
+
+    def __init__(self, config: WorkerConfig, ranks: Ranks | None = None, engine: Engine | None = None) -> None:
         """``ranks``: this process is rank 0 of a tensor-parallel worker (``engine.tensor_parallel_size`` > 1)
-        whose other ranks have joined the group and run ``splitserve.worker_common.tp.follower``."""
+        whose other ranks have joined the group and run ``splitserve.worker_common.tp.follower``.
+        ``engine``: the engine to drive, built on ``self.lock`` and timing its steps into ``self.metrics``
+        (default: a ``LocalEngine`` of ``config.engine`` in this role's ``scheduler_mode``)."""
         self.config = config
         if config.cpus is not None:  # before the engine: its torch threads start on these cores
             pin(config.cpus)
         self.cpus = format_cpu_list(usable_cpus())  # where this process runs, pinned or not
         self.threads = 0  # torch threads of the loop thread, which runs the model (set as it starts)
         self.ranks = ranks
-        self.core = EngineCore(
-            config.engine, record_block_events=config.role == "prefill", tp_group=ranks.group if ranks else None
-        )
         self.lock = threading.RLock()
-        self.fingerprint = layout_fingerprint(config, self.core)
+        self.metrics = WorkerMetrics(config.worker_id, config.role)
+        if engine is None:
+            engine = LocalEngine.build(
+                config.engine,
+                self.lock,
+                self.metrics,
+                record_block_events=config.role == "prefill",
+                tp_group=ranks.group if ranks else None,
+                **self.scheduler_mode,
+            )
+        self.engine: Engine = engine
+        self.fingerprint = layout_fingerprint(config, engine.model)
         # A tensor-parallel worker fails as a whole when one of its ranks does: the process ends (Ray
         # restarts it, with new followers) and the router retries or migrates what it held.
         self.exit_process: Callable[[int], object] = os._exit
@@ -91,7 +104,6 @@ class WorkerBase:
         self.registration: Registration | None = None
         self.draining = False
         self.faults = config.faults.arm(f"{config.role} worker {config.worker_id}")  # fault hooks (tests)
-        self.metrics = WorkerMetrics(config.worker_id, config.role)
         self.metrics.watch(self)
         self.metrics_server = MetricsServer(self.metrics.registry)
         self.metrics_address = ""  # "" when metrics are off
@@ -156,7 +168,7 @@ class WorkerBase:
         if self.ranks is not None:
             if not (self._thread is not None and self._thread.is_alive()):
                 try:  # the loop has ended: this thread may use the plan channel now
-                    self.core.close()  # Stop: the followers' loops end
+                    self.engine.close()  # Stop: the followers' loops end
                 except Exception as e:  # a group broken already: its followers are failing by themselves
                     log.warning("%s: could not stop the other ranks: %s", self.config.worker_id, e)
             self.ranks.close()
@@ -217,13 +229,10 @@ class WorkerBase:
     def _keep_alive(self) -> None:
         """Rank 0 of a tensor-parallel worker, idle: tick the other ranks before their wait for the next
         plan runs out (a quarter of the group's timeout); a dead or stalled rank makes this raise."""
-        channel = self.core.runner.channel
-        if channel is not None and time.monotonic() - channel.last_sent > self.core.tp_group.timeout_s / 4:
-            channel.tick()
+        self.engine.keep_alive()
 
     def _group_broken(self, error: Exception) -> bool:
-        channel = self.core.runner.channel
-        return isinstance(error, CollectiveError) or (channel is not None and channel.broken)
+        return self.engine.group_broken(error)
 
     def group_failed(self, reason: str) -> None:
         """A rank of this tensor-parallel worker died or stalled (any thread): the worker fails as a whole.
@@ -260,17 +269,15 @@ class WorkerBase:
         if not token_ids:
             raise ServingError("INVALID_ARGUMENT", "prompt_token_ids: must not be empty")
         try:
-            self.core.check_request(token_ids, sampling)
+            self.engine.check_request(token_ids, sampling)
         except ValueError as e:
             raise ServingError("INVALID_ARGUMENT", str(e)) from None
-        if len(token_ids) >= self.core.max_model_len:
+        if len(token_ids) >= self.engine.max_model_len:
             raise ServingError("INVALID_ARGUMENT", f"prompt: {len(token_ids)} tokens exceed the context length")
 
     def kv_figures(self) -> tuple[int, int, int]:
         """(total, in use, cached) blocks, read from the allocator."""
-        with self.lock:
-            b = self.core.blocks
-            return b.num_blocks, b.num_used_blocks, b.num_cached_blocks
+        return self.engine.kv_figures()
 
     def status(self, running: int, waiting: int) -> pb.WorkerStatus:
         total, in_use, cached = self.kv_figures()
@@ -289,7 +296,7 @@ class WorkerBase:
             metrics_address=self.metrics_address,
             cpus=self.cpus,
             threads=self.threads,
-            decode_graphs=self.core.decode_graphs,
+            decode_graphs=self.engine.decode_graphs,
             tensor_parallel_size=self.config.engine.tensor_parallel_size,
         )
 

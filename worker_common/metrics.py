@@ -124,5 +124,5 @@ class _WorkerCollector:
             "Requests preempted for lack of KV blocks (decode: handed back to the router; colocated: recomputed)",
             labels=LABELS,
         )
-        preemptions.add_metric(self.ids, self.worker.scheduler.num_preemptions)
+        preemptions.add_metric(self.ids, self.worker.engine.num_preemptions)
         yield preemptions

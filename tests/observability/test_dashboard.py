@@ -25,7 +25,7 @@ def exposed() -> set[str]:
                 running=0, waiting=0, kv_blocks_total=0, kv_blocks_in_use=0, kv_blocks_cached=0
             ),
             kv_pairs=lambda: 0,
-            scheduler=SimpleNamespace(num_preemptions=0),
+            engine=SimpleNamespace(num_preemptions=0),
         )
     )
     return exposable_names(router.registry, worker.registry)

@@ -23,7 +23,7 @@ def make_worker(running=1, waiting=2, total=64, in_use=5, cached=3, pairs=1, pre
         running=running, waiting=waiting, kv_blocks_total=total, kv_blocks_in_use=in_use, kv_blocks_cached=cached
     )
     return SimpleNamespace(
-        status_message=lambda: status, kv_pairs=lambda: pairs, scheduler=SimpleNamespace(num_preemptions=preemptions)
+        status_message=lambda: status, kv_pairs=lambda: pairs, engine=SimpleNamespace(num_preemptions=preemptions)
     )
 
 

@@ -7,16 +7,16 @@ from __future__ import annotations
 import queue
 import threading
 
-from splitserve.engine.kv_cache.block_manager import BlockManager
 from splitserve.rpc import workers_pb2 as wpb
+from splitserve.worker_common.engine_api import Engine
 from splitserve.worker_common.messages import Emit, End, Event
 
 _KINDS = {"stored": wpb.CacheEvent.STORED, "removed": wpb.CacheEvent.REMOVED}
 
 
 class CacheEventFeed:
-    def __init__(self, blocks: BlockManager, lock: threading.RLock, block_size: int) -> None:
-        self.blocks, self.lock, self.block_size = blocks, lock, block_size
+    def __init__(self, engine: Engine, lock: threading.RLock) -> None:
+        self.engine, self.lock, self.block_size = engine, lock, engine.model.block_size
         self._subscribers: list[queue.Queue[Event]] = []
 
     def subscribe(self) -> tuple[queue.Queue[Event], list[int]]:
@@ -24,7 +24,7 @@ class CacheEventFeed:
         events: queue.Queue[Event] = queue.Queue()
         with self.lock:
             self.publish()
-            snapshot = self.blocks.cached_hashes()
+            snapshot = self.engine.cached_hashes()
             self._subscribers.append(events)
         return events, snapshot
 
@@ -37,7 +37,7 @@ class CacheEventFeed:
     def publish(self) -> None:
         """Hand the block events recorded since the last call to every subscriber."""
         with self.lock:
-            for event in self.blocks.take_events():
+            for event in self.engine.take_block_events():
                 message = wpb.CacheEvent(
                     kind=_KINDS[event.kind], block_hashes=list(event.block_hashes), block_size=self.block_size
                 )

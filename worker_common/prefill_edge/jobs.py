@@ -11,12 +11,11 @@ from dataclasses import dataclass, field
 
 from splitserve.common.errors import ServingError
 from splitserve.engine.sampling.params import SamplingParamsError
-from splitserve.engine.scheduler.request import Request
-from splitserve.engine.scheduler.scheduler import Scheduler, SchedulerOutput
 from splitserve.engine.wire import sampling_from_pb
 from splitserve.kv_transfer.sender import PeerAddress, SendHandle
 from splitserve.rpc import workers_pb2 as wpb
 from splitserve.worker_common.base import WorkerBase
+from splitserve.worker_common.engine_api import Engine, Request, ScheduledStep
 from splitserve.worker_common.messages import Emit, End, Event, Fail, make_event_queue
 
 # A worker refuses a request only past this many times max_inflight held: the router keeps to max_inflight,
@@ -85,11 +84,11 @@ def check_room(worker: WorkerBase, held: int) -> None:
         )
 
 
-def mark_scheduled(jobs: dict[str, PrefillJob], output: SchedulerOutput) -> None:
+def mark_scheduled(jobs: dict[str, PrefillJob], step: ScheduledStep) -> None:
     """Note when each scheduled job first got compute (its queue time ends there)."""
     now = time.monotonic()
-    for item in output.scheduled:
-        job = jobs[item.request.request_id]
+    for request in step.requests:
+        job = jobs[request.request_id]
         if job.first_scheduled is None:
             job.first_scheduled = now
 
@@ -105,10 +104,10 @@ def finish_job(jobs: dict[str, PrefillJob], lock: threading.RLock, job: PrefillJ
         job.events.put(End())
 
 
-def add_job(jobs: dict[str, PrefillJob], lock: threading.RLock, scheduler: Scheduler, job: PrefillJob) -> None:
-    """Give the job's request to the scheduler (loop thread); one it refuses ends its call as INVALID_ARGUMENT."""
+def add_job(jobs: dict[str, PrefillJob], lock: threading.RLock, engine: Engine, job: PrefillJob) -> None:
+    """Give the job's request to the engine (loop thread); one it refuses ends its call as INVALID_ARGUMENT."""
     try:
         with lock:
-            scheduler.add(job.request)
+            engine.add(job.request)
     except ValueError as e:
         finish_job(jobs, lock, job, Fail(ServingError("INVALID_ARGUMENT", str(e))))

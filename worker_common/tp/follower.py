@@ -48,6 +48,7 @@ from splitserve.rpc.status import abort
 from splitserve.worker_common.affinity import pin
 from splitserve.worker_common.config import WorkerConfig
 from splitserve.worker_common.layout import layout_fingerprint
+from splitserve.worker_common.local_engine import model_facts
 from splitserve.worker_common.tp import rank_notices
 from splitserve.worker_common.tp.rank_link import GROUP_FAILED_EXIT, RankInfo
 
@@ -76,7 +77,7 @@ class Follower:
             raise ValueError("tensor_parallel_step: a follower rank runs rank 0's plans ('plan'), not 'lockstep'")
         self.name = f"{config.worker_id}.rank{self.rank}"
         self.faults = config.faults.arm(f"{config.role} worker {self.name}")
-        fingerprint = layout_fingerprint(config, self.core)
+        fingerprint = layout_fingerprint(config, model_facts(self.core))
         self.sender: KVSender | None = None
         self.receiver: KVReceiver | None = None
         endpoint = dict(host=config.host, config=config.transfer, faults=self.faults)
