@@ -26,6 +26,7 @@ from splitserve.worker_common.engine_api import (
     ScheduledStep,
     StepKind,
     StepResult,
+    TensorParallel,
 )
 from splitserve.worker_common.local_engine import LocalEngine
 from splitserve.worker_common.messages import Emit, End
@@ -40,7 +41,7 @@ def local_engine(tiny_model_dir) -> LocalEngine:
 
 
 def test_the_local_engine_is_an_engine(local_engine):
-    assert isinstance(local_engine, Engine)
+    assert isinstance(local_engine, Engine) and isinstance(local_engine, TensorParallel)
     assert isinstance(local_engine.kv_cache, KVRegion)
     assert isinstance(local_engine.schedule(), ScheduledStep)
     facts = local_engine.model
@@ -56,7 +57,7 @@ def test_the_local_engine_steps_a_request_to_its_end(local_engine):
     kinds: list[StepKind] = []
     while not request.is_finished:
         result = local_engine.step()
-        assert result.advanced == (request,)
+        assert result.advanced == (request,) and result.preempted == ()
         kinds.append(result.kind)
     assert kinds == ["prefill", "decode", "decode"] and result.finished == (request,)
     assert request.num_output_tokens == 3 and request.finish_reason is FinishReason.LENGTH

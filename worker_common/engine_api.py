@@ -26,6 +26,7 @@ from typing import Literal, Protocol, runtime_checkable
 
 import torch
 
+from splitserve.engine.kv_cache.cache import KVCacheSpec
 from splitserve.engine.scheduler.request import FinishReason, Request
 from splitserve.engine.tp.step import PlanChannel
 
@@ -38,6 +39,7 @@ __all__ = [
     "ScheduledStep",
     "StepKind",
     "StepResult",
+    "TensorParallel",
 ]
 
 StepKind = Literal["prefill", "decode"]  # "prefill" if the step computes prompt tokens (the metrics' label)
@@ -86,10 +88,12 @@ class ScheduledStep(Protocol):
 
 @dataclass(frozen=True)
 class StepResult:
-    """What one step did: the requests that got a token (some of them finished by it), in step order."""
+    """What one step did: the requests that got a token (some of them finished by it), in step order, and
+    the requests preempted to make room for it (the scheduled step's ``preempted``)."""
 
     kind: StepKind
     advanced: tuple[Request, ...]
+    preempted: tuple[Request, ...] = ()
 
     @property
     def finished(self) -> tuple[Request, ...]:
@@ -105,7 +109,8 @@ class KVRegion(Protocol):
     def device(self) -> torch.device: ...
 
     @property
-    def spec(self):  # the cache's shape: num_blocks, num_layers, num_kv_heads, block_size, head_dim, dtype
+    def spec(self) -> KVCacheSpec:
+        """The cache's shape: num_blocks, num_layers, num_kv_heads (this rank's), block_size, head_dim, dtype."""
         ...
 
     @property
@@ -123,8 +128,31 @@ class KVRegion(Protocol):
 
 
 @runtime_checkable
-class Engine(Protocol):
-    """The one interface the workers drive an engine through."""
+class TensorParallel(Protocol):
+    """The tensor-parallel part of an engine: what rank 0 of a worker whose engine drives other ranks
+    needs (an engine on one device, or one that runs its ranks by itself, answers None, False, no-op)."""
+
+    @property
+    def plan_channel(self) -> PlanChannel | None:
+        """Rank 0 of a tensor-parallel engine that drives its followers: the channel of its plans and notices."""
+        ...
+
+    def keep_alive(self) -> None:
+        """Idle: tick the other ranks if due (raises if one is dead or stalled); no-op without followers."""
+        ...
+
+    def group_broken(self, error: Exception) -> bool:
+        """Whether ``error`` (raised by a step) means the tensor-parallel group failed."""
+        ...
+
+    def close(self) -> None:
+        """End the followers' loops (idempotent; no-op without followers)."""
+        ...
+
+
+@runtime_checkable
+class Engine(TensorParallel, Protocol):
+    """The one interface the workers drive an engine through (with its ``TensorParallel`` part)."""
 
     # ---- requests -------------------------------------------------------------------------------
 
@@ -212,26 +240,9 @@ class Engine(Protocol):
         """Raise ValueError naming the field when the engine cannot take this request."""
         ...
 
-    # ---- tensor parallelism and status ----------------------------------------------------------
-
-    @property
-    def plan_channel(self) -> PlanChannel | None:
-        """Rank 0 of a tensor-parallel engine that drives its followers: the channel of its plans and notices."""
-        ...
+    # ---- status ---------------------------------------------------------------------------------
 
     @property
     def decode_graphs(self) -> str:
         """The captured decode graphs in one line for status ("" when none)."""
-        ...
-
-    def keep_alive(self) -> None:
-        """Idle: tick the other ranks if due (raises if one is dead or stalled); no-op without followers."""
-        ...
-
-    def group_broken(self, error: Exception) -> bool:
-        """Whether ``error`` (raised by a step) means the tensor-parallel group failed."""
-        ...
-
-    def close(self) -> None:
-        """End the followers' loops (idempotent; no-op without followers)."""
         ...

@@ -139,12 +139,12 @@ class LocalEngine:
             self.metrics.step(kind, time.monotonic() - start, len(output.scheduled), output.num_tokens)
         with self.lock:
             advanced = self.scheduler.update(output, sampled)
-        return StepResult(kind, tuple(advanced))
+        return StepResult(kind, tuple(advanced), step.preempted)
 
     def step(self, kind: StepKind | None = None, on_layer_done: Callable[[int], None] | None = None) -> StepResult:
         scheduled = self.schedule()
         if scheduled.is_empty:
-            return StepResult(kind or "decode", ())
+            return StepResult(kind or "decode", (), scheduled.preempted)
         return self.run(scheduled, kind, on_layer_done)
 
     # ---- KV blocks ------------------------------------------------------------------------------
@@ -196,15 +196,17 @@ class LocalEngine:
     def check_request(self, token_ids: list[int], sampling) -> None:
         self.core.check_request(token_ids, sampling)
 
-    # ---- tensor parallelism and status ----------------------------------------------------------
-
-    @property
-    def plan_channel(self) -> PlanChannel | None:
-        return self.core.runner.channel
+    # ---- status ---------------------------------------------------------------------------------
 
     @property
     def decode_graphs(self) -> str:
         return self.core.decode_graphs
+
+    # ---- tensor parallelism ---------------------------------------------------------------------
+
+    @property
+    def plan_channel(self) -> PlanChannel | None:
+        return self.core.runner.channel
 
     def keep_alive(self) -> None:
         channel = self.core.runner.channel

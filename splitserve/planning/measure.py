@@ -1,8 +1,8 @@
 """``splitserve profile``: measure a model's steps on its device through the real engine, and the real KV
 transfer between two processes, then fit ``splitserve.deploy.profile.Profile``.
 
-Steps are timed as a worker takes them (``worker_common.batch.Batch``): schedule, run the model, apply the
-results, on an ``EngineCore`` built as the workers build theirs. Grids:
+Steps are timed as a worker's engine takes them (``worker_common.local_engine.LocalEngine.run``): schedule, run
+the model, apply the results, on an ``EngineCore`` built as the workers build theirs. Grids:
 
 - prefill: ``tokens`` new prompt tokens of one request over ``contexts`` tokens already in its cache;
 - decode: ``batches`` sequences of ``contexts`` tokens each, one new token each, several steps;
