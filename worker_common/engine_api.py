@@ -11,7 +11,12 @@ scheduler's output, the block manager or the model runner. Two things it does se
   requests preempted to make room back to the router before the step runs. vLLM's KV connector has the same
   two hooks: ``build_connector_meta`` on the scheduled step, then ``save_kv_layer`` per layer and
   ``wait_for_save`` in the forward. ``step()`` is both phases at once, for a caller that needs neither.
-* the KV region (``KVRegion``), which the KV transfer reads from and writes into by block id.
+* the KV region (``KVRegion``), which the KV transfer reads from and writes into by block id. A decode
+  worker leases blocks (``allocate``), has the KV written into them, then joins the request with its first
+  token (``add_running``): where vLLM's connector would ``start_load_kv`` into blocks its scheduler chose.
+
+Rank 0 of a tensor-parallel worker that drives its ranks also uses the ``TensorParallel`` part (its plan
+channel, the idle tick, the group's failure); an engine that runs its ranks by itself answers None and False.
 
 Every method may be called from any thread: the engine takes the worker's lock itself (a reentrant lock, so
 a worker that holds it already around several calls may call in). ``run`` and ``step`` hold it only while
