@@ -206,6 +206,12 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor cache, torch::Tensor b
 
 }  // namespace
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode", &paged_decode, "paged decode attention reading the KV cache in place (CPU)");
+// A torch operator (torch.ops.<extension name>.paged_decode), not a bare Python function: the dispatcher sees it,
+// so dispatch modes (tests/engine/fake_graphs.py records a step's operators) and torch.compile see it too.
+TORCH_LIBRARY(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode(Tensor q, Tensor cache, Tensor block_tables, Tensor context_lens, float scale, int window) -> Tensor");
 }
+
+TORCH_LIBRARY_IMPL(TORCH_EXTENSION_NAME, CPU, m) { m.impl("paged_decode", &paged_decode); }
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {}  // loading the module registers the operator

@@ -154,7 +154,8 @@ def paged_decode_cpu(
     """``PagedDecodeFn`` on the CPU, reading the cache in place (see the module docstring)."""
     module = load()
     assert module is not None, "cpu paged decode: the extension is unavailable (check is_available first)"
-    return module.paged_decode(q, cache_layer, block_tables.long(), context_lens.long(), float(scale), window or 0)
+    op = getattr(torch.ops, module.__name__).paged_decode
+    return op(q, cache_layer, block_tables.long(), context_lens.long(), float(scale), window or 0)
 
 
 # Registered by paged_decode.py's registry on first selection (OPTIONAL_BACKEND_MODULES), for float32 only: the
