@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from splitserve.common.arith import ceil_div
+from splitserve.engine.attention import cpu_paged_decode, paged_decode
 from splitserve.engine.attention.paged_decode import REGISTRY, BackendRegistry, paged_decode_torch, select_backend
 
 KV_HEADS, HEADS, HEAD_DIM, BLOCK_SIZE, NUM_BLOCKS, MAX_BLOCKS = 2, 6, 16, 4, 40, 6
@@ -85,7 +86,9 @@ def test_bf16_follows_the_fp32_result():
     torch.testing.assert_close(out.float(), ref, atol=3e-2, rtol=3e-2)
 
 
-def test_registry_selects_the_preferred_available_backend():
+def test_registry_selects_the_preferred_available_backend(monkeypatch):
+    # Only the backends registered here: none of the optional modules' (the CPU kernel would win float32).
+    monkeypatch.setattr(paged_decode, "OPTIONAL_BACKEND_MODULES", ())
     registry = BackendRegistry()
     registry.register("torch", paged_decode_torch, lambda device, dtype: True, priority=0)
     registry.register("fast", paged_decode_torch, lambda device, dtype: dtype == torch.bfloat16, priority=10)
@@ -103,7 +106,11 @@ def test_registry_selects_the_preferred_available_backend():
 
 def test_process_registry_always_has_torch():
     assert "torch" in REGISTRY.names()
-    assert select_backend("cpu", torch.float32).fn is paged_decode_torch
+    assert select_backend("cpu", torch.float32, name="torch").fn is paged_decode_torch
+    # The default on the CPU: the reference for bfloat16; for float32 the in-place kernel where it builds.
+    assert select_backend("cpu", torch.bfloat16).fn is paged_decode_torch
+    expected = "cpu" if cpu_paged_decode.load() is not None else "torch"
+    assert select_backend("cpu", torch.float32).name == expected
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
