@@ -128,11 +128,13 @@ def test_selected_cuda_backend_matches_the_reference(dtype):
 
 def test_the_gpu_kernels_register_behind_the_same_interface():
     """engine/attention/triton_paged_decode.py's BACKENDS join the registry on first selection: on the CPU the
-    reference is chosen, and the Triton kernel (preferred where it runs) refuses a CPU device by name."""
+    reference is chosen (for float32 the CPU kernel, where it builds: no GPU kernel), and the Triton kernel
+    (preferred where it runs) refuses a CPU device by name."""
     pytest.importorskip("triton", reason="triton is not installed: the kernels cannot register")
     from splitserve.engine.attention.paged_decode import REGISTRY, select_backend
 
-    assert select_backend("cpu", torch.float32).name == "torch"
+    assert select_backend("cpu", torch.bfloat16).name == "torch"
+    assert select_backend("cpu", torch.float32).name == ("cpu" if cpu_paged_decode.load() is not None else "torch")
     assert {"torch", "triton", "flashinfer", "flash_attn"} <= set(REGISTRY.names())
     triton_backend = REGISTRY._backends["triton"]
     assert triton_backend.priority > REGISTRY._backends["torch"].priority > REGISTRY._backends["flashinfer"].priority
