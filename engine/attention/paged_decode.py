@@ -17,9 +17,11 @@ The contract every backend meets (``PagedDecodeFn``)::
   block (a dummy one): they are never attended to, so they never disturb a live row.
 
 ``paged_decode_torch`` is the reference, always available. Faster backends (a Triton kernel on CUDA,
-``engine/attention/triton_paged_decode.py``) are listed in that module's ``BACKENDS`` and registered on the first
+``engine/attention/triton_paged_decode.py``; a C++ kernel on the CPU that reads the cache in place,
+``engine/attention/cpu_paged_decode.py``) are listed in their module's ``BACKENDS`` and registered on the first
 selection (``OPTIONAL_PRIORITIES`` ranks them), or with ``register_backend``; ``select_backend`` returns the
-preferred one available for a device and dtype.
+preferred one available for a device and dtype. A ``BACKENDS`` entry is ``(name, fn, is_available(device))``,
+or ``(name, fn, is_available(device), dtypes)`` for a backend that runs only those dtypes.
 """
 
 from __future__ import annotations
@@ -35,11 +37,15 @@ import torch.nn.functional as F
 PagedDecodeFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float, "int | None"], torch.Tensor]
 
 # Modules that register a backend when imported; absent ones are skipped.
-OPTIONAL_BACKEND_MODULES = ("splitserve.engine.attention.triton_paged_decode",)
+OPTIONAL_BACKEND_MODULES = (
+    "splitserve.engine.attention.triton_paged_decode",
+    "splitserve.engine.attention.cpu_paged_decode",
+)
 # The Triton kernel is preferred over the torch reference where it runs (CUDA). FlashInfer and
 # FlashAttention rank below the reference, so they run only when named: FlashInfer's plan reads the
-# lengths on the host (a CUDA graph cannot capture it) and FlashAttention 2 needs 256-token pages.
-OPTIONAL_PRIORITIES = {"triton": 20}
+# lengths on the host (a CUDA graph cannot capture it) and FlashAttention 2 needs 256-token pages. The CPU
+# kernel, where it builds, is faster than the reference's gather at every measured shape (docs/performance.md).
+OPTIONAL_PRIORITIES = {"triton": 20, "cpu": 20}
 
 log = logging.getLogger(__name__)
 
@@ -131,12 +137,14 @@ class BackendRegistry:
             except ImportError as e:  # absent, or what it needs (triton) is not installed here
                 log.debug("paged decode backend module %s not loaded: %s", module, e)
                 continue
-            for name, fn, available in getattr(loaded, "BACKENDS", ()):
+            for name, fn, available, *dtypes in getattr(loaded, "BACKENDS", ()):
                 if name not in self._backends:
                     self.register(
                         name,
                         fn,
-                        lambda device, dtype, available=available: available(device),
+                        lambda device, dtype, available=available, dtypes=dtypes: (
+                            (not dtypes or dtype in dtypes[0]) and available(device)
+                        ),
                         priority=OPTIONAL_PRIORITIES.get(name, -1),
                     )
 

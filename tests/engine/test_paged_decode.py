@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from splitserve.common.arith import ceil_div
+from splitserve.engine.attention import cpu_paged_decode, paged_decode
 from splitserve.engine.attention.paged_decode import REGISTRY, BackendRegistry, paged_decode_torch, select_backend
 
 KV_HEADS, HEADS, HEAD_DIM, BLOCK_SIZE, NUM_BLOCKS, MAX_BLOCKS = 2, 6, 16, 4, 40, 6
@@ -85,7 +86,9 @@ def test_bf16_follows_the_fp32_result():
     torch.testing.assert_close(out.float(), ref, atol=3e-2, rtol=3e-2)
 
 
-def test_registry_selects_the_preferred_available_backend():
+def test_registry_selects_the_preferred_available_backend(monkeypatch):
+    # Only the backends registered here: none of the optional modules' (the CPU kernel would win float32).
+    monkeypatch.setattr(paged_decode, "OPTIONAL_BACKEND_MODULES", ())
     registry = BackendRegistry()
     registry.register("torch", paged_decode_torch, lambda device, dtype: True, priority=0)
     registry.register("fast", paged_decode_torch, lambda device, dtype: dtype == torch.bfloat16, priority=10)
@@ -103,7 +106,11 @@ def test_registry_selects_the_preferred_available_backend():
 
 def test_process_registry_always_has_torch():
     assert "torch" in REGISTRY.names()
-    assert select_backend("cpu", torch.float32).fn is paged_decode_torch
+    assert select_backend("cpu", torch.float32, name="torch").fn is paged_decode_torch
+    # The default on the CPU: the reference for bfloat16; for float32 the in-place kernel where it builds.
+    assert select_backend("cpu", torch.bfloat16).fn is paged_decode_torch
+    expected = "cpu" if cpu_paged_decode.load() is not None else "torch"
+    assert select_backend("cpu", torch.float32).name == expected
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -121,11 +128,13 @@ def test_selected_cuda_backend_matches_the_reference(dtype):
 
 def test_the_gpu_kernels_register_behind_the_same_interface():
     """engine/attention/triton_paged_decode.py's BACKENDS join the registry on first selection: on the CPU the
-    reference is chosen, and the Triton kernel (preferred where it runs) refuses a CPU device by name."""
+    reference is chosen (for float32 the CPU kernel, where it builds: no GPU kernel), and the Triton kernel
+    (preferred where it runs) refuses a CPU device by name."""
     pytest.importorskip("triton", reason="triton is not installed: the kernels cannot register")
     from splitserve.engine.attention.paged_decode import REGISTRY, select_backend
 
-    assert select_backend("cpu", torch.float32).name == "torch"
+    assert select_backend("cpu", torch.bfloat16).name == "torch"
+    assert select_backend("cpu", torch.float32).name == ("cpu" if cpu_paged_decode.load() is not None else "torch")
     assert {"torch", "triton", "flashinfer", "flash_attn"} <= set(REGISTRY.names())
     triton_backend = REGISTRY._backends["triton"]
     assert triton_backend.priority > REGISTRY._backends["torch"].priority > REGISTRY._backends["flashinfer"].priority

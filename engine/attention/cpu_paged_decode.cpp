@@ -1,0 +1,217 @@
+// Decode attention on the CPU that reads K/V in place from the paged cache through the block tables.
+//
+// The contract is paged_decode.py's PagedDecodeFn: q [B, H, d], cache_layer [num_blocks, 2, kv_heads,
+// block_size, d] (contiguous), block_tables [B, max_blocks] int64, context_lens [B] int64; row b attends to
+// positions [max(0, len - window), len) with len = max(context_lens[b], 1) (a zero-length padding row attends to
+// position 0 of its first block). One work item per (row, KV head): the query group of that KV head is scored
+// against each block the row attends to, straight from the cache, with an online softmax; scores, the softmax
+// and the accumulation are float32 for every input dtype (float32, bfloat16). Items run on torch's intra-op
+// threads (at::parallel_for), so torch.set_num_threads bounds them.
+//
+// Built by engine/attention/cpu_paged_decode.py with torch.utils.cpp_extension, once per machine (the build
+// key includes the CPU's flags: -march=native code runs only where it was built).
+
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <bit>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+inline float load(float x) { return x; }
+
+inline float load(c10::BFloat16 x) {
+  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+inline void store(float* out, float x) { *out = x; }
+
+inline void store(c10::BFloat16* out, float x) { *out = c10::BFloat16(x); }  // round to nearest even
+
+// exp(x) for x <= 0 (a score minus the running maximum), vectorizable: 2^n * p(f) with a degree-6 polynomial,
+// relative error about 2e-7 (the float32 library exp's order). Below -87 it returns 0.
+inline float exp_nonpositive(float x) {
+  x = std::max(x, -87.0f);
+  const float t = x * 1.44269504088896341f;  // log2(e)
+  const float n = std::floor(t + 0.5f);
+  const float f = (t - n) * 0.693147180559945309f;  // in [-ln2/2, ln2/2]
+  float p = 1.3888889e-3f;
+  p = p * f + 8.3333333e-3f;
+  p = p * f + 4.1666667e-2f;
+  p = p * f + 1.6666667e-1f;
+  p = p * f + 0.5f;
+  p = p * f + 1.0f;
+  p = p * f + 1.0f;
+  return p * std::bit_cast<float>((static_cast<int32_t>(n) + 127) << 23);
+}
+
+// Rows [t0, t1) of one block's keys or values as float32: in place for float32, converted into ``buf`` (which
+// holds the whole block) for bfloat16, once per block rather than once per query of the group.
+inline const float* rows(const float* block, int64_t, int64_t, int64_t, float*) { return block; }
+
+inline const float* rows(const c10::BFloat16* block, int64_t t0, int64_t t1, int64_t d, float* buf) {
+  const uint16_t* bits = reinterpret_cast<const uint16_t*>(block);
+#pragma omp simd
+  for (int64_t i = t0 * d; i < t1 * d; ++i) {
+    const uint32_t u = static_cast<uint32_t>(bits[i]) << 16;
+    float f;
+    std::memcpy(&f, &u, sizeof(f));
+    buf[i] = f;
+  }
+  return buf;
+}
+
+// q . k over d elements: LANES independent partial sums (one vector register's worth), summed by halves.
+constexpr int64_t LANES = 16;
+
+inline float dot_product(const float* q, const float* k, int64_t d) {
+  float part[LANES] = {};
+  int64_t i = 0;
+  for (; i + LANES <= d; i += LANES) {
+#pragma omp simd
+    for (int64_t l = 0; l < LANES; ++l) part[l] += q[i + l] * k[i + l];
+  }
+  for (int64_t l = 0; l < 8; ++l) part[l] += part[l + 8];
+  for (int64_t l = 0; l < 4; ++l) part[l] += part[l + 4];
+  for (int64_t l = 0; l < 2; ++l) part[l] += part[l + 2];
+  float sum = part[0] + part[1];
+  for (; i < d; ++i) sum += q[i] * k[i];
+  return sum;
+}
+
+template <typename scalar_t>
+void decode_rows(const scalar_t* q, const scalar_t* cache, const int64_t* tables, const int64_t* lens,
+                 scalar_t* out, int64_t batch, int64_t heads, int64_t kv_heads, int64_t block_size,
+                 int64_t head_dim, int64_t max_blocks, float scale, int64_t window) {
+  const int64_t group = heads / kv_heads;
+  const int64_t d = head_dim;
+  const int64_t block_elems = block_size * d;
+  at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(group * d), acc(group * d), scores(group * block_size), run_max(group), run_sum(group);
+    std::vector<float> kbuf(std::is_same_v<scalar_t, float> ? 0 : block_elems), vbuf(kbuf.size());
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / kv_heads;
+      const int64_t h = item % kv_heads;
+      const int64_t len = std::max<int64_t>(lens[b], 1);
+      const int64_t start = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+      for (int64_t g = 0; g < group; ++g) {
+        const scalar_t* qrow = q + (b * heads + h * group + g) * d;
+        float* qg = qf.data() + g * d;
+        for (int64_t i = 0; i < d; ++i) qg[i] = load(qrow[i]) * scale;
+      }
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      std::fill(run_max.begin(), run_max.end(), -std::numeric_limits<float>::infinity());
+      std::fill(run_sum.begin(), run_sum.end(), 0.0f);
+      const int64_t* table = tables + b * max_blocks;
+      for (int64_t blk = start / block_size; blk <= (len - 1) / block_size; ++blk) {
+        const int64_t t0 = std::max<int64_t>(start - blk * block_size, 0);
+        const int64_t t1 = std::min<int64_t>(len - blk * block_size, block_size);
+        const int64_t id = table[blk];
+        const float* keys = rows(cache + ((id * 2) * kv_heads + h) * block_elems, t0, t1, d, kbuf.data());
+        const float* values = rows(cache + ((id * 2 + 1) * kv_heads + h) * block_elems, t0, t1, d, vbuf.data());
+        for (int64_t t = t0; t < t1; ++t) {
+          const float* k = keys + t * d;
+          for (int64_t g = 0; g < group; ++g) {
+            const float* qg = qf.data() + g * d;
+            scores[g * block_size + t] = dot_product(qg, k, d);
+          }
+        }
+        for (int64_t g = 0; g < group; ++g) {
+          float* s = scores.data() + g * block_size;
+          float block_max = -std::numeric_limits<float>::infinity();
+          for (int64_t t = t0; t < t1; ++t) block_max = std::max(block_max, s[t]);
+          const float new_max = std::max(run_max[g], block_max);
+          const float correction = exp_nonpositive(run_max[g] - new_max);  // about 0 on the first block
+          run_max[g] = new_max;
+          float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+          for (int64_t t = t0; t < t1; ++t) {
+            s[t] = exp_nonpositive(s[t] - new_max);
+            sum += s[t];
+          }
+          run_sum[g] = run_sum[g] * correction + sum;
+          if (correction != 1.0f) {
+            float* a = acc.data() + g * d;
+#pragma omp simd
+            for (int64_t i = 0; i < d; ++i) a[i] *= correction;
+          }
+        }
+        for (int64_t t = t0; t < t1; ++t) {
+          const float* v = values + t * d;
+          for (int64_t g = 0; g < group; ++g) {
+            const float p = scores[g * block_size + t];
+            float* a = acc.data() + g * d;
+#pragma omp simd
+            for (int64_t i = 0; i < d; ++i) a[i] += p * v[i];
+          }
+        }
+      }
+      for (int64_t g = 0; g < group; ++g) {
+        const float inv = 1.0f / run_sum[g];
+        const float* a = acc.data() + g * d;
+        scalar_t* o = out + (b * heads + h * group + g) * d;
+        for (int64_t i = 0; i < d; ++i) store(o + i, a[i] * inv);
+      }
+    }
+  });
+}
+
+torch::Tensor paged_decode(torch::Tensor q, torch::Tensor cache, torch::Tensor block_tables,
+                           torch::Tensor context_lens, double scale, int64_t window) {
+  TORCH_CHECK(q.device().is_cpu() && cache.device().is_cpu(), "cpu paged decode: tensors must be on the CPU");
+  TORCH_CHECK(q.dim() == 3 && cache.dim() == 5, "cpu paged decode: q [B, H, d], cache [N, 2, kv_heads, bs, d]");
+  TORCH_CHECK(q.scalar_type() == cache.scalar_type(), "cpu paged decode: q and the cache differ in dtype");
+  TORCH_CHECK(cache.is_contiguous(), "cpu paged decode: the cache layer must be contiguous");
+  TORCH_CHECK(block_tables.scalar_type() == torch::kLong && context_lens.scalar_type() == torch::kLong,
+              "cpu paged decode: block tables and lengths must be int64");
+  q = q.contiguous();
+  block_tables = block_tables.contiguous();
+  context_lens = context_lens.contiguous();
+  const int64_t batch = q.size(0), heads = q.size(1), head_dim = q.size(2);
+  const int64_t kv_heads = cache.size(2), block_size = cache.size(3);
+  TORCH_CHECK(cache.size(1) == 2 && cache.size(4) == head_dim, "cpu paged decode: cache shape does not match q");
+  TORCH_CHECK(heads % kv_heads == 0, "cpu paged decode: heads must be a multiple of kv_heads");
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == batch && context_lens.numel() == batch,
+              "cpu paged decode: one block table and one length per row");
+  const int64_t max_blocks = block_tables.size(1);
+  TORCH_CHECK(max_blocks > 0 || batch == 0, "cpu paged decode: block tables need at least one column");
+  auto out = torch::empty_like(q);
+  if (batch == 0) return out;
+  const float s = static_cast<float>(scale);
+  if (q.scalar_type() == torch::kFloat) {
+    decode_rows<float>(q.data_ptr<float>(), cache.data_ptr<float>(), block_tables.data_ptr<int64_t>(),
+                       context_lens.data_ptr<int64_t>(), out.data_ptr<float>(), batch, heads, kv_heads, block_size,
+                       head_dim, max_blocks, s, window);
+  } else if (q.scalar_type() == torch::kBFloat16) {
+    decode_rows<c10::BFloat16>(q.data_ptr<c10::BFloat16>(), cache.data_ptr<c10::BFloat16>(),
+                               block_tables.data_ptr<int64_t>(), context_lens.data_ptr<int64_t>(),
+                               out.data_ptr<c10::BFloat16>(), batch, heads, kv_heads, block_size, head_dim,
+                               max_blocks, s, window);
+  } else {
+    TORCH_CHECK(false, "cpu paged decode: float32 or bfloat16 only, got ", q.scalar_type());
+  }
+  return out;
+}
+
+}  // namespace
+
+// A torch operator (torch.ops.<extension name>.paged_decode), not a bare Python function: the dispatcher sees it,
+// so dispatch modes (tests/engine/fake_graphs.py records a step's operators) and torch.compile see it too.
+TORCH_LIBRARY(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode(Tensor q, Tensor cache, Tensor block_tables, Tensor context_lens, float scale, int window) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(TORCH_EXTENSION_NAME, CPU, m) { m.impl("paged_decode", &paged_decode); }
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {}  // loading the module registers the operator

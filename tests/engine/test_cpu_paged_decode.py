@@ -1,0 +1,134 @@
+"""The CPU paged-decode kernel (engine/attention/cpu_paged_decode.py) against the torch reference, and its
+fallback when it cannot be built."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from splitserve.engine.attention import cpu_paged_decode
+from splitserve.engine.attention.paged_decode import BackendRegistry, paged_decode_torch
+
+needs_kernel = pytest.mark.skipif(
+    cpu_paged_decode.load() is None, reason=f"cpu paged decode kernel not built: {cpu_paged_decode.failure()}"
+)
+TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+
+
+def make_case(lens, heads, kv_heads, head_dim, block_size, dtype, shared=False, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    max_blocks = max(1, max(-(-n // block_size) for n in lens))
+    num_blocks = len(lens) * max_blocks + 2
+    cache = torch.randn(num_blocks, 2, kv_heads, block_size, head_dim, generator=gen).to(dtype)
+    tables = torch.randperm(num_blocks, generator=gen)[: len(lens) * max_blocks].view(len(lens), max_blocks)
+    if shared:  # every row's first block is row 0's (a shared prefix)
+        tables[:, 0] = tables[0, 0]
+    q = torch.randn(len(lens), heads, head_dim, generator=gen).to(dtype)
+    return q, cache, tables, torch.tensor(lens)
+
+
+def check(lens, heads=14, kv_heads=2, head_dim=64, block_size=16, dtype=torch.float32, window=None, shared=False):
+    q, cache, tables, lens_t = make_case(lens, heads, kv_heads, head_dim, block_size, dtype, shared)
+    scale = head_dim**-0.5
+    want = paged_decode_torch(q, cache, tables, lens_t, scale, window)
+    got = cpu_paged_decode.paged_decode_cpu(q, cache, tables, lens_t, scale, window)
+    assert got.dtype == dtype and got.shape == want.shape
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got.float(), want.float(), atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block_size", [1, 16, 32])
+def test_block_boundaries(block_size, dtype):
+    k = 3
+    check([k * block_size, k * block_size - 1, k * block_size + 1, 1], block_size=block_size, dtype=dtype)
+
+
+@needs_kernel
+@pytest.mark.parametrize("heads, kv_heads", [(4, 4), (4, 2), (14, 2)])  # GQA ratios 1, 2, 7
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_gqa_and_head_dims(heads, kv_heads, head_dim):
+    check([1, 17, 40, 5], heads=heads, kv_heads=kv_heads, head_dim=head_dim)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [8, 40, 100])  # below, equal to and above the longest context
+def test_windows(window, dtype):
+    check([40, 33, 7, 1, 16], window=window, dtype=dtype)
+
+
+@needs_kernel
+def test_one_token_contexts_and_shared_blocks():
+    check([1, 1, 1])
+    check([20, 37, 16, 3], shared=True)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_zero_length_rows_are_finite_and_leave_live_rows_alone(dtype):
+    q, cache, tables, lens = make_case([30, 0, 12, 0], 14, 2, 64, 16, dtype)
+    scale = 0.125
+    got = cpu_paged_decode.paged_decode_cpu(q, cache, tables, lens, scale, None)
+    assert torch.isfinite(got.float()).all()
+    live = torch.tensor([0, 2])
+    want = paged_decode_torch(q[live], cache, tables[live], lens[live], scale, None)
+    torch.testing.assert_close(got[live].float(), want.float(), atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@needs_kernel
+def test_int32_tables_and_lengths():
+    q, cache, tables, lens = make_case([5, 21], 4, 2, 64, 16, torch.float32)
+    want = paged_decode_torch(q, cache, tables, lens, 0.125, None)
+    got = cpu_paged_decode.paged_decode_cpu(q, cache, tables.int(), lens.int(), 0.125, None)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@needs_kernel
+def test_registry_selects_it_for_float32_on_cpu_only():
+    registry = BackendRegistry()
+    registry.register("torch", paged_decode_torch, lambda device, dtype: True, priority=0)
+    assert registry.select("cpu", torch.float32).name == "cpu"
+    assert registry.select("cpu", torch.bfloat16).name == "torch"
+    assert registry.select("cpu", torch.float16).name == "torch"
+
+
+def test_build_failure_falls_back_with_a_logged_reason(monkeypatch, caplog):
+    def broken_build():
+        raise RuntimeError("no compiler here")
+
+    cpu_paged_decode.reset()
+    monkeypatch.setattr(cpu_paged_decode, "_build", broken_build)
+    try:
+        with caplog.at_level(logging.WARNING, logger=cpu_paged_decode.__name__):
+            assert not cpu_paged_decode.is_available(torch.device("cpu"), torch.float32)
+        assert "no compiler here" in cpu_paged_decode.failure()
+        assert any("falls back to the torch reference" in r.getMessage() for r in caplog.records)
+        registry = BackendRegistry()
+        registry.register("torch", paged_decode_torch, lambda device, dtype: True, priority=0)
+        assert registry.select("cpu", torch.float32).name == "torch"
+        with pytest.raises(ValueError, match="not available"):
+            registry.select("cpu", torch.float32, name="cpu")
+    finally:
+        cpu_paged_decode.reset()
+
+
+def test_disabled_by_environment(monkeypatch):
+    cpu_paged_decode.reset()
+    monkeypatch.setenv("SPLITSERVE_CPU_PAGED_DECODE", "0")
+    try:
+        assert cpu_paged_decode.load() is None
+        assert "SPLITSERVE_CPU_PAGED_DECODE" in cpu_paged_decode.failure()
+    finally:
+        cpu_paged_decode.reset()
+
+
+def test_build_key_follows_the_cpu(monkeypatch):
+    key = cpu_paged_decode.build_key()
+    monkeypatch.setattr(cpu_paged_decode, "cpu_signature", lambda: "flags: sse2 avx2")
+    other = cpu_paged_decode.build_key()
+    monkeypatch.setattr(cpu_paged_decode, "cpu_signature", lambda: "flags: sse2 avx2 avx512f")
+    assert len({key, other, cpu_paged_decode.build_key()}) == 3
