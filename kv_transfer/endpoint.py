@@ -13,6 +13,10 @@ from splitserve.kv_transfer.handles import TransferHandle
 # How often the deadline watcher looks at the open transfers: a transfer fails at most this long after
 # its deadline passes (deadlines are seconds; 50 ms is well inside them and costs nothing).
 DEADLINE_POLL_S = 0.05
+# How long close() waits for the endpoint's threads (deadline watcher, pair lanes, ack readers) to end once
+# its pairs are broken: a thread still inside a gloo call when the interpreter exits ends the process with
+# std::terminate ("terminate called without an active exception").
+THREADS_JOIN_S = 5.0
 
 log = logging.getLogger("splitserve.kv_transfer")
 
@@ -27,7 +31,23 @@ class Endpoint:
         self._transfers: dict[str, TransferHandle] = {}
         self._pairs: dict = {}
         self._closed = threading.Event()
-        threading.Thread(target=self._watch_deadlines, name=f"kv-{self.role}-deadlines", daemon=True).start()
+        self._threads: set[threading.Thread] = set()  # this endpoint's threads still running
+        self._spawn(self._watch_deadlines, f"kv-{self.role}-deadlines")
+
+    def _spawn(self, target, name: str, *args) -> None:
+        """Start a daemon thread that ``close`` waits for."""
+
+        def run() -> None:
+            try:
+                target(*args)
+            finally:
+                with self._lock:
+                    self._threads.discard(threading.current_thread())
+
+        thread = threading.Thread(target=run, name=name, daemon=True)
+        with self._lock:
+            self._threads.add(thread)
+        thread.start()
 
     def num_pairs(self) -> int:
         return len(self._pairs)
@@ -41,9 +61,16 @@ class Endpoint:
         return transfer_id in self._transfers
 
     def close(self) -> None:
+        """Break every pair (their transfers fail, their groups are aborted), then wait up to
+        ``THREADS_JOIN_S`` for this endpoint's threads to end."""
         self._closed.set()
         for pair in list(self._pairs.values()):
             self._break(pair, f"{self.role} closed")
+        deadline = time.monotonic() + THREADS_JOIN_S
+        with self._lock:
+            threads = [t for t in self._threads if t is not threading.current_thread()]
+        for thread in threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
 
     def _break(self, pair, reason: str) -> None:
         raise NotImplementedError

@@ -16,6 +16,9 @@ from splitserve.common.errors import ServingError
 from splitserve.kv_transfer.control import ControlConnection, PairClosed, ReceiverMessage, SenderMessage
 
 _END = object()
+# How long close() waits for the receiver's side of the stream to end (it ends at the next message it
+# reads, the end of the stream): a thread left inside the receiver at interpreter exit can end the process.
+PAIR_JOIN_S = 5.0
 
 
 class LocalConnection(ControlConnection):
@@ -34,7 +37,8 @@ class LocalConnection(ControlConnection):
             except ServingError as e:  # the receiver refused the pair, or ended it with an error
                 self._outbound.put(PairClosed(f"{e.code}: {e.message}", e))
 
-        threading.Thread(target=run, name="kv-local-pair", daemon=True).start()
+        self._thread = threading.Thread(target=run, name="kv-local-pair", daemon=True)
+        self._thread.start()
 
     def _iterate(self) -> Iterator[SenderMessage]:
         while True:
@@ -58,3 +62,5 @@ class LocalConnection(ControlConnection):
         if not self._closed.is_set():
             self._closed.set()
             self._inbound.put(_END)
+        if self._thread is not threading.current_thread():
+            self._thread.join(PAIR_JOIN_S)

@@ -173,7 +173,7 @@ class KVReceiver(Endpoint):
         prefix = f"kv/{first.sender_id}/{first.sender_incarnation}/{self.incarnation}/{generation}/{secret}/"
         pair = _ReceiverPair(first, generation, prefix, send)
         self._register(pair)
-        threading.Thread(target=self._lane, args=(pair,), name=f"kv-recv-{pair.name}", daemon=True).start()
+        self._spawn(self._lane, f"kv-recv-{pair.name}", pair)
         send(
             Welcome(
                 PROTOCOL_VERSION,

@@ -263,7 +263,7 @@ class KVSender(Endpoint):
             pair.last_used = time.monotonic()
             return pair
         pair = self._pairs[peer] = _SenderPair(peer)
-        threading.Thread(target=self._lane, args=(pair,), name=f"kv-send-{peer.receiver_id}", daemon=True).start()
+        self._spawn(self._lane, f"kv-send-{peer.receiver_id}", pair)
         idle = [p for p in self._pairs.values() if p is not pair and not self._busy(p)]
         for victim in idle[: max(0, len(self._pairs) - self.config.max_pairs)]:
             self._break(victim, "closed to stay within max_pairs")
@@ -293,7 +293,7 @@ class KVSender(Endpoint):
             self.backend, store, welcome.store_prefix, 0, self.host, cfg.op_timeout_s, self.cache.device
         )
         pair.store = store
-        threading.Thread(target=self._read_acks, args=(pair,), name="kv-send-acks", daemon=True).start()
+        self._spawn(self._read_acks, "kv-send-acks", pair)
 
     def _lane(self, pair: _SenderPair) -> None:
         """Post messages in FIFO order, keeping two on the wire: while one is being received, the next
