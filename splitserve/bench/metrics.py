@@ -49,6 +49,7 @@ class RequestRecord:
     server_timing: dict[str, float] = field(default_factory=dict)  # the router's, from the last message
     error_code: str = ""  # a gRPC status code name (or an exception's type); "" on success
     error: str = ""
+    finished: bool = False  # set once the call ended, either way (a load client reports these while it runs)
 
     @property
     def success(self) -> bool:
