@@ -88,7 +88,8 @@ bench-cluster: setup
 bench-disagg: setup
 	$(VPY) scripts/bench_disagg.py $(BENCH_ARGS)
 
-# Simulated multi-node cluster + serve + bench sweep; fails on any failed request or leaked block.
+# Simulated multi-node cluster + serve + bench sweep, its load sent by client actors spread over the nodes
+# (LOADTEST_ARGS="--clients N"; 0: one process); fails on any failed request, lost client or leaked block.
 loadtest: setup
 	$(VPY) scripts/loadtest.py $(LOADTEST_ARGS)
 
