@@ -131,6 +131,7 @@ class LoadClient:
 
         return {
             "node_id": ray.get_runtime_context().get_node_id(),
+            "node_ip": ray.util.get_node_ip_address(),
             "cpu": cpu_summary(describe_machine(probe_torch=False)),
         }
 
@@ -259,6 +260,7 @@ def _prepare(
 
     try:
         info = _await_placed(actors, load)
+        _check_reachable(config, info)
         for k, actor in enumerate(actors):
             info[k]["clock_offset_s"], info[k]["clock_rtt_s"] = estimate_offset(_clock_of(actor))
         limits = share_concurrency(config.max_concurrency, len(actors))
@@ -277,6 +279,23 @@ def _prepare(
     except ray.exceptions.RayError as e:
         raise RuntimeError(f"--clients: a load client failed before the start: {type(e).__name__}: {e}") from e
     return info
+
+
+def _check_reachable(config: BenchConfig, info: list[dict]) -> None:
+    """A server on a loopback address cannot be reached from clients on other machines: refused here
+    rather than left to fail every request."""
+    from urllib.parse import urlsplit
+
+    host = urlsplit(config.base_url).hostname if config.backend == "openai" else config.addr.rsplit(":", 1)[0]
+    host = (host or "").strip("[]")
+    loopback = host in ("localhost", "::1") or host.startswith("127.")
+    remote = sorted({i["node_ip"] for i in info if not i["node_ip"].startswith("127.")})
+    if loopback and remote:
+        target = "--base-url" if config.backend == "openai" else "--addr"
+        raise RuntimeError(
+            f"{target}: {host} is this machine's loopback; the load clients on {', '.join(remote)} cannot "
+            "reach it: give the server's address on the cluster's network"
+        )
 
 
 def _clock_of(actor) -> Callable[[], float]:

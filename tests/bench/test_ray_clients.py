@@ -73,6 +73,18 @@ def test_the_clock_offset_comes_from_the_shortest_round_trip():
     assert rtt == pytest.approx(0.002) and offset == pytest.approx(5.0)
 
 
+def test_a_loopback_server_is_refused_for_clients_on_other_machines():
+    from splitserve.bench.ray_clients import _check_reachable
+
+    here, there = [{"node_ip": "127.0.0.1"}], [{"node_ip": "127.0.0.1"}, {"node_ip": "10.0.0.7"}]
+    _check_reachable(BenchConfig(addr="127.0.0.1:50051"), here)
+    _check_reachable(BenchConfig(addr="10.0.0.2:50051"), there)
+    with pytest.raises(RuntimeError, match="--addr: 127.0.0.1 is this machine's loopback; .* on 10.0.0.7 cannot"):
+        _check_reachable(BenchConfig(addr="127.0.0.1:50051"), there)
+    with pytest.raises(RuntimeError, match="--base-url: localhost"):
+        _check_reachable(BenchConfig(backend="openai", base_url="http://localhost:8000"), there)
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [
@@ -90,7 +102,7 @@ def test_bad_client_options_are_refused_by_name(argv, message, capsys):
 
 @pytest.fixture(scope="module")
 def deployment(ray_session, serving_model):
-    deployment = start_deployment(serving_model)
+    deployment = start_deployment(serving_model, openai_port=0)  # openai_port: the --backend openai test
     yield deployment
     deployment.stop()
 
@@ -175,6 +187,25 @@ def test_a_client_killed_mid_run_is_reported_and_the_run_ends(deployment, gcs_ad
     for i in range(12):
         assert (result["errors"][i].startswith(f"{LOST}: load client 1")) == (i in lost["unfinished"])
     assert all(result["output_lens"][i] == 6 for i in lost["finished"])  # what it finished counts
+
+
+def test_the_openai_backend_is_dealt_and_merged_too(deployment, gcs_address):
+    import asyncio
+
+    from splitserve.bench.openai_backend import list_models
+
+    base_url = f"http://{deployment.openai_address}"
+    [model] = [m["id"] for m in asyncio.run(list_models(base_url))]
+    config = BenchConfig(
+        backend="openai", base_url=base_url, model=model, max_concurrency=4, progress=False, request_timeout_s=60
+    )
+    requests = requests_of(8, seed=2)
+    result = ray_clients.benchmark(requests, [0.0] * 8, config, load=RayLoad(gcs_address, clients=2, client_cpus=0.1))
+    assert result["backend"] == "openai" and result["completed"] == 8 and result["failed"] == 0, result["errors"]
+    assert result["output_lens"] == [6] * 8 and result["input_lens"] == [r.prompt_len for r in requests]
+    assert [c["max_concurrency"] for c in result["ray_clients"]["per_client"]] == [2, 2]  # 4 shared by 2 clients
+    with pytest.raises(ValueError, match="--model"):
+        ray_clients.benchmark(requests, [0.0] * 8, BenchConfig(backend="openai", base_url=base_url), load=RayLoad("x"))
 
 
 def test_the_command_line_spreads_clients_over_the_nodes_of_a_cluster(deployment, tmp_path):
