@@ -13,24 +13,12 @@ same whatever the request's sampling parameters.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
-from splitserve.engine.sampling.params import MAX_LOGPROBS
+from splitserve.engine.sampling.params import MAX_LOGPROBS, TokenLogprobs
 
 __all__ = ["MAX_LOGPROBS", "TokenLogprobs", "log_probs", "token_logprobs"]
-
-
-@dataclass(frozen=True)
-class TokenLogprobs:
-    """One position: the token there, its log-probability and rank (1: the most likely token), and the
-    ``k`` most likely tokens as (token id, log-probability), most likely first."""
-
-    token_id: int
-    logprob: float
-    rank: int
-    top: tuple[tuple[int, float], ...] = ()
 
 
 def log_probs(logits: torch.Tensor) -> torch.Tensor:

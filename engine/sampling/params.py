@@ -17,6 +17,19 @@ MAX_STOP_TOKEN_IDS = 256
 MAX_LOGPROBS = 20
 
 
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """What ``logprobs`` and ``prompt_logprobs`` return for one position (computed by
+    ``splitserve.engine.sampling.logprobs``; defined here, torch-free, for the wire): the token there, its
+    log-probability and rank (1: the most likely token), and the ``k`` most likely tokens as (token id,
+    log-probability), most likely first."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top: tuple[tuple[int, float], ...] = ()
+
+
 class SamplingParamsError(ValueError):
     """A sampling parameter is out of range; ``field`` names it (the router maps this to INVALID_ARGUMENT)."""
 

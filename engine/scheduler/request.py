@@ -13,13 +13,9 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
-from splitserve.engine.sampling.params import SamplingParams
+from splitserve.engine.sampling.params import SamplingParams, TokenLogprobs
 from splitserve.engine.sampling.rng import random_seed
-
-if TYPE_CHECKING:  # torch-free: the router imports this module
-    from splitserve.engine.sampling.logprobs import TokenLogprobs
 
 
 class RequestStatus(enum.Enum):
