@@ -70,17 +70,27 @@ def hf_logprobs(model, tokens: list[int]) -> torch.Tensor:
     return torch.log_softmax(model(torch.tensor([tokens])).logits[0].float(), dim=-1)
 
 
-@pytest.mark.parametrize("chunk", [None, 5])
-def test_engine_logprobs_match_transformers(tiny_model_dir, hf_model, chunk):
-    """Prompt (chunked or not, with a prefix-cache hit available) and generated log-probabilities, and the
-    top entries, as transformers' log_softmax computes them; the greedy token is the top-1 entry."""
+@pytest.mark.parametrize(("chunk", "decode_path"), [(None, "dynamic"), (5, "dynamic"), (None, "static")])
+def test_engine_logprobs_match_transformers(tiny_model_dir, hf_model, device, chunk, decode_path):
+    """Prompt (chunked or not, with a prefix-cache hit available) and generated log-probabilities (decoded on
+    either path), and the top entries, as transformers' log_softmax computes them; the greedy token is the
+    top-1 entry."""
     k = 3
     with torch_threads(1):
-        llm = LLM(tiny_model_dir, dtype="float32", num_blocks=64, block_size=4, prefill_chunk_size=chunk)
+        llm = LLM(
+            tiny_model_dir,
+            dtype="float32",
+            device=device,
+            num_blocks=64,
+            block_size=4,
+            prefill_chunk_size=chunk,
+            decode_path=decode_path,
+        )
         prompts = make_prompts(5, [13, 9, 1])
         llm.generate(prompts[0], SamplingParams(max_tokens=1))  # leaves the prompt's blocks in the prefix cache
         sampling = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=k, prompt_logprobs=k)
         outs = llm.generate(prompts, sampling)
+        assert llm.runner.steps[decode_path] > 0 or llm.runner.steps["graph"] > 0
         for prompt, out in zip(prompts, outs):
             tokens = prompt + out.token_ids
             ref = hf_logprobs(hf_model, tokens)
