@@ -172,6 +172,13 @@ def test_from_file(tmp_path):
         ({"decode": {"tensor_parallel_size": 2, "cpus": "0-1", "threads": 2}}, "decode.threads: 2 threads on 1"),
         ({"engine": {"tensor_parallel_timeout_s": 0}}, "engine.tensor_parallel_timeout_s: must be > 0"),
         ({"faults": {"kill": [{"target": "router", "at": "decode", "rank": 1}]}}, "faults.kill: rank: the router"),
+        ({"engine": {"backend": "tgi"}}, "engine.backend: must be one of"),
+        ({"colocated": {"backend": "tgi"}}, "colocated.backend: must be one of"),
+        ({"engine": {"vllm_args": ["enforce_eager"]}}, "engine.vllm_args: expected dict"),
+        ({"engine": {"vllm_args": {1: True}}}, "engine.vllm_args: must map"),
+        ({"engine": {"backend": "vllm"}}, "engine.backend: 'vllm' runs colocated workers"),
+        ({"decode": {"backend": "vllm"}}, "decode.backend: 'vllm' runs colocated workers"),
+        ({"mode": "colocated", "colocated": {"backend": "vllm", "tensor_parallel_size": 2}}, "colocated.tensor_par"),
     ],
 )
 def test_errors_name_the_field(raw, field):
@@ -228,6 +235,17 @@ def test_metrics_and_log_settings_reach_the_router_and_every_worker():
     for role in ("prefill", "decode"):
         worker = on.fleet.worker_config(role, f"{role}-0")
         assert (worker.metrics_port, worker.log_format) == (0, "json")  # workers: a free port each
+
+
+def test_the_engine_backend_is_the_roles_own_else_the_engine_sections():
+    config = DeploymentConfig.from_dict({"mode": "colocated", "colocated": {"backend": "vllm"}})
+    assert config.engine_config("m", "colocated").backend == "vllm"
+    assert DeploymentConfig.from_dict({"mode": "colocated"}).engine_config("m", "colocated").backend == "splitserve"
+    both = DeploymentConfig.from_dict({"mode": "colocated", "engine": {"backend": "vllm"}})
+    assert both.engine_config("m", "colocated").backend == "vllm"
+    # --backend sets every role's, over a role's own.
+    flag = DeploymentConfig.from_dict({"mode": "colocated", "colocated": {"backend": "vllm"}})
+    assert flag.with_overrides(backend="splitserve").engine_config("m", "colocated").backend == "splitserve"
 
 
 def test_linear_kernel_settings_reach_every_worker():
