@@ -183,11 +183,12 @@ class VllmEngine:
             "max_model_len": config.max_model_len,
             "tensor_parallel_size": 1,
             "distributed_executor_backend": "uni",
-            "enforce_eager": True,  # eager unless vllm_args asks otherwise: no minutes of compiling at start
-            "compilation_config": {"mode": 0},
             "disable_log_stats": True,
             **extra,
         }
+        if extra.get("enforce_eager", True):  # eager unless vllm_args asks otherwise: no minutes of compiling
+            args["enforce_eager"] = True
+            args.setdefault("compilation_config", {"mode": 0})
         if config.num_blocks is not None:
             args["num_gpu_blocks_override"] = config.num_blocks
         else:
