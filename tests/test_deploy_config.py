@@ -176,8 +176,9 @@ def test_from_file(tmp_path):
         ({"colocated": {"backend": "tgi"}}, "colocated.backend: must be one of"),
         ({"engine": {"vllm_args": ["enforce_eager"]}}, "engine.vllm_args: expected dict"),
         ({"engine": {"vllm_args": {1: True}}}, "engine.vllm_args: must map"),
-        ({"engine": {"backend": "vllm"}}, "engine.backend: 'vllm' runs colocated workers"),
-        ({"decode": {"backend": "vllm"}}, "decode.backend: 'vllm' runs colocated workers"),
+        ({"decode": {"backend": "vllm"}}, "decode.backend: prefill runs 'splitserve' and decode 'vllm'"),
+        ({"engine": {"backend": "vllm"}, "prefill": {"backend": "splitserve"}}, "prefill.backend: prefill runs"),
+        ({"engine": {"backend": "vllm"}, "decode": {"tensor_parallel_size": 2}}, "decode.tensor_parallel_size: the"),
         ({"mode": "colocated", "colocated": {"backend": "vllm", "tensor_parallel_size": 2}}, "colocated.tensor_par"),
     ],
 )
@@ -246,6 +247,8 @@ def test_the_engine_backend_is_the_roles_own_else_the_engine_sections():
     # --backend sets every role's, over a role's own.
     flag = DeploymentConfig.from_dict({"mode": "colocated", "colocated": {"backend": "vllm"}})
     assert flag.with_overrides(backend="splitserve").engine_config("m", "colocated").backend == "splitserve"
+    disaggregated = DeploymentConfig.from_dict({"engine": {"backend": "vllm"}})
+    assert {disaggregated.engine_config("m", r).backend for r in ("prefill", "decode")} == {"vllm"}
 
 
 def test_linear_kernel_settings_reach_every_worker():

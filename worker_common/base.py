@@ -82,7 +82,7 @@ class WorkerBase:
         if engine is None and config.engine.backend == "vllm":
             from splitserve.worker_common.vllm_engine import VllmEngine  # imports vllm: only on this backend
 
-            engine = VllmEngine(config.engine, self.lock, self.metrics, config.cpus)
+            engine = VllmEngine(config.engine, self.lock, self.metrics, config.cpus, role=config.role, wake=self.wake)
         elif engine is None:
             engine = LocalEngine.build(
                 config.engine,

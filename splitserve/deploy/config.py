@@ -241,18 +241,20 @@ class DeploymentConfig:
         return getattr(self, role).backend or self.engine.backend
 
     def _check_backends(self) -> None:
+        """A role on the vllm backend runs at tensor-parallel size 1, and prefill and decode run the same
+        backend: a splitserve prefill worker cannot feed a vLLM decode worker, nor the reverse (their KV
+        layouts differ: block sizes, vLLM's packing of a block)."""
         for role in self.roles:
-            if self.backend(role) != "vllm":
-                continue
-            field_name = f"{role}.backend" if getattr(self, role).backend else "engine.backend"
-            if role != "colocated":
-                raise ValueError(
-                    f"{field_name}: 'vllm' runs colocated workers (mode colocated) for now: a disaggregated "
-                    "vLLM worker needs the KV connector between vLLM's paged caches, which is not built yet; "
-                    "a splitserve worker cannot feed a vLLM one either (their KV layouts differ)"
-                )
-            if getattr(self, role).tensor_parallel_size > 1:
+            if self.backend(role) == "vllm" and getattr(self, role).tensor_parallel_size > 1:
                 raise ValueError(f"{role}.tensor_parallel_size: the vllm backend runs tensor parallel size 1 for now")
+        if self.mode == "disaggregated" and self.backend("prefill") != self.backend("decode"):
+            named = [f"{r}.backend" for r in ("prefill", "decode") if getattr(self, r).backend] or ["engine.backend"]
+            prefill, decode = self.backend("prefill"), self.backend("decode")
+            raise ValueError(
+                f"{' and '.join(named)}: prefill runs {prefill!r} and decode {decode!r}; "
+                "their KV layouts differ (block size, vLLM's packing of a block), so one cannot feed the other: "
+                "give both roles the same backend"
+            )
 
     @property
     def roles(self) -> tuple[str, ...]:
