@@ -447,8 +447,9 @@ class VllmEngine:
                 aborts, self._aborts = self._aborts, []
                 if aborts:
                     self._core.abort_requests(aborts)
-        if on_layer_done is not None:
-            on_layer_done(self._model.num_layers)  # the step computed every layer's KV
+        if on_layer_done is not None:  # the step computed every layer's KV: the sender queues it group by group
+            for layers in range(1, self._model.num_layers + 1):
+                on_layer_done(layers)
         if self.metrics is not None:
             output = step.output
             self.metrics.step(

@@ -4,11 +4,6 @@ starts in about 10 s in eager mode); real worker processes on the session's embe
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import grpc
 import pytest
 
@@ -18,44 +13,7 @@ from tests.conftest import EOS_PROMPT
 from tests.serving.conftest import start_deployment, wait_for
 from tests.serving.crash import kill_worker
 from tests.serving.streams import stream_all
-
-PROMPTS = [list(range(1, 30)), list(range(100, 140)), list(range(300, 320)), [7] * 70]
-MAX_TOKENS = 24
-GREEDY = dict(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
-REFERENCE_TIMEOUT_S = 300
-
-
-@pytest.fixture(scope="module")
-def vllm_offline(serving_model):
-    """vLLM's offline LLM on the same checkpoint, in a process of its own."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "tests.vllm.offline_reference",
-            str(serving_model),
-            str(MAX_TOKENS),
-            json.dumps(PROMPTS),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=REFERENCE_TIMEOUT_S,
-        env=env,
-        cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
-
-
-@pytest.fixture(scope="module")
-def transformers_greedy(serving_model):
-    import transformers
-
-    from tests.engine.parity import hf_greedy
-
-    model = transformers.AutoModelForCausalLM.from_pretrained(serving_model, dtype="float32").eval()
-    return [hf_greedy(model, p, MAX_TOKENS)[0] for p in PROMPTS]
+from tests.vllm.conftest import GREEDY, PROMPTS
 
 
 @pytest.fixture(scope="module")
