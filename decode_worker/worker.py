@@ -142,11 +142,18 @@ class DecodeWorker(WorkerBase):
                 )
                 return None, wpb.DecodeEvent(refused=refusal)
             # Room for the prompt's KV and the first token of this leg; decoding grows it step by step.
-            if not engine.allocate(message.request_id, len(prompt) + len(output) + 1):
+            leased = Request.resume(message.request_id, prompt, output, sampling, sampling.seed)
+            if not engine.allocate(message.request_id, len(prompt) + len(output) + 1, leased):
                 refusal = wpb.LeaseRefused(reason="not enough free KV blocks", free_blocks=engine.num_free_blocks)
                 return None, wpb.DecodeEvent(refused=refusal)
-            table = engine.block_table(message.request_id)
             job = self.jobs[message.request_id] = DecodeJob(message.request_id, prompt, output, sampling)
+        table = engine.block_table(message.request_id)  # without the lock: vLLM's admits it on the loop thread
+        if not table:
+            with self.lock:
+                engine.free(message.request_id)
+                del self.jobs[message.request_id]
+            refusal = wpb.LeaseRefused(reason="not enough free KV blocks", free_blocks=engine.num_free_blocks)
+            return None, wpb.DecodeEvent(refused=refusal)
         if message.prefill_locally:  # conditional disaggregation: no KV will arrive; prefill it here
             self.submit(Add(job))
             return job, wpb.DecodeEvent(lease=wpb.LeaseGranted(blocks=len(table)))
