@@ -588,6 +588,9 @@ class VllmEngine:
         if bad is not None:
             raise ValueError(f"token_ids: {bad} is outside the vocabulary [0, {vocab})")
         sampling.validate(vocab)
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(sampling, name, None) is not None:
+                raise ValueError(f"{name}: log-probabilities are not returned by the vllm backend yet")
 
     # ---- status ---------------------------------------------------------------------------------
 

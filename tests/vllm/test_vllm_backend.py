@@ -93,6 +93,9 @@ def test_bad_input_is_refused_by_the_router_and_others_go_on(deployment):
         with pytest.raises(grpc.RpcError) as err:
             client.generate(token_ids=[1, 2, 3], max_tokens=4, temperature=-1.0)
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "temperature" in err.value.details()
+        with pytest.raises(grpc.RpcError) as err:  # not on this backend yet: refused, not silently empty
+            client.generate(token_ids=[1, 2, 3], max_tokens=4, logprobs=2)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "logprobs" in err.value.details()
         rest = [t for m in stream for t in m.token_ids]
         assert len(first.token_ids) + len(rest) == 40
     assert_no_blocks_in_use(deployment)
