@@ -279,7 +279,7 @@ def available_memory_bytes() -> int | None:
 
 
 def _gib(n: int) -> str:
-    return f"{n / (1 << 30):.2f} GiB"
+    return f"{n / (1 << 30):.2f} GiB" if n >= 1 << 30 else f"{n / (1 << 20):.1f} MiB"
 
 
 FP32_MEMORY_FRACTION = 0.5  # --dtype auto's float32 must fit in this share of the memory available at load
