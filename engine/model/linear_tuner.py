@@ -29,6 +29,7 @@ compiling at load).
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import logging
@@ -36,7 +37,8 @@ import os
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -229,17 +231,19 @@ def decide(times: dict[str, dict[int, float]], allow_split: bool) -> tuple[str, 
 
 
 class KernelCache:
-    """The measured times in a JSON file: {"version", "entries": {"<machine> | <shape>": {"times_ms": ...}}}.
+    """The measured times in a JSON file: {"version", "entries": {"<machine> | <shape>": {"times_ms": ...}},
+    "decisions": {"<machine> | dtype auto | <model>": Fp32Comparison's fields}}.
     Written whole through a temporary file and a rename, so a reader never sees half a file; two engines
     saving at once can lose one's new entries, which are then timed again at its next load."""
 
     def __init__(self, path: Path | None) -> None:
-        self.path, self.entries = path, {}
+        self.path, self.entries, self.decisions = path, {}, {}
         if path is not None and path.exists():
             try:
                 raw = json.loads(path.read_text())
                 if raw.get("version") == CACHE_VERSION:
                     self.entries = raw["entries"]
+                    self.decisions = raw.get("decisions", {})
             except (OSError, ValueError, KeyError, AttributeError) as e:
                 logger.warning("linear kernel cache %s unreadable (%s): timing again", path, e)
 
@@ -265,7 +269,10 @@ class KernelCache:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=self.path.name, suffix=".tmp")
         with os.fdopen(fd, "w") as f:
-            json.dump({"version": CACHE_VERSION, "entries": self.entries}, f, indent=1, sort_keys=True)
+            saved = {"version": CACHE_VERSION, "entries": self.entries}
+            if self.decisions:
+                saved["decisions"] = self.decisions
+            json.dump(saved, f, indent=1, sort_keys=True)
         os.replace(tmp, self.path)
 
 
@@ -393,6 +400,7 @@ class Fp32Comparison:
     bf16_ms: float
     fp32_ms: float
     shapes: int
+    source: str = "measured"  # measured | cached
 
     @property
     def fp32_faster(self) -> bool:
@@ -426,3 +434,41 @@ def summarize(choices: dict[ShapeKey, Choice]) -> str:
         return f"split at {choice.split_rows} rows" if choice.path == "split" else choice.path
 
     return ", ".join(f"{key} {one(choice)}" for key, choice in choices.items())
+
+
+@contextmanager
+def cache_lock(path: Path | None) -> Iterator[None]:
+    """An exclusive lock on ``<cache>.lock`` (none without a cache): engines loading at once on this machine
+    take ``--dtype auto``'s decision one after the other, so the second reads the first's."""
+    if path is None:
+        yield
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_name(path.name + ".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def auto_dtype_comparison(model: CausalLM, policy: KernelPolicy, timer: Timer = wall_clock) -> Fp32Comparison:
+    """``compare_fp32`` once per machine and model: the result is kept in the kernel cache (``decisions``)
+    and read back by every later load, under ``cache_lock``, so that the workers and tensor-parallel ranks
+    of one machine, loading at once, all compute in the same dtype (a prefill and a decode worker in
+    different dtypes could not exchange KV). Kept even when measured while the CPU was busy, for that
+    reason: delete the cache file to decide again."""
+    path = policy.resolved_cache_path()
+    shapes = Counter(str(shape_key(w, b is not None)) for w, b in linear_weights(model).values())
+    digest = hashlib.blake2b(json.dumps(sorted(shapes.items())).encode(), digest_size=6).hexdigest()
+    key = f"{machine_key(torch.get_num_threads())} | dtype auto | {digest}"
+    with cache_lock(path):
+        saved = KernelCache(path).decisions.get(key)
+        if saved is not None:
+            return Fp32Comparison(saved["bf16_ms"], saved["fp32_ms"], saved["shapes"], "cached")
+        compared = compare_fp32(model, policy, timer)
+        cache = KernelCache(path)  # compare_fp32 may have saved new times since
+        if cache.path is not None:
+            cache.decisions[key] = {"bf16_ms": compared.bf16_ms, "fp32_ms": compared.fp32_ms, "shapes": compared.shapes}
+            cache.save()
+        return compared

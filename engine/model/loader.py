@@ -22,7 +22,7 @@ import torch
 from safetensors import safe_open
 
 from splitserve.engine.model.config import ModelConfig
-from splitserve.engine.model.linear_tuner import KernelPolicy, apply_kernels, compare_fp32
+from splitserve.engine.model.linear_tuner import KernelPolicy, apply_kernels, auto_dtype_comparison
 from splitserve.engine.model.transformer import CausalLM
 from splitserve.engine.tp.distributed import TPGroup
 
@@ -291,7 +291,9 @@ def auto_fp32(model: CausalLM, policy: KernelPolicy, available: int | None = Non
 
     float32 when (1) its weights (twice the bf16 ones) fit in ``FP32_MEMORY_FRACTION`` of the memory
     available now, else a warning naming the sizes, and (2) timing the model's linear shapes both ways
-    (``linear_tuner.compare_fp32``) finds the float32 weights faster than the fastest bf16-storage path."""
+    (``linear_tuner.compare_fp32``) finds the float32 weights faster than the fastest bf16-storage path; the
+    comparison is kept in the kernel cache and reused (``linear_tuner.auto_dtype_comparison``), so every
+    engine of this machine and model decides alike."""
     params = sum(p.numel() for p in model.parameters())
     bf16_bytes, fp32_bytes = 2 * params, 4 * params
     available = available_memory_bytes() if available is None else available
@@ -302,13 +304,13 @@ def auto_fp32(model: CausalLM, policy: KernelPolicy, available: int | None = Non
         )
         logger.warning("dtype auto: %s (--dtype float32 forces float32)", note)
         return False, note
-    compared = compare_fp32(model, policy) if timer is None else compare_fp32(model, policy, timer)
+    compared = auto_dtype_comparison(model, policy) if timer is None else auto_dtype_comparison(model, policy, timer)
     if compared.shapes == 0:
         return False, "bfloat16: no linear shape large enough to time (auto, no native bf16)"
     verdict = "float32" if compared.fp32_faster else "bfloat16"
     note = (
         f"{verdict}: no native bf16; linear layers {compared.fp32_ms:.3g} ms on float32 weights vs "
-        f"{compared.bf16_ms:.3g} ms on bf16 ones (weighted, {compared.shapes} shapes)"
+        f"{compared.bf16_ms:.3g} ms on bf16 ones (weighted, {compared.shapes} shapes, {compared.source})"
     )
     if compared.fp32_faster:
         note += f"; weights {_gib(fp32_bytes)} instead of {_gib(bf16_bytes)}"

@@ -9,6 +9,7 @@ bf16 for the engine), so the module runs in seconds.
 
 from __future__ import annotations
 
+import json
 import logging
 
 import pytest
@@ -24,6 +25,7 @@ from splitserve.engine.model.linear_tuner import (
     Fp32Comparison,
     KernelPolicy,
     apply_kernels,
+    auto_dtype_comparison,
     candidates,
     choose_kernels,
     compare_fp32,
@@ -184,6 +186,19 @@ def test_compare_fp32_sums_the_fastest_path_of_each_kind(tmp_path):
     assert not Fp32Comparison(0.0, 0.0, 0).fp32_faster  # nothing timed: no evidence for float32
 
 
+def test_the_auto_decision_is_kept_in_the_cache_and_reused(tmp_path):
+    """Engines of one machine and model loading one after the other (or at once: the cache's lock) take the
+    first one's decision, so a prefill and a decode worker, or the ranks of one, compute in one dtype."""
+    policy = KernelPolicy(cache_path=str(tmp_path / "k.json"))
+    first = auto_dtype_comparison(bf16_model(), policy, fastest("fp32"))
+    again = auto_dtype_comparison(bf16_model(), policy, fastest("upcast"))  # a clock that would decide otherwise
+    assert (first.source, first.fp32_faster) == ("measured", True)
+    assert (again.source, again.fp32_faster) == ("cached", True)
+    assert len(json.loads((tmp_path / "k.json").read_text())["decisions"]) == 1
+    uncached = auto_dtype_comparison(bf16_model(), KernelPolicy(cache_path=""), fastest("upcast"))
+    assert (uncached.source, uncached.fp32_faster) == ("measured", False)
+
+
 @pytest.mark.parametrize(("winner", "expected"), [("fp32", torch.float32), ("upcast", torch.bfloat16)])
 def test_build_model_auto_float32_follows_the_measurement(winner, expected, bf16_dir, tmp_path):
     cfg = ModelConfig.from_model_dir(bf16_dir)
@@ -209,12 +224,12 @@ def test_auto_float32_that_would_not_fit_warns_naming_the_sizes(bf16_dir, monkey
             cfg, bf16_dir, torch.bfloat16, torch.device("cpu"), policy, auto_float32=True, timer=fastest("fp32")
         )
     assert model.embed_tokens.weight.dtype == torch.bfloat16
-    assert "float32 weights would take" in caplog.text and "GiB available" in caplog.text
+    assert "float32 weights would take 50.0 MiB (bf16 25.0 MiB)" in caplog.text and "1.0 MiB available" in caplog.text
 
 
 def test_auto_float32_applies_only_to_auto_bf16_on_a_cpu_without_native_bf16(bf16_dir, monkeypatch, tmp_path):
     monkeypatch.setenv("SPLITSERVE_KERNEL_CACHE", str(tmp_path / "k.json"))
-    monkeypatch.setattr(loader, "compare_fp32", lambda model, policy: Fp32Comparison(2.0, 1.0, 5))
+    monkeypatch.setattr(loader, "auto_dtype_comparison", lambda model, policy: Fp32Comparison(2.0, 1.0, 5))
     monkeypatch.setenv("SPLITSERVE_CPU_ISA", AVX2_ONLY)
     llm = LLM(bf16_dir, dtype="auto", num_blocks=32, linear_kernel="plain")
     assert llm.core.dtype == torch.float32 and llm.core.kv_cache.spec.dtype == torch.float32
@@ -237,7 +252,7 @@ def test_auto_float32_greedy_is_exact_against_transformers_fp32(kernel, bf16_dir
 
     monkeypatch.setenv("SPLITSERVE_KERNEL_CACHE", str(tmp_path / "k.json"))
     monkeypatch.setenv("SPLITSERVE_CPU_ISA", AVX2_ONLY)
-    monkeypatch.setattr(loader, "compare_fp32", lambda model, policy: Fp32Comparison(2.0, 1.0, 5))
+    monkeypatch.setattr(loader, "auto_dtype_comparison", lambda model, policy: Fp32Comparison(2.0, 1.0, 5))
     llm = LLM(bf16_dir, dtype="auto", num_blocks=96, linear_kernel=kernel)
     assert llm.core.dtype == torch.float32
     if kernel != "auto":
