@@ -15,8 +15,8 @@ written with `splitserve make-model` when missing), with fixed prompt lengths an
 - with a bf16 --dtype, splitserve also at `--dtype auto` (--engine-dtypes), which computes a bf16 checkpoint
   in float32 on a CPU without native bf16 where measuring says so (docs/engine.md): each engine's compute
   dtype and linear kernels (what the tuner chose per weight shape) are printed and in the JSON, its
-  figures beside transformers' (an auto engine that is the bf16 one, as on a CPU with native bf16, is
-  measured once);
+  figures beside transformers' (an auto engine that computes in bf16, as on a CPU with native bf16, is
+  the bf16 one: measured once);
 - the peer, vLLM's CPU build (`make peer` builds .peer; `--peer PYTHON` names another, `--no-peer` skips
   it): its offline `LLM` on the same checkpoint, dtype and cores (scripts/peer_vllm.py, in its own
   process before our engine loads, so the two never hold memory or cores at once), the same prompts,
@@ -299,7 +299,8 @@ def main() -> int:
             max_num_batched_tokens=max(2048, 8 * args.prompt_len),
             kv_cache_bytes=1 << 30,
         )
-        same = next((n for n, e in engines.items() if e.core.linear_kernels == candidate.core.linear_kernels), None)
+        # The same compute dtype is the same engine (auto that stayed bf16): measured once.
+        same = next((n for n, e in engines.items() if e.core.dtype == candidate.core.dtype), None)
         log(f"splitserve --dtype {name}: {candidate.core.linear_kernels}" + (f" (the {same} engine)" if same else ""))
         result.setdefault("engines", {})[name] = {"linear_kernels": candidate.core.linear_kernels, "same_as": same}
         if same is None:
