@@ -46,7 +46,7 @@ import torch
 import torch.nn.functional as F
 
 from splitserve.common.validate import check_choice
-from splitserve.engine.hardware import describe_machine
+from splitserve.engine.hardware import cpu_isa, describe_machine, native_bf16
 from splitserve.engine.model.transformer import FP32_COMPUTE_PATHS, CausalLM, Linear, can_pack, onednn_runs
 
 logger = logging.getLogger(__name__)
@@ -82,14 +82,17 @@ class KernelPolicy:
     """How the loader picks kernels: ``mode`` is EngineConfig.linear_kernel; ``allow_split`` None means
     allowed on CPU when the linear weights take at most ``SPLIT_RAM_FRACTION`` of RAM; ``allow_fp32_weights``
     (the bf16 layers' "fp32" and "fp32-packed" paths, a float32 copy of the weight) None means allowed when
-    the linear weights in float32 take at most that share of RAM; ``cache_path`` None means
-    $SPLITSERVE_KERNEL_CACHE, else ~/.cache/splitserve/linear_kernels.json ("" caches nothing)."""
+    the linear weights in float32 take at most that share of RAM; ``fp32_compute`` (whether bf16 layers
+    time the ``FP32_COMPUTE_PATHS`` at all) None means on a CPU without native bf16 (``native_bf16``: with
+    it they lost at every shape and m measured, and timing them made tuning 4x longer); ``cache_path``
+    None means $SPLITSERVE_KERNEL_CACHE, else ~/.cache/splitserve/linear_kernels.json ("" caches nothing)."""
 
     mode: str = "auto"
     allow_split: bool | None = None
     lm_head_rows: int = 64
     cache_path: str | None = None
     allow_fp32_weights: bool | None = None
+    fp32_compute: bool | None = None
 
     def __post_init__(self) -> None:
         check_choice(self, "mode", LINEAR_KERNELS, label="linear_kernel")
@@ -128,12 +131,14 @@ def machine_key(threads: int, machine: dict | None = None) -> str:
     return f"{m['cpu_model']} [isa {digest}] torch {torch.__version__} threads {threads}"
 
 
-def candidates(weight: torch.Tensor, fp32_weights: bool) -> tuple[str, ...]:
-    """The single paths timed for this weight (``split`` is scored from plain's and packed's times)."""
+def candidates(weight: torch.Tensor, fp32_weights: bool, fp32_compute: bool = True) -> tuple[str, ...]:
+    """The single paths timed for this weight (``split`` is scored from plain's and packed's times): the
+    ``FP32_COMPUTE_PATHS`` of a bf16 or fp16 weight with ``fp32_compute``, the float32 copies among them
+    with ``fp32_weights`` too."""
     paths = ["plain"]
     if onednn_runs(weight.dtype, weight.device):
         paths.append("packed")
-    if weight.dtype != torch.float32 and weight.device.type == "cpu":
+    if fp32_compute and weight.dtype != torch.float32 and weight.device.type == "cpu":
         paths.append("upcast")
         if fp32_weights:
             paths.append("fp32")
@@ -322,7 +327,10 @@ def choose_kernels(
     device = next(iter(weights.values()))[0].device
     forced = "plain" if device.type != "cpu" else policy.mode
     allow_split = forced == "auto" and split_allowed(policy, model)
-    allow_fp32 = forced == "auto" and fp32_allowed(policy, model)
+    fp32_compute = forced == "auto" and (
+        policy.fp32_compute if policy.fp32_compute is not None else not native_bf16(cpu_isa())
+    )
+    allow_fp32 = fp32_compute and fp32_allowed(policy, model)
     cache = KernelCache(policy.resolved_cache_path()) if forced == "auto" else None
     machine = machine or machine_key(torch.get_num_threads())
     choices: dict[ShapeKey, Choice] = {}
@@ -335,7 +343,7 @@ def choose_kernels(
             path = forced_path(forced, weight)
             choices[key] = Choice(path, FORCED_SPLIT_ROWS if path == "split" else 0, "forced")
             continue
-        paths = candidates(weight, allow_fp32)
+        paths = candidates(weight, allow_fp32, fp32_compute)
         if weight.numel() < UNTIMED_BELOW or len(paths) == 1:
             choices[key] = Choice("plain", 0, "untimed")  # the only candidate, or oneDNN's fixed cost dominates
             continue
@@ -357,8 +365,9 @@ def choose_kernels(
         logger.info("linear %s: %s", key, describe(choice))
     if forced == "auto":
         split = "allowed" if allow_split else "not allowed"
-        fp32 = "allowed" if allow_fp32 else "not allowed"
-        summary = "linear kernels: %d shapes, %d timed, %.2f s (%s; split %s, float32 copies of bf16 weights %s)"
+        fp32 = "float32 copies allowed" if allow_fp32 else "no float32 copies"
+        fp32 = f"float32-compute bf16 paths timed, {fp32}" if fp32_compute else "float32-compute bf16 paths not timed"
+        summary = "linear kernels: %d shapes, %d timed, %.2f s (%s; split %s; %s)"
         logger.info(summary, len(choices), measured, seconds, machine, split, fp32)
     return choices
 
@@ -411,7 +420,7 @@ def compare_fp32(model: CausalLM, policy: KernelPolicy, timer: Timer = wall_cloc
     """Time every path of the bf16 model's shapes, float32 copies included (through the cache, as
     ``choose_kernels``), and sum them both ways (``Fp32Comparison``): the measurement behind ``--dtype
     auto``'s float32 on a CPU without native bf16 (``splitserve.engine.model.loader.build_model``)."""
-    choices = choose_kernels(model, replace(policy, mode="auto", allow_fp32_weights=True), timer)
+    choices = choose_kernels(model, replace(policy, mode="auto", allow_fp32_weights=True, fp32_compute=True), timer)
     counts = Counter(shape_key(w, b is not None) for w, b in linear_weights(model).values())
     bf16 = fp32 = 0.0
     shapes = 0

@@ -137,7 +137,9 @@ def test_the_tuner_picks_each_bf16_path_when_it_is_fastest(winner, tmp_path):
     offered = candidates(model.embed_tokens.weight, True)
     if winner not in offered:
         pytest.skip(f"{winner}: not a candidate on this machine ({offered})")
-    policy = KernelPolicy(cache_path=str(tmp_path / "k.json"), allow_fp32_weights=True, allow_split=False)
+    policy = KernelPolicy(
+        cache_path=str(tmp_path / "k.json"), allow_fp32_weights=True, allow_split=False, fp32_compute=True
+    )
     choices = apply_kernels(model, policy, fastest(winner))
     timed = [c for c in choices.values() if c.source == "measured"]
     assert timed and all(c.path == winner for c in timed), choices
@@ -154,10 +156,29 @@ def test_fp32_copies_are_not_timed_where_not_allowed(tmp_path):
         calls.append(path)
         return 1e-6 * rows
 
-    policy = KernelPolicy(cache_path=str(tmp_path / "k.json"), allow_fp32_weights=False)
+    policy = KernelPolicy(cache_path=str(tmp_path / "k.json"), allow_fp32_weights=False, fp32_compute=True)
     choices = choose_kernels(bf16_model(), policy, timer)
-    assert calls and not {"fp32", "fp32-packed"} & set(calls)
+    assert calls and "upcast" in calls and not {"fp32", "fp32-packed"} & set(calls)
     assert all(c.path in BF16_STORAGE_PATHS for c in choices.values())
+
+
+def test_float32_compute_paths_are_timed_by_default_only_without_native_bf16(tmp_path, monkeypatch):
+    """On a CPU with native bf16 they lost everywhere (docs/performance.md): not timed unless asked."""
+
+    def timed_paths(**policy) -> set[str]:
+        calls = []
+        choose_kernels(
+            bf16_model(),
+            KernelPolicy(cache_path="", **policy),
+            lambda path, rows, fn: calls.append(path) or 1e-6 * rows,
+        )
+        return set(calls)
+
+    monkeypatch.setenv("SPLITSERVE_CPU_ISA", "avx2,fma,avx512f,avx512bw,avx512vl,avx512dq,avx512_bf16")
+    assert not set(FP32_COMPUTE_PATHS) & timed_paths()
+    assert "upcast" in timed_paths(fp32_compute=True)
+    monkeypatch.setenv("SPLITSERVE_CPU_ISA", AVX2_ONLY)
+    assert "upcast" in timed_paths() and not timed_paths(fp32_compute=False) & set(FP32_COMPUTE_PATHS)
 
 
 @needs_onednn
