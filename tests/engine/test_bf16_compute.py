@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 
 import pytest
 import torch
@@ -218,6 +219,34 @@ def test_the_auto_decision_is_kept_in_the_cache_and_reused(tmp_path):
     assert len(json.loads((tmp_path / "k.json").read_text())["decisions"]) == 1
     uncached = auto_dtype_comparison(bf16_model(), KernelPolicy(cache_path=""), fastest("upcast"))
     assert (uncached.source, uncached.fp32_faster) == ("measured", False)
+
+
+def test_loads_at_once_take_the_decision_in_turn(tmp_path):
+    """A second engine loading while the first measures waits for the cache's lock, then reads the first's
+    decision instead of measuring its own (which its clock would make the other way)."""
+    policy = KernelPolicy(cache_path=str(tmp_path / "k.json"))
+    started, release, results = threading.Event(), threading.Event(), {}
+
+    def held(path, rows, fn):
+        started.set()
+        release.wait(10)
+        return fastest("fp32")(path, rows, fn)
+
+    def load(name, timer):
+        results[name] = auto_dtype_comparison(bf16_model(), policy, timer)
+
+    first = threading.Thread(target=load, args=("first", held))
+    first.start()
+    assert started.wait(10)
+    second = threading.Thread(target=load, args=("second", fastest("upcast")))
+    second.start()
+    second.join(0.5)
+    assert second.is_alive(), "the second load did not wait for the first's decision"
+    release.set()
+    first.join(30)
+    second.join(30)
+    assert (results["first"].source, results["first"].fp32_faster) == ("measured", True)
+    assert (results["second"].source, results["second"].fp32_faster) == ("cached", True)
 
 
 @pytest.mark.parametrize(("winner", "expected"), [("fp32", torch.float32), ("upcast", torch.bfloat16)])
