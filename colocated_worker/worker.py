@@ -28,7 +28,7 @@ import uuid
 import grpc
 
 from splitserve.common.errors import ServingError
-from splitserve.engine.wire import FINISH_TO_PB, stop_reason_text
+from splitserve.engine.wire import FINISH_TO_PB, logprobs_to_pb, stop_reason_text
 from splitserve.rpc import workers_pb2 as wpb
 from splitserve.rpc import workers_pb2_grpc as wpb_grpc
 from splitserve.worker_common.base import WorkerBase
@@ -132,6 +132,8 @@ class ColocatedWorker(WorkerBase):
             job.events.put(Emit(wpb.PrefillEvent(first_token=job.first_token(request))))
         else:
             tokens = wpb.Tokens(token_ids=[request.token_ids[-1]], index=request.num_output_tokens - 1)
+            if request.logprobs:
+                tokens.logprobs.append(logprobs_to_pb(request.logprobs[-1]))
             job.events.put(Emit(wpb.PrefillEvent(tokens=tokens)))
         if request.is_finished:  # the scheduler has freed its blocks
             finished = wpb.Finished(

@@ -25,7 +25,13 @@ import grpc
 
 from splitserve.common.errors import ServingError
 from splitserve.engine.sampling.params import SamplingParams, SamplingParamsError
-from splitserve.engine.wire import FINISH_TO_PB, sampling_from_pb, stop_reason_text
+from splitserve.engine.wire import (
+    FINISH_TO_PB,
+    logprobs_to_pb,
+    prompt_logprobs_to_pb,
+    sampling_from_pb,
+    stop_reason_text,
+)
 from splitserve.kv_transfer.handles import TransferHandle, TransferState
 from splitserve.kv_transfer.receiver import KVReceiver
 from splitserve.kv_transfer.sender import PeerAddress
@@ -136,11 +142,18 @@ class DecodeWorker(WorkerBase):
                 )
                 return None, wpb.DecodeEvent(refused=refusal)
             # Room for the prompt's KV and the first token of this leg; decoding grows it step by step.
-            if not engine.allocate(message.request_id, len(prompt) + len(output) + 1):
+            leased = Request.resume(message.request_id, prompt, output, sampling, sampling.seed)
+            if not engine.allocate(message.request_id, len(prompt) + len(output) + 1, leased):
                 refusal = wpb.LeaseRefused(reason="not enough free KV blocks", free_blocks=engine.num_free_blocks)
                 return None, wpb.DecodeEvent(refused=refusal)
-            table = engine.block_table(message.request_id)
             job = self.jobs[message.request_id] = DecodeJob(message.request_id, prompt, output, sampling)
+        table = engine.block_table(message.request_id)  # without the lock: vLLM's admits it on the loop thread
+        if not table:
+            with self.lock:
+                engine.free(message.request_id)
+                del self.jobs[message.request_id]
+            refusal = wpb.LeaseRefused(reason="not enough free KV blocks", free_blocks=engine.num_free_blocks)
+            return None, wpb.DecodeEvent(refused=refusal)
         if message.prefill_locally:  # conditional disaggregation: no KV will arrive; prefill it here
             self.submit(Add(job))
             return job, wpb.DecodeEvent(lease=wpb.LeaseGranted(blocks=len(table)))
@@ -269,6 +282,10 @@ class DecodeWorker(WorkerBase):
     def _advanced(self, job: DecodeJob, request: Request) -> None:
         """The request got a token: stream it; a finished request ends here (the scheduler freed its blocks)."""
         tokens = wpb.Tokens(token_ids=[request.token_ids[-1]], index=request.num_output_tokens - 1)
+        if request.logprobs:
+            tokens.logprobs.append(logprobs_to_pb(request.logprobs[-1]))
+        if job.transfer is None and request.num_output_tokens == len(job.output) + 1:  # prefilled here
+            tokens.prompt_logprobs.extend(prompt_logprobs_to_pb(request.prompt_logprobs))
         job.events.put(Emit(wpb.DecodeEvent(tokens=tokens)))
         if request.is_finished:
             finished = wpb.Finished(
@@ -343,8 +360,8 @@ def _coalesce(event: wpb.DecodeEvent, events: queue.Queue[Event]) -> wpb.DecodeE
     fewer, larger messages, and the queue holds at most one request's output, never more."""
     if event.WhichOneof("kind") != "tokens":
         return event
-    merged = list(event.tokens.token_ids)
-    index = event.tokens.index
+    merged = wpb.Tokens()
+    merged.CopyFrom(event.tokens)
     while True:
         try:
             following = events.get_nowait()
@@ -352,11 +369,12 @@ def _coalesce(event: wpb.DecodeEvent, events: queue.Queue[Event]) -> wpb.DecodeE
             break
         match following:
             case Emit(message) if message.WhichOneof("kind") == "tokens":
-                merged.extend(message.tokens.token_ids)
+                merged.token_ids.extend(message.tokens.token_ids)
+                merged.logprobs.extend(message.tokens.logprobs)
                 continue
         # Not a token: send the merged tokens now and this one next (put it back at the front).
         with events.mutex:
             events.queue.appendleft(following)
             events.not_empty.notify()
         break
-    return wpb.DecodeEvent(tokens=wpb.Tokens(token_ids=merged, index=index))
+    return wpb.DecodeEvent(tokens=merged)

@@ -45,6 +45,7 @@ DYNAMIC_DECODE_BACKEND = "gather (splitserve.engine.attention)"
 
 DECODE_PATHS = ("auto", "dynamic", "static")
 TP_STEPS = ("lockstep", "plan")
+ENGINE_BACKENDS = ("splitserve", "vllm")
 
 
 @dataclass(frozen=True)
@@ -74,9 +75,20 @@ class EngineSettings:
     # takes longer fails the whole worker, so a dead or stalled rank is noticed within this; an idle rank 0
     # ticks its ranks at a quarter of it.
     tensor_parallel_timeout_s: float = 10.0
+    # Which engine the workers run (docs/engine.md): "splitserve" (this package) or "vllm" (vLLM's engine core
+    # in the worker's process: `make setup-vllm`); a role may set its own (its section's `backend`).
+    backend: str = "splitserve"
+    # The vllm backend only: more of vLLM's EngineArgs (e.g. {"enforce_eager": false} to compile the model);
+    # the ones these settings already decide (dtype, block_size, max_num_seqs, ...) are refused.
+    vllm_args: dict | None = None
 
     def __post_init__(self) -> None:
         check_choice(self, "decode_path", DECODE_PATHS)
+        check_choice(self, "backend", ENGINE_BACKENDS)
+        if self.vllm_args is not None and not (
+            isinstance(self.vllm_args, dict) and all(isinstance(k, str) for k in self.vllm_args)
+        ):
+            raise ValueError(f"vllm_args: must map vLLM EngineArgs names to values, got {self.vllm_args!r}")
         check_ranges(self, ("block_size", "num_blocks", "kv_cache_bytes"), min=1)
         check_range(self, "tensor_parallel_timeout_s", above=0)
         check_choice(self, "linear_kernel", LINEAR_KERNELS)

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from splitserve.engine.core import EngineConfig, EngineCore
+from splitserve.engine.sampling.logprobs import TokenLogprobs
 from splitserve.engine.sampling.params import SamplingParams
 from splitserve.engine.sampling.rng import random_seed
 from splitserve.engine.scheduler.request import FinishReason, Request
@@ -40,6 +41,10 @@ class RequestOutput:
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
+    # With sampling.logprobs: one entry per output token; with sampling.prompt_logprobs: one per prompt
+    # token, the first None (``splitserve.engine.sampling.logprobs.TokenLogprobs``).
+    logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 class _Stream:
@@ -152,6 +157,8 @@ class LLM:
             finish_reason=request.finish_reason.value if request.finish_reason else None,
             stop_reason=request.stop_reason,
             num_cached_tokens=request.num_cached_tokens,
+            logprobs=list(request.logprobs) if request.sampling.logprobs is not None else None,
+            prompt_logprobs=None if request.prompt_logprobs is None else list(request.prompt_logprobs),
             metrics={
                 "arrival_time": request.arrival_time,
                 "first_scheduled_time": request.first_scheduled_time or now,

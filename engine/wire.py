@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from splitserve.engine.sampling.params import SamplingParams, SamplingParamsError
+from splitserve.engine.sampling.params import SamplingParams, SamplingParamsError, TokenLogprobs
 from splitserve.engine.sampling.rng import random_seed
 from splitserve.engine.scheduler.request import FinishReason
 from splitserve.v1 import splitserve_pb2 as pb
@@ -21,6 +21,8 @@ _OPTIONAL_SCALARS = (
     "min_tokens",
     "skip_special_tokens",
     "include_stop_str_in_output",
+    "logprobs",
+    "prompt_logprobs",
 )
 
 # The one finish-reason table: engine FinishReason <-> protobuf enum; the text label ("stop", "length")
@@ -68,3 +70,21 @@ def sampling_to_pb(params: SamplingParams) -> pb.SamplingParams:
 
 def stop_reason_text(stop_reason: int | str | None) -> str:
     return "" if stop_reason is None else str(stop_reason)
+
+
+def logprobs_to_pb(entry: TokenLogprobs) -> pb.TokenLogprobs:
+    """One position's log-probabilities (``TokenLogprobs``) as protobuf."""
+    return pb.TokenLogprobs(
+        token_id=entry.token_id,
+        logprob=entry.logprob,
+        rank=entry.rank,
+        top=[pb.TokenLogprob(token_id=t, logprob=v) for t, v in entry.top],
+    )
+
+
+def prompt_logprobs_to_pb(entries: list[TokenLogprobs | None] | None) -> list[pb.TokenLogprobs]:
+    """A request's prompt log-probabilities, the first prompt token's (None) left out; [] unless every
+    other prompt token has its entry (none asked for, or not computed on this leg)."""
+    if not entries or any(e is None for e in entries[1:]):
+        return []
+    return [logprobs_to_pb(e) for e in entries[1:]]

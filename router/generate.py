@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import grpc
 
@@ -106,6 +106,9 @@ class RequestRun:
         self.dispatcher, self.config = dispatcher, config
         self.metrics = metrics or RouterMetrics()
         self.sampling_pb = sampling_to_pb(sampling)
+        # A leg that re-prefills output comes after the first token, which carried the prompt's
+        # log-probabilities: it does not ask for them again (and may then use the prefix cache).
+        self.resume_pb = sampling_to_pb(replace(sampling, prompt_logprobs=None))
         self.hashes = block_hashes(prompt, config.block_size)
         self.eos_token_ids = frozenset(tokenizer.eos_token_ids)
         self.detok = IncrementalDetokenizer(tokenizer, prompt, sampling.skip_special_tokens)
@@ -181,7 +184,7 @@ class RequestRun:
                         request_id=self.request_id,
                         prompt_token_ids=self.prompt,
                         output_token_ids=self.output,
-                        sampling=self.sampling_pb,
+                        sampling=self._leg_sampling,
                     )
                     deadline = time.monotonic() + self.config.lease_timeout_s
                     decode, call, grant = await self.dispatcher.lease(
@@ -195,7 +198,7 @@ class RequestRun:
                         request_id=self.request_id,
                         prompt_token_ids=self.prompt,
                         output_token_ids=self.output,
-                        sampling=self.sampling_pb,
+                        sampling=self._leg_sampling,
                         destination=grant.destination if grant else None,
                     ),
                     "prefill",
@@ -206,7 +209,7 @@ class RequestRun:
             finally:
                 self.dispatcher.release(prefill, ticket)
             leg = LegTransfer(self._first_token(first))
-            yield self._relay([first.token_id])
+            yield self._relay_first(first)
             if first.finish_reason != pb.FINISH_REASON_UNSPECIFIED or call is None:
                 self._finish(first.finish_reason or pb.FINISH_REASON_LENGTH, first.stop_reason)
             if self.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
@@ -240,7 +243,7 @@ class RequestRun:
                 request_id=self.request_id,
                 prompt_token_ids=self.prompt,
                 output_token_ids=self.output,
-                sampling=self.sampling_pb,
+                sampling=self._leg_sampling,
             ),
             "colocated",
             worker,
@@ -249,7 +252,7 @@ class RequestRun:
             first = (await _read(call, "colocated", worker)).first_token
             self.dispatcher.prefilled(worker, ticket)
             self._first_token(first)
-            yield self._relay([first.token_id])
+            yield self._relay_first(first)
             if self.finish_reason == pb.FINISH_REASON_UNSPECIFIED:
                 async for message in self._decode(call, worker, "colocated"):
                     yield message
@@ -264,7 +267,7 @@ class RequestRun:
             request_id=self.request_id,
             prompt_token_ids=self.prompt,
             output_token_ids=self.output,
-            sampling=self.sampling_pb,
+            sampling=self._leg_sampling,
             prefill_locally=True,
         )
         deadline = time.monotonic() + self.config.lease_timeout_s
@@ -302,9 +305,10 @@ class RequestRun:
             elif kind == "tokens":  # skip any the client already has (a re-prefilled leg restarts at len(output))
                 if self.clock.first_token is None:  # a decode worker that prefilled the request itself
                     self._first_token(wpb.FirstToken(token_id=event.tokens.token_ids[0]))
-                new = list(event.tokens.token_ids)[max(0, len(self.output) - event.tokens.index) :]
+                skip = max(0, len(self.output) - event.tokens.index)
+                new = list(event.tokens.token_ids)[skip:]
                 if new:
-                    yield self._relay(new)
+                    yield self._relay(new, event.tokens.logprobs[skip:], event.tokens.prompt_logprobs)
                 if self.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
                     return  # a stop string matched: leaving cancels the decode call
             elif kind == "finished":
@@ -349,8 +353,17 @@ class RequestRun:
         self.transfer_failure = failure
         decode_call.cancel()
 
-    def _relay(self, tokens: list[int]) -> pb.GenerateResponse:
-        """Tokens to the client, with the text they complete (held back while it may become a stop)."""
+    @property
+    def _leg_sampling(self) -> pb.SamplingParams:
+        return self.resume_pb if self.output else self.sampling_pb
+
+    def _relay_first(self, first: wpb.FirstToken) -> pb.GenerateResponse:
+        logprobs = [first.logprobs] if first.HasField("logprobs") else []
+        return self._relay([first.token_id], logprobs, first.prompt_logprobs)
+
+    def _relay(self, tokens: list[int], logprobs=(), prompt_logprobs=()) -> pb.GenerateResponse:
+        """Tokens to the client, with the text they complete (held back while it may become a stop), their
+        log-probabilities and, with the first token, the prompt's."""
         index = len(self.output)
         now = time.monotonic()
         self.metrics.relayed(len(tokens), now - self.clock.last_relay if self.clock.last_relay is not None else None)
@@ -360,7 +373,14 @@ class RequestRun:
         text, stop = self.stops.feed(self.detok.add_tokens(tokens))
         if stop is not None:
             self._finish(pb.FINISH_REASON_STOP, stop)
-        return pb.GenerateResponse(request_id=self.request_id, token_ids=tokens, text=text, index=index)
+        return pb.GenerateResponse(
+            request_id=self.request_id,
+            token_ids=tokens,
+            text=text,
+            index=index,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs if index == 0 else (),
+        )
 
     def _ended_by_output(self) -> bool:
         """Whether the tokens relayed so far already end the request (its worker was lost between the

@@ -184,6 +184,22 @@ DEPLOYMENTS = {
         "splitserve colocated",
         lambda a: {"mode": "colocated", "colocated": {"threads": a.threads, "max_inflight": max(a.in_flight)}},
     ),
+    # vLLM's engine core inside a colocated worker (engine.backend: vllm), compiled as `vllm serve` runs it and
+    # with vLLM's own scheduler limits: against `vllm serve` it measures what splitserve's layer adds.
+    "vllm-colocated": (
+        "splitserve colocated (vllm backend)",
+        lambda a: {
+            "mode": "colocated",
+            "colocated": {"threads": a.threads, "max_inflight": max(a.in_flight)},
+            "engine": {
+                "backend": "vllm",
+                "kv_cache_bytes": 1 << 30,
+                "max_num_seqs": max(a.in_flight),
+                "max_num_batched_tokens": 2048,
+                "vllm_args": {"enforce_eager": False},
+            },
+        },
+    ),
 }
 
 
@@ -197,8 +213,7 @@ def deployment_config(args, name: str):
             "port": 0,
             "openai_port": 0,
             "model_name": SERVED_NAME,
-            "engine": {"kv_cache_bytes": 512 << 20},
-            **DEPLOYMENTS[name][1](args),
+            **({"engine": {"kv_cache_bytes": 512 << 20}} | DEPLOYMENTS[name][1](args)),
         }
     )
 

@@ -4,8 +4,11 @@
 1. starts a simulated cluster on this machine (``splitserve.deploy.sim_cluster``: a head, one node per
    prefill worker and one per decode worker, real raylets on 127.0.0.1);
 2. ``splitserve serve --config`` joined to it, in its own process, as an operator runs it;
-3. ``splitserve bench sweep`` against it (a list of rates, the chat-like dataset by default, SLOs);
-4. checks that no request failed and that, once the load is over, no worker holds a KV block;
+3. ``splitserve bench sweep --ray-address ... --clients N`` against it (a list of rates, the chat-like
+   dataset by default, SLOs): the load comes from N client actors spread over the cluster's nodes,
+   merged into one result per rate (``splitserve.bench.ray_clients``; ``--clients 0``: one process);
+4. checks that no request failed, that no load client was lost, and that, once the load is over, no
+   worker holds a KV block;
 5. writes ``loadtest.json`` (the verdict, the sweep's summary, the workers and their nodes) next to
    the sweep's ``sweep.json``, ``rate_<R>.json`` and PNG plots in ``--out-dir``.
 
@@ -57,6 +60,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rates", default="2,4,8", help="request rates of the sweep, req/s")
     p.add_argument("--goodput", nargs="+", default=["ttft:2000", "tpot:200"], help="SLOs, KEY:MS")
     p.add_argument("--out-dir", default="results/loadtest")
+    p.add_argument(
+        "--clients", type=int, default=2, help="load client actors on the cluster (0: the bench in one process)"
+    )
+    p.add_argument("--client-cpus", type=float, default=1.0, help="Ray CPUs each load client reserves")
     p.add_argument("--timeout", type=float, default=600.0, help="deadline of the whole bench, seconds")
     return p.parse_args(argv)
 
@@ -106,6 +113,9 @@ def main(argv: list[str] | None = None) -> int:
                 for name in ("input_len", "output_len"):
                     if getattr(args, name) is not None:
                         bench += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
+                if args.clients:
+                    bench += ["--ray-address", sim.address, "--clients", str(args.clients)]
+                    bench += ["--client-cpus", str(args.client_cpus)]
                 bench += ["--goodput", *args.goodput]
                 log(f"splitserve {' '.join(bench)}")
                 print(served.cli(*bench, timeout_s=args.timeout))
@@ -114,8 +124,11 @@ def main(argv: list[str] | None = None) -> int:
                 exit_code = served.stop()
         sweep = json.loads((out / "sweep.json").read_text())
         failed = {str(r["request_rate"]): r["failed"] for r in sweep["results"] if r["failed"]}
+        clients = {f"{r['request_rate']:g}": _clients_of(r) for r in sweep["results"] if "ray_clients" in r}
+        lost = {rate: c["lost"] for rate, c in clients.items() if c["lost"]}
         checks = {
             "no_request_failed": not failed,
+            "no_client_lost": not lost,
             "no_block_leaked": not leaked,
             "serve_stopped_cleanly": exit_code == 0,
         }
@@ -125,6 +138,8 @@ def main(argv: list[str] | None = None) -> int:
             "checks": checks,
             "failed_by_rate": failed,
             "leaked_blocks": leaked,
+            "clients_lost_by_rate": lost,
+            "load_clients": clients,
             "workers": [{k: w[k] for k in ("role", "worker_id", "node_id", "address")} for w in workers],
             "serve_ready_s": served.ready_s,
             "wall_s": time.monotonic() - started,
@@ -136,6 +151,19 @@ def main(argv: list[str] | None = None) -> int:
         log(f"{'ok  ' if ok else 'FAIL'} {name}")
     log(f"results in {out}/ (loadtest.json, sweep.json, rate_*.json, *.png)")
     return 0 if verdict["passed"] else 1
+
+
+def _clients_of(result: dict) -> dict:
+    """One rate's load clients: how many, on how many nodes, their clocks, and those lost."""
+    report = result["ray_clients"]
+    return {
+        "clients": report["clients"],
+        "nodes": report["nodes"],
+        "node_ids": [c["node_id"] for c in report["per_client"]],
+        "max_clock_offset_ms": report["max_clock_offset_ms"],
+        "clock_uncertainty_ms": report["clock_uncertainty_ms"],
+        "lost": [c["client"] for c in report["clients_lost"]],
+    }
 
 
 def _blocks_in_use_after(served: ServeProcess, timeout_s: float) -> dict[str, int]:

@@ -224,6 +224,12 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", default=None, type=dtype_arg, help=f"{DTYPE_HELP}; default: the config's (auto)")
     p.add_argument("--device", default=None)
     p.add_argument(
+        "--backend",
+        choices=["splitserve", "vllm"],
+        default=None,
+        help="the engine every role runs (the config's engine.backend; vllm: `make setup-vllm`, docs/engine.md)",
+    )
+    p.add_argument(
         "--metrics-port",
         type=int,
         default=None,
@@ -307,6 +313,7 @@ def _serve(args: argparse.Namespace) -> int:
         ray_address=args.ray_address,
         dtype=args.dtype,
         device=args.device,
+        backend=args.backend,
         metrics_port=args.metrics_port,
         metrics_host=args.metrics_host,
         log_format=args.log_format,

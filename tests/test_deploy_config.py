@@ -172,6 +172,14 @@ def test_from_file(tmp_path):
         ({"decode": {"tensor_parallel_size": 2, "cpus": "0-1", "threads": 2}}, "decode.threads: 2 threads on 1"),
         ({"engine": {"tensor_parallel_timeout_s": 0}}, "engine.tensor_parallel_timeout_s: must be > 0"),
         ({"faults": {"kill": [{"target": "router", "at": "decode", "rank": 1}]}}, "faults.kill: rank: the router"),
+        ({"engine": {"backend": "tgi"}}, "engine.backend: must be one of"),
+        ({"colocated": {"backend": "tgi"}}, "colocated.backend: must be one of"),
+        ({"engine": {"vllm_args": ["enforce_eager"]}}, "engine.vllm_args: expected dict"),
+        ({"engine": {"vllm_args": {1: True}}}, "engine.vllm_args: must map"),
+        ({"decode": {"backend": "vllm"}}, "decode.backend: prefill runs 'splitserve' and decode 'vllm'"),
+        ({"engine": {"backend": "vllm"}, "prefill": {"backend": "splitserve"}}, "prefill.backend: prefill runs"),
+        ({"engine": {"backend": "vllm"}, "decode": {"tensor_parallel_size": 2}}, "decode.tensor_parallel_size: the"),
+        ({"mode": "colocated", "colocated": {"backend": "vllm", "tensor_parallel_size": 2}}, "colocated.tensor_par"),
     ],
 )
 def test_errors_name_the_field(raw, field):
@@ -228,6 +236,19 @@ def test_metrics_and_log_settings_reach_the_router_and_every_worker():
     for role in ("prefill", "decode"):
         worker = on.fleet.worker_config(role, f"{role}-0")
         assert (worker.metrics_port, worker.log_format) == (0, "json")  # workers: a free port each
+
+
+def test_the_engine_backend_is_the_roles_own_else_the_engine_sections():
+    config = DeploymentConfig.from_dict({"mode": "colocated", "colocated": {"backend": "vllm"}})
+    assert config.engine_config("m", "colocated").backend == "vllm"
+    assert DeploymentConfig.from_dict({"mode": "colocated"}).engine_config("m", "colocated").backend == "splitserve"
+    both = DeploymentConfig.from_dict({"mode": "colocated", "engine": {"backend": "vllm"}})
+    assert both.engine_config("m", "colocated").backend == "vllm"
+    # --backend sets every role's, over a role's own.
+    flag = DeploymentConfig.from_dict({"mode": "colocated", "colocated": {"backend": "vllm"}})
+    assert flag.with_overrides(backend="splitserve").engine_config("m", "colocated").backend == "splitserve"
+    disaggregated = DeploymentConfig.from_dict({"engine": {"backend": "vllm"}})
+    assert {disaggregated.engine_config("m", r).backend for r in ("prefill", "decode")} == {"vllm"}
 
 
 def test_linear_kernel_settings_reach_every_worker():

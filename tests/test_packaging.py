@@ -161,3 +161,15 @@ def test_check_layers_fails_on_a_two_way_tie_between_launcher_packages(tmp_path)
     done = run_check_layers(tree / "pyproject.toml")
     assert done.returncode == 1, done.stdout + done.stderr
     assert "Two-way tie in the launcher: splitserve.deploy and splitserve.planning import each other" in done.stdout
+
+
+def test_splitserve_and_the_router_never_import_vllm():
+    """vllm (the optional engine backend) is imported only by a worker that runs it."""
+    code = (
+        "import sys, splitserve, splitserve.cli, splitserve.router.server, splitserve.router.openai.server, "
+        "splitserve.deploy.deployment, splitserve.worker_common.base, splitserve.colocated_worker.worker; "
+        "print(sorted(m for m in sys.modules if m == 'vllm' or m.startswith('vllm.')))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "[]"

@@ -15,6 +15,7 @@ from splitserve.engine.sampling.params import SamplingParams
 from splitserve.engine.scheduler.request import Request
 from splitserve.prefill_worker.worker import PrefillWorker
 from splitserve.rpc import workers_pb2 as wpb
+from splitserve.v1 import splitserve_pb2 as pb
 from splitserve.worker_common.base import stream_events
 from splitserve.worker_common.messages import Add, Admit, Cancel, Drain, Emit, End, Fail, make_event_queue
 from splitserve.worker_common.prefill_edge.jobs import PrefillJob
@@ -109,6 +110,24 @@ def test_decode_coalesces_queued_tokens_and_keeps_what_follows():
     sent = list(stream_events(events, FakeContext(), merge=_coalesce))
     assert [m.WhichOneof("kind") for m in sent] == ["tokens", "finished"]
     assert list(sent[0].tokens.token_ids) == [2, 3, 4] and sent[0].tokens.index == 1
+
+
+def test_decode_coalescing_keeps_each_tokens_logprobs_in_order():
+    def entry(token: int) -> pb.TokenLogprobs:
+        return pb.TokenLogprobs(token_id=token, logprob=-float(token), rank=1)
+
+    events = make_event_queue()
+    first = make_tokens(2, index=0)
+    first.tokens.logprobs.append(entry(2))
+    first.tokens.prompt_logprobs.append(entry(9))
+    second = make_tokens(3, 4, index=1)
+    second.tokens.logprobs.extend([entry(3), entry(4)])
+    for event in (Emit(first), Emit(second), End()):
+        events.put(event)
+    (sent,) = list(stream_events(events, FakeContext(), merge=_coalesce))
+    assert list(sent.tokens.token_ids) == [2, 3, 4]
+    assert [e.token_id for e in sent.tokens.logprobs] == [2, 3, 4]
+    assert [e.token_id for e in sent.tokens.prompt_logprobs] == [9]
 
 
 def test_decode_coalescing_leaves_other_messages_alone():

@@ -79,7 +79,11 @@ class WorkerBase:
         self.ranks = ranks
         self.lock = threading.RLock()
         self.metrics = WorkerMetrics(config.worker_id, config.role)
-        if engine is None:
+        if engine is None and config.engine.backend == "vllm":
+            from splitserve.worker_common.vllm_engine import VllmEngine  # imports vllm: only on this backend
+
+            engine = VllmEngine(config.engine, self.lock, self.metrics, config.cpus, role=config.role, wake=self.wake)
+        elif engine is None:
             engine = LocalEngine.build(
                 config.engine,
                 self.lock,

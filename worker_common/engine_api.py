@@ -201,8 +201,11 @@ class Engine(TensorParallel, Protocol):
 
     # ---- KV blocks ------------------------------------------------------------------------------
 
-    def allocate(self, request_id: str, num_tokens: int) -> bool:
-        """Lease blocks for ``num_tokens`` of a request not yet in the scheduler (decode); False: no room."""
+    def allocate(self, request_id: str, num_tokens: int, request: Request | None = None) -> bool:
+        """Lease blocks for ``num_tokens`` of a request not yet in the scheduler (decode); False: no room.
+        ``request``: the request the lease is for (its prompt, earlier output and sampling; the first token
+        comes with the KV), for an engine whose scheduler admits leases itself (vLLM's). Such an engine's
+        ``block_table`` of a lease may wait for its loop, so it is read without the worker's lock."""
         ...
 
     def block_table(self, request_id: str) -> list[int]:

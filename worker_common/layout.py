@@ -18,7 +18,7 @@ def layout_fingerprint(config: WorkerConfig, model: ModelFacts) -> LayoutFingerp
     return LayoutFingerprint(
         config.model_name or Path(config.engine.model_dir).name,
         model.dtype,
-        config.engine.block_size,
+        model.block_size,
         model.num_layers,
         model.num_kv_heads,
         model.head_dim,

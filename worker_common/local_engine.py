@@ -149,7 +149,7 @@ class LocalEngine:
 
     # ---- KV blocks ------------------------------------------------------------------------------
 
-    def allocate(self, request_id: str, num_tokens: int) -> bool:
+    def allocate(self, request_id: str, num_tokens: int, request: Request | None = None) -> bool:
         with self.lock:
             return self.core.blocks.allocate(request_id, num_tokens)
 

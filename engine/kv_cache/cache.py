@@ -61,6 +61,19 @@ class KVCache:
         self.device = torch.device(device)
         self.tensor = torch.zeros(spec.shape, dtype=spec.dtype, device=self.device)
 
+    @classmethod
+    def wrap(cls, spec: KVCacheSpec, tensor: torch.Tensor) -> KVCache:
+        """A cache over memory that another engine allocated (vLLM's, for its connector), ``spec.shape``
+        elements laid out as this class lays them out: a block's row is moved whole, never read by head
+        unless the two ends' layouts match."""
+        if tuple(tensor.shape) != spec.shape or tensor.dtype != spec.dtype or not tensor.is_contiguous():
+            raise ValueError(
+                f"tensor: {tuple(tensor.shape)} {tensor.dtype} is not a contiguous {spec.shape} {spec.dtype}"
+            )
+        cache = cls.__new__(cls)
+        cache.spec, cache.device, cache.tensor = spec, tensor.device, tensor
+        return cache
+
     def layer(self, layer: int) -> torch.Tensor:
         """One layer's cache: ``[num_blocks, 2, kv_heads, block_size, head_dim]``."""
         return self.tensor[layer]

@@ -9,7 +9,8 @@ The only engine module that touches tensors on the device besides the model itse
   ``splitserve.engine.attention.paged_decode``, and on CUDA
   a replay of the bucket's captured graph (``splitserve.engine.runner.cuda_graphs``). A step with a prefill chunk, a
   layer hook (a prefill worker streaming layer groups) or more decodes than the largest bucket takes
-  the dynamic path.
+  the dynamic path, as does a step with a prompt whose log-probabilities are asked for (every prompt
+  row's logits are computed then, not the sampled rows' only).
 
 The dynamic path is two halves: ``plan`` turns the scheduled items into a ``StepPlan`` (host arrays, no
 tensors) and ``run_plan`` runs its forward. Rank 0 of a tensor-parallel engine whose rank 0 drives sends
@@ -33,9 +34,13 @@ from splitserve.engine.kv_cache.cache import KVCache, context_rows
 from splitserve.engine.model.transformer import CausalLM
 from splitserve.engine.runner.cuda_graphs import CaptureStats, DecodeGraphs, GraphBackend
 from splitserve.engine.runner.static_decode import StaticDecodeInputs
+from splitserve.engine.sampling.logprobs import token_logprobs
 from splitserve.engine.sampling.sampler import Sampler
 from splitserve.engine.scheduler.scheduler import ScheduledRequest, SchedulerOutput
 from splitserve.engine.tp.step import PlanChannel, StepPlan
+
+# Prompt rows whose logits are computed at once for prompt log-probabilities (rows x vocab float32 each).
+PROMPT_LOGPROBS_ROWS = 256
 
 
 class ModelRunner:
@@ -85,6 +90,7 @@ class ModelRunner:
         if self.channel is not None:
             self.channel.send(plan)
         hidden = self.run_plan(plan, on_layer_done)
+        self._prompt_logprobs(items, hidden)
         if not sampled:
             return {}
         if len(sampled) < hidden.shape[0]:  # else every row samples, in order (a pure decode step)
@@ -100,11 +106,28 @@ class ModelRunner:
         input_ids, positions, meta = self._inputs(plan)
         return self.model(input_ids, positions, plan.max_position, self.kv_cache, meta, on_layer_done)
 
+    def _prompt_logprobs(self, items: list[ScheduledRequest], hidden: torch.Tensor) -> None:
+        """Each prompt token's log-probability (and top entries) under the logits of the row before it,
+        for the items whose request asks for them, into ``request.prompt_logprobs``. The last prompt row
+        predicts the first output token: the sampler's. Rows in groups, to bound the logits' memory."""
+        offset = 0
+        for item in items:
+            request, start, count = item.request, item.request.num_computed_tokens, item.num_new_tokens
+            end = min(start + count, request.num_prompt_tokens - 1)  # rows that score a prompt token
+            if request.wants_prompt_logprobs and start < end:
+                k = request.sampling.prompt_logprobs
+                for a in range(start, end, PROMPT_LOGPROBS_ROWS):
+                    b = min(a + PROMPT_LOGPROBS_ROWS, end)
+                    logits = self.model.compute_logits(hidden[offset + a - start : offset + b - start])
+                    entries = token_logprobs(logits, request.token_ids[a + 1 : b + 1], k)
+                    request.prompt_logprobs[a + 1 : b + 1] = entries
+            offset += count
+
     def _takes_static_path(self, output: SchedulerOutput, on_layer_done) -> bool:
         return (
             self.static is not None
             and on_layer_done is None
-            and all(s.num_new_tokens == 1 for s in output.scheduled)
+            and all(s.num_new_tokens == 1 and not s.request.wants_prompt_logprobs for s in output.scheduled)
             and self.static.fits(list(output.scheduled))
         )
 

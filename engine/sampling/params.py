@@ -13,6 +13,21 @@ from dataclasses import dataclass, fields
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 256
+#: The most top entries a request may ask for per position (vLLM's default ``max_logprobs``; OpenAI's limit).
+MAX_LOGPROBS = 20
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """What ``logprobs`` and ``prompt_logprobs`` return for one position (computed by
+    ``splitserve.engine.sampling.logprobs``; defined here, torch-free, for the wire): the token there, its
+    log-probability and rank (1: the most likely token), and the ``k`` most likely tokens as (token id,
+    log-probability), most likely first."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top: tuple[tuple[int, float], ...] = ()
 
 
 class SamplingParamsError(ValueError):
@@ -38,6 +53,9 @@ class SamplingParams:
     - Stops: ``max_tokens`` new tokens, any EOS id of the model (unless ``ignore_eos``), any of
       ``stop_token_ids``, or a ``stop`` string (matched on detokenized text, never shown to the client
       unless ``include_stop_str_in_output``). ``min_tokens`` suppresses EOS and stop ids until reached.
+    - Log-probabilities (``splitserve.engine.sampling.logprobs``: of the raw logits, as vLLM's default):
+      ``logprobs`` k returns, for each generated token, its own and the k most likely tokens'; ``prompt_logprobs``
+      k the same for each prompt token but the first. None: not computed. k is at most ``MAX_LOGPROBS``.
     """
 
     max_tokens: int = 16
@@ -55,6 +73,8 @@ class SamplingParams:
     min_tokens: int = 0
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         # Accept lists from callers; store tuples so the params stay hashable and immutable.
@@ -87,6 +107,9 @@ class SamplingParams:
         _float("presence_penalty", self.presence_penalty, low=-2.0, high=2.0)
         _float("frequency_penalty", self.frequency_penalty, low=-2.0, high=2.0)
         _int("min_tokens", self.min_tokens, low=0, high=self.max_tokens)
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                _int(name, getattr(self, name), low=0, high=MAX_LOGPROBS)
         if len(self.stop) > MAX_STOP_STRINGS:
             raise SamplingParamsError("stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
         for s in self.stop:

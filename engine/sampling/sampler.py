@@ -4,6 +4,10 @@ Order of operations (as transformers' logits processors): penalties, min_tokens 
 temperature, top-k, top-p, min-p. Greedy rows take the argmax. Sampled rows draw by inverse CDF
 with a single uniform number from ``keyed_uniform(seed, position)``, so a request's draw depends on
 its own logits and (seed, position) only, never on its batch neighbours.
+
+Rows whose request asks for ``logprobs`` get the sampled token's log-probability and top entries
+appended to ``request.logprobs``, from the raw logits, before any of the above
+(``splitserve.engine.sampling.logprobs``).
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from collections.abc import Sequence
 
 import torch
 
+from splitserve.engine.sampling.logprobs import log_probs, token_logprobs
 from splitserve.engine.sampling.rng import keyed_uniform
 from splitserve.engine.scheduler.request import Request
 
@@ -24,6 +29,9 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, requests: Sequence[Request]) -> list[int]:
         """logits [len(requests), vocab] (any float dtype) -> the next token of each request."""
         logits = logits.float()  # also the fast path: argmax over bf16 is several times slower here
+        wanted = [row for row, r in enumerate(requests) if r.sampling.logprobs is not None]
+        # Raw log-probabilities, taken before the penalties below change the logits in place.
+        raw = log_probs(logits[wanted]) if wanted else None
         for row, request in enumerate(requests):
             if request.sampling.has_penalties:
                 self._apply_penalties(logits[row], request)
@@ -33,6 +41,11 @@ class Sampler:
         for row, request in enumerate(requests):
             if not request.sampling.greedy:
                 tokens[row] = self._sample_row(logits[row], request)
+        if raw is not None:
+            chosen = [tokens[row] for row in wanted]
+            counts = [requests[row].sampling.logprobs for row in wanted]
+            for row, entry in zip(wanted, token_logprobs(raw, chosen, counts)):
+                requests[row].logprobs.append(entry)
         return tokens
 
     @staticmethod

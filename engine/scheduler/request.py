@@ -14,7 +14,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from splitserve.engine.sampling.params import SamplingParams
+from splitserve.engine.sampling.params import SamplingParams, TokenLogprobs
 from splitserve.engine.sampling.rng import random_seed
 
 
@@ -47,11 +47,19 @@ class Request:
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
+    # With sampling.logprobs: one entry per token this engine sampled for the request, in order (so the
+    # last n are those of its last n tokens; a resumed request's earlier tokens have none here).
+    logprobs: list[TokenLogprobs] = field(init=False, default_factory=list)
+    # With sampling.prompt_logprobs: one entry per prompt token (the first one's None), filled as the
+    # prompt's chunks are computed; complete once the first token is sampled.
+    prompt_logprobs: list[TokenLogprobs | None] | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
             raise ValueError("prompt_token_ids: must not be empty")
         self.token_ids = list(self.prompt_token_ids)
+        if self.sampling.prompt_logprobs is not None:
+            self.prompt_logprobs = [None] * len(self.prompt_token_ids)
         if self.seed < 0:
             self.seed = self.sampling.seed if self.sampling.seed is not None else random_seed()
 
@@ -84,6 +92,12 @@ class Request:
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[len(self.prompt_token_ids) :]
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Prompt log-probabilities asked for and not computed yet (before the first token of its leg):
+        every prompt position must then be computed here, none served from the prefix cache."""
+        return self.prompt_logprobs is not None and self.num_output_tokens == 0
 
     @property
     def is_finished(self) -> bool:

@@ -110,7 +110,9 @@ class Scheduler:
                 i += 1
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs and not preempted:
             request = self.waiting[0]
-            hit = self.blocks.lookup_prefix(request.token_ids) if request.num_computed_tokens == 0 else NO_HIT
+            # Prompt log-probabilities need every prompt position's logits: no prefix-cache hit for them.
+            fresh = request.num_computed_tokens == 0 and not request.wants_prompt_logprobs
+            hit = self.blocks.lookup_prefix(request.token_ids) if fresh else NO_HIT
             computed = hit.num_blocks * self.blocks.block_size
             n = self._chunk(request, computed, budget)
             if not self.blocks.allocate(request.request_id, computed + n, hit):

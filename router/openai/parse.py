@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from splitserve.common.errors import ServingError
+from splitserve.engine.sampling.params import MAX_LOGPROBS
 from splitserve.engine.text.tokenizer import Tokenizer
 from splitserve.router.openai.chat_template import ChatTemplate, ChatTemplateError
 from splitserve.router.openai.errors import OpenAIError, invalid, unsupported
@@ -40,9 +41,6 @@ _BOUNDS = {"int32": (-(2**31), 2**31), "uint32": (0, 2**32), "uint64": (0, 2**64
 REFUSED = {
     "n": ((1,), "only 1 choice per prompt is supported; send the request again (with another seed) for more"),
     "best_of": ((1,), "only 1 is supported"),
-    "logprobs": ((False,), "log probabilities are not returned by this server"),
-    "top_logprobs": ((0,), "log probabilities are not returned by this server"),
-    "echo": ((False,), "echoing the prompt is not supported"),
     "suffix": (("",), "suffixes (insertion) are not supported"),
     "logit_bias": (({},), "logit bias is not supported"),
     "tools": (([],), "tool calling is not supported"),
@@ -76,6 +74,13 @@ class Job:
     include_usage: bool = False
     # The router's field names -> this request's parameter names, to point errors at what was sent.
     params: dict[str, str] = field(default_factory=dict)
+    # Log-probabilities asked for: the top entries per position (completions' logprobs, chat's
+    # top_logprobs; 0: the chosen token's only), None for none.
+    logprobs: int | None = None
+    # Completions' echo: each prompt as text and token ids, returned before the completion (with their
+    # log-probabilities when asked for); with max_tokens 0 (``echo_only``) nothing else is returned.
+    echo: list[tuple[str, list[int]]] | None = None
+    echo_only: bool = False
 
     def error(self, e: ServingError) -> OpenAIError:
         """The router's error, its field renamed to the OpenAI parameter it came from."""
@@ -94,17 +99,40 @@ def parse_completion(body: object, model: ServedModel, request_id: str) -> Job:
     prompts = _prompts(body.get("prompt"))
     if len(prompts) > model.max_prompts:
         raise invalid("prompt", f"at most {model.max_prompts} prompts in one request, got {len(prompts)}")
-    sampling = _sampling(body, "max_tokens")
-    requests = []
+    logprobs = _logprobs_count(body, "logprobs")
+    echo = bool(_typed(body, "echo", bool))
+    # max_tokens 0 only with echo (lm-eval's scoring sends it): one token is generated, none returned.
+    echo_only = echo and body.get("max_tokens") == 0 and type(body.get("max_tokens")) is int
+    sampling = _sampling({**body, "max_tokens": 1} if echo_only else body, "max_tokens")
+    if logprobs is not None:
+        sampling.logprobs = logprobs
+        if echo:
+            sampling.prompt_logprobs = logprobs
+    requests, echoed = [], []
     for i, prompt in enumerate(prompts):
         message = pb.GenerateRequest(sampling=sampling, request_id=_nth(request_id, i, len(prompts)))
-        if isinstance(prompt, str):
+        if isinstance(prompt, str) and not echo:
             message.prompt = prompt
+        elif isinstance(prompt, str):  # echo: the ids are needed to name each prompt token
+            ids = _encode(model.tokenizer, prompt)
+            message.token_ids.extend(ids)
+            echoed.append((prompt, ids))
         else:
             message.token_ids.extend(prompt)
+            echoed.append((model.tokenizer.decode(prompt, skip_special_tokens=False), list(prompt)))
         requests.append(message)
     params = {"prompt": "prompt", "token_ids": "prompt", "prompt, token_ids": "prompt", "request_id": "X-Request-Id"}
-    return Job("completion", requests, *_streaming(body), params)
+    if echo_only:  # the router's own error for max_tokens would name a value the client did not send
+        params["sampling.max_tokens"] = "max_tokens"
+    return Job(
+        "completion",
+        requests,
+        *_streaming(body),
+        params,
+        logprobs=logprobs,
+        echo=echoed if echo else None,
+        echo_only=echo_only,
+    )
 
 
 def parse_chat(body: object, model: ServedModel, request_id: str) -> Job:
@@ -130,8 +158,13 @@ def parse_chat(body: object, model: ServedModel, request_id: str) -> Job:
             f"the prompt is {len(token_ids)} tokens, the context length is {model.max_model_len}",
             "context_length_exceeded",
         )
+    if body.get("echo") is not None and body.get("echo") is not False:
+        raise unsupported("echo", "only /v1/completions echoes the prompt; chat completions do not")
+    logprobs = _chat_logprobs(body)
     limit = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     sampling = _sampling(body, limit)
+    if logprobs is not None:
+        sampling.logprobs = logprobs
     if not sampling.HasField("max_tokens"):  # as vLLM: the rest of the context
         sampling.max_tokens = model.max_model_len - len(token_ids)
     request = pb.GenerateRequest(token_ids=token_ids, sampling=sampling, request_id=request_id)
@@ -140,8 +173,43 @@ def parse_chat(body: object, model: ServedModel, request_id: str) -> Job:
         "prompt, token_ids": "messages",
         "sampling.max_tokens": limit,
         "request_id": "X-Request-Id",
+        "sampling.logprobs": "top_logprobs",
     }
-    return Job("chat", [request], *_streaming(body), params)
+    return Job("chat", [request], *_streaming(body), params, logprobs=logprobs)
+
+
+def _logprobs_count(body: dict, name: str) -> int | None:
+    """An optional count of top log-probabilities, 0 to MAX_LOGPROBS."""
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise invalid(name, f"must be an integer from 0 to {MAX_LOGPROBS}, got {value!r}", "invalid_type")
+    if not 0 <= value <= MAX_LOGPROBS:
+        raise invalid(name, f"must be from 0 to {MAX_LOGPROBS}, got {value}")
+    return value
+
+
+def _chat_logprobs(body: dict) -> int | None:
+    """Chat's ``logprobs`` (a boolean) and ``top_logprobs`` (0-20; above 0 only with logprobs) -> the count."""
+    wanted = _typed(body, "logprobs", bool)
+    top = _logprobs_count(body, "top_logprobs")
+    if top and not wanted:
+        raise invalid("top_logprobs", "only allowed when logprobs is true")
+    return (top or 0) if wanted else None
+
+
+def _encode(tokenizer: Tokenizer, prompt: str) -> list[int]:
+    """A text prompt's ids, as the router would encode it."""
+    if not prompt:
+        raise invalid("prompt", "must not be empty")
+    try:
+        ids = tokenizer.encode(prompt)
+    except ValueError as e:
+        raise invalid("prompt", str(e)) from None
+    if not ids:
+        raise invalid("prompt", "encodes to no tokens")
+    return ids
 
 
 def _nth(request_id: str, i: int, count: int) -> str:

@@ -171,7 +171,7 @@ class OpenAIServer:
     # ---- one request ------------------------------------------------------------------------------
 
     async def _serve(self, request: web.Request, job: Job, request_id: str) -> web.StreamResponse:
-        responder = Responder(job, self.model.name, request_id)
+        responder = Responder(job, self.model.name, request_id, self.model.tokenizer)
         try:
             with contextlib.ExitStack() as admitted:
                 runs = [admitted.enter_context(self.router.admitted(r)) for r in job.requests]
@@ -180,7 +180,7 @@ class OpenAIServer:
                         return await self._stream(request, job, responder, messages, request_id)
                     texts, finals = [[] for _ in runs], [None] * len(runs)
                     async for index, message in messages:
-                        texts[index].append(message.text)
+                        texts[index].append(responder.gather(index, message))
                         if message.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
                             finals[index] = message
                     body = responder.response(["".join(t) for t in texts], finals)

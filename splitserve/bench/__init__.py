@@ -4,7 +4,8 @@
 - ``arrivals``: when each request is due (gamma-distributed gaps, or a trace's timestamps);
 - ``runner``: sends them over ``grpc.aio`` and times every streamed message;
 - ``metrics``: TTFT, TPOT, ITL, E2EL, throughputs and goodput from the per-request records;
-- ``sweep`` and ``plots``: one run per request rate, SLO attainment, goodput, and its plots.
+- ``sweep`` and ``plots``: one run per request rate, SLO attainment, goodput, and its plots;
+- ``ray_clients``: one run's load sent by client actors spread over a Ray cluster, merged into one result.
 """
 
 DATASETS = ("random", "chat", "code", "summarize", "shared-prefix", "mooncake")

@@ -49,6 +49,7 @@ class RequestRecord:
     server_timing: dict[str, float] = field(default_factory=dict)  # the router's, from the last message
     error_code: str = ""  # a gRPC status code name (or an exception's type); "" on success
     error: str = ""
+    finished: bool = False  # set once the call ended, either way (a load client reports these while it runs)
 
     @property
     def success(self) -> bool:
@@ -183,6 +184,11 @@ def format_summary(result: Mapping, percentiles: Sequence[float] = (90, 95, 99))
         from splitserve.engine.hardware import cpu_summary
 
         row("Client machine:", cpu_summary(result["client_machine"]))
+    if clients := result.get("ray_clients"):  # splitserve.bench.ray_clients
+        row("Load clients (Ray):", f"{clients['clients']} on {clients['nodes']} node(s)")
+        row("Client clock offset, max (ms):", clients["max_clock_offset_ms"], ".3f")
+        row("Client clock uncertainty (ms):", clients["clock_uncertainty_ms"], ".3f")
+        row("Load clients lost:", len(clients["clients_lost"]))
     row("Successful requests:", result["completed"])
     row("Failed requests:", result["failed"])
     for code, count in sorted(result["failures"].items()):

@@ -132,15 +132,27 @@ async def _send(
             record.error_code, record.error = "DEADLINE_EXCEEDED", f"no answer within {config.request_timeout_s} s"
         except Exception as e:  # noqa: BLE001  (a client-side failure is a failed request, not a crash)
             record.error_code, record.error = type(e).__name__, f"{type(e).__name__}: {e}"
+    record.finished = True
     progress.update(record.success)
 
 
 async def run_requests(
-    requests: Sequence[BenchRequest], offsets_s: Sequence[float], config: BenchConfig, model: str, progress: Progress
+    requests: Sequence[BenchRequest],
+    offsets_s: Sequence[float],
+    config: BenchConfig,
+    model: str,
+    progress: Progress,
+    *,
+    seeds: Sequence[int] | None = None,
+    start_at: float | None = None,
+    records: list[RequestRecord] | None = None,
 ) -> tuple[list[RequestRecord], float]:
-    """As ``runner.run_requests``, over HTTP: request i is sent ``offsets_s[i]`` after the start."""
-    records = [RequestRecord(r.prompt_len, r.output_len, due_s=o) for r, o in zip(requests, offsets_s, strict=True)]
-    bodies = [request_body(r, model, config, config.seed + i) for i, r in enumerate(requests)]
+    """As ``runner.run_requests``, over HTTP: request i is sent ``offsets_s[i]`` after the start (``seeds``,
+    ``start_at`` and ``records`` as there)."""
+    if records is None:
+        records = [RequestRecord(r.prompt_len, r.output_len, due_s=o) for r, o in zip(requests, offsets_s, strict=True)]
+    seeds = [config.seed + i for i in range(len(requests))] if seeds is None else seeds
+    bodies = [request_body(r, model, config, seed) for r, seed in zip(requests, seeds, strict=True)]
     url = completions_url(config.base_url)
     slots = asyncio.Semaphore(config.max_concurrency) if config.max_concurrency else None
     # No connection limit below the concurrency: aiohttp's default pool (100) would queue requests itself.
@@ -151,5 +163,6 @@ async def run_requests(
                 _send(session, url, b, rec, start, config, slots, progress) for b, rec in zip(bodies, records)
             ),
             progress,
+            start_at,
         )
     return records, duration

@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from splitserve.bench.request import BenchRequest
 
 SWEEP_ONLY = ("rates", "out_dir", "attainment")
+RAY_ONLY = ("clients", "client_cpus", "run_timeout")
 
 
 def add_bench_arguments(p: argparse.ArgumentParser) -> None:
@@ -51,6 +52,22 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     r = p.add_argument_group("results")
     add_result_arguments(r)
     r.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    c = p.add_argument_group("load clients on Ray (docs/benchmarks.md#load-clients-on-ray)")
+    c.add_argument(
+        "--ray-address",
+        default=None,
+        help="send the load from client actors on this Ray cluster (host:port), spread over its nodes",
+    )
+    c.add_argument("--clients", type=int, default=None, help="with --ray-address: client actors (default 1)")
+    c.add_argument(
+        "--client-cpus", type=float, default=None, help="with --ray-address: Ray CPUs each client reserves (default 1)"
+    )
+    c.add_argument(
+        "--run-timeout",
+        type=float,
+        default=None,
+        help="with --ray-address: deadline of a whole run, seconds (default: last due time + request deadlines + 30)",
+    )
     s = p.add_argument_group("sweep (with the action sweep)")
     s.add_argument("--rates", help="comma-separated request rates, e.g. 1,2,4,8")
     s.add_argument("--attainment", type=float, default=None, help="SLO attainment target for goodput (default 0.9)")
@@ -164,6 +181,7 @@ def run_bench(args: argparse.Namespace) -> int:
         progress=not args.no_progress,
         security=security,
     )
+    load = _ray_load(args)
     server = _openai_server(args, security.api_key) if openai else _grpc_server(args, security)
     if server is None:
         return 1
@@ -175,9 +193,49 @@ def run_bench(args: argparse.Namespace) -> int:
         raise ValueError("--vocab-size: the server does not report its vocabulary size; give it")
     options = dataset_options(args, max_model_len)
     tokens = TokenRange.for_vocab(vocab_size)
-    if sweep:  # fresh prompts per rate: the prefix cache must not carry over from one rate to the next
-        return _sweep(args, lambda i: make_requests(replace(options, seed=options.seed + i), tokens), config, model_id)
-    return _single(args, make_requests(options, tokens), config, model_id)
+    run = _run_of(load)
+    try:
+        if sweep:  # fresh prompts per rate: the prefix cache must not carry over from one rate to the next
+            requests = lambda i: make_requests(replace(options, seed=options.seed + i), tokens)  # noqa: E731
+            return _sweep(args, requests, config, model_id, run)
+        return _single(args, make_requests(options, tokens), config, model_id, run)
+    except RuntimeError as e:  # load clients that could not start
+        print(f"splitserve bench: {e}", file=sys.stderr)
+        return 1
+    finally:
+        if load is not None:
+            from splitserve.bench.ray_clients import disconnect
+
+            disconnect()
+
+
+def _ray_load(args: argparse.Namespace):
+    """The ``RayLoad`` of --ray-address, --clients, --client-cpus, --run-timeout (None without an address)."""
+    if not args.ray_address:
+        if given := [f"--{k.replace('_', '-')}" for k in RAY_ONLY if getattr(args, k) is not None]:
+            raise ValueError(f"{', '.join(given)}: only with --ray-address")
+        return None
+    from splitserve.bench.ray_clients import RayLoad
+
+    return RayLoad(
+        address=args.ray_address,
+        clients=1 if args.clients is None else args.clients,
+        client_cpus=1.0 if args.client_cpus is None else args.client_cpus,
+        run_timeout_s=args.run_timeout,
+    )
+
+
+def _run_of(load) -> Callable[..., dict]:
+    """``benchmark(requests, offsets, config, model_id, dataset)``: one process's, or the Ray clients'."""
+    if load is None:
+        from splitserve.bench.runner import benchmark
+
+        return benchmark
+    from functools import partial
+
+    from splitserve.bench.ray_clients import benchmark
+
+    return partial(benchmark, load=load)
 
 
 def _grpc_server(args: argparse.Namespace, security) -> tuple[str, int, int] | None:
@@ -220,13 +278,18 @@ def _openai_server(args: argparse.Namespace, api_key: str | None) -> tuple[str, 
     return name, int(entry.get("max_model_len") or 0), 0
 
 
-def _single(args: argparse.Namespace, requests: list[BenchRequest], config: BenchConfig, model_id: str) -> int:
+def _single(
+    args: argparse.Namespace,
+    requests: list[BenchRequest],
+    config: BenchConfig,
+    model_id: str,
+    run: Callable[..., dict],
+) -> int:
     from splitserve.bench.metrics import format_summary
-    from splitserve.bench.runner import benchmark
 
     trace = args.dataset == "mooncake"
     offsets = request_offsets(args, requests)
-    result = benchmark(requests, offsets, config, model_id, args.dataset)
+    result = run(requests, offsets, config, model_id, args.dataset)
     if trace:
         result |= {"request_rate": "trace", "time_scale": args.time_scale}
     print(format_summary(result, config.percentiles))
@@ -239,12 +302,16 @@ def _single(args: argparse.Namespace, requests: list[BenchRequest], config: Benc
 
 
 def _sweep(
-    args: argparse.Namespace, requests: Callable[[int], list[BenchRequest]], config: BenchConfig, model_id: str
+    args: argparse.Namespace,
+    requests: Callable[[int], list[BenchRequest]],
+    config: BenchConfig,
+    model_id: str,
+    run: Callable[..., dict],
 ) -> int:
     from splitserve.bench.sweep import parse_rates, run_sweep
 
     target = 0.9 if args.attainment is None else args.attainment
-    sweep = run_sweep(requests, config, parse_rates(args.rates), target, args.out_dir, model_id, args.dataset)
+    sweep = run_sweep(requests, config, parse_rates(args.rates), target, args.out_dir, model_id, args.dataset, run)
     for row in sweep["results"]:
         print(
             f"rate {row['request_rate']:>8g} req/s  attainment {row['slo_attainment']:6.1%}  "

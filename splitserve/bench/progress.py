@@ -36,10 +36,18 @@ class Progress:
             sys.stderr.flush()
 
 
-async def run_timed(sends: Callable[[float], Iterable[Awaitable[object]]], progress: Progress) -> float:
+async def run_timed(
+    sends: Callable[[float], Iterable[Awaitable[object]]], progress: Progress, start_at: float | None = None
+) -> float:
     """Run every request at once, each told the common start (``time.perf_counter``), and return the wall
-    time until the last one ended; the progress line is closed either way."""
+    time from that start until the last one ended; the progress line is closed either way.
+
+    The start is now, or ``start_at``: an instant of this process's ``time.time()`` (a load client on Ray
+    gets the driver's start in its own clock, ``splitserve.bench.ray_clients``); each request then waits
+    until it is due after it."""
     start = time.perf_counter()
+    if start_at is not None:
+        start += start_at - time.time()
     try:
         await asyncio.gather(*sends(start))
     finally:

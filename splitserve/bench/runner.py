@@ -69,14 +69,32 @@ async def _send(
             record.error_code, record.error = e.code().name, f"{e.code().name}: {e.details()}"
         except Exception as e:  # noqa: BLE001  (a client-side failure is a failed request, not a crash)
             record.error_code, record.error = type(e).__name__, f"{type(e).__name__}: {e}"
+    record.finished = True
     progress.update(record.success)
 
 
+def new_records(requests: Sequence[BenchRequest], offsets_s: Sequence[float]) -> list[RequestRecord]:
+    """One empty record per request, due at its offset."""
+    return [RequestRecord(r.prompt_len, r.output_len, due_s=o) for r, o in zip(requests, offsets_s, strict=True)]
+
+
 async def run_requests(
-    requests: Sequence[BenchRequest], offsets_s: Sequence[float], config: BenchConfig
+    requests: Sequence[BenchRequest],
+    offsets_s: Sequence[float],
+    config: BenchConfig,
+    *,
+    seeds: Sequence[int] | None = None,
+    start_at: float | None = None,
+    records: list[RequestRecord] | None = None,
+    progress: Progress | None = None,
 ) -> tuple[list[RequestRecord], float]:
-    """Sends request i at ``offsets_s[i]`` after the start; returns the records and the duration (s)."""
-    records = [RequestRecord(r.prompt_len, r.output_len, due_s=o) for r, o in zip(requests, offsets_s, strict=True)]
+    """Sends request i at ``offsets_s[i]`` after the start; returns the records and the duration (s).
+
+    A load client on Ray sends a share of a run: ``seeds`` are its requests' sampling seeds (default
+    ``config.seed + i``), ``start_at`` the common start in its clock (``progress.run_timed``), and
+    ``records`` (from ``new_records``) the list it fills, which the client reads while the run goes on."""
+    records = new_records(requests, offsets_s) if records is None else records
+    seeds = [config.seed + i for i in range(len(requests))] if seeds is None else seeds
     # Built before the clock starts: serializing long prompts must not delay the requests due first.
     messages = [
         make_request(
@@ -84,17 +102,18 @@ async def run_requests(
             max_tokens=r.output_len,
             temperature=config.temperature,
             ignore_eos=config.ignore_eos,
-            seed=config.seed + i,
+            seed=seed,
         )
-        for i, r in enumerate(requests)
+        for r, seed in zip(requests, seeds, strict=True)
     ]
     slots = asyncio.Semaphore(config.max_concurrency) if config.max_concurrency else None
-    progress = Progress(len(requests), config.progress)
+    progress = Progress(len(requests), config.progress) if progress is None else progress
     async with config.security.channel(config.addr, CLIENT_OPTIONS, aio=True) as channel:
         stub = pb_grpc.SplitServeStub(channel)
         duration = await run_timed(
             lambda start: (_send(stub, m, rec, start, config, slots, progress) for m, rec in zip(messages, records)),
             progress,
+            start_at,
         )
     return records, duration
 
@@ -110,13 +129,25 @@ def benchmark(
     if config.backend == "openai":
         from splitserve.bench import openai_backend
 
-        if not config.model:
-            raise ValueError("--model: backend openai sends a model name with every request")
+        check_openai_model(config)
         progress = Progress(len(requests), config.progress)
         run = openai_backend.run_requests(requests, offsets_s, config, config.model, progress)
     else:
         run = run_requests(requests, offsets_s, config)
     records, duration = asyncio.run(run)
+    return result_of(records, duration, config, model_id, dataset)
+
+
+def check_openai_model(config: BenchConfig) -> None:
+    if config.backend == "openai" and not config.model:
+        raise ValueError("--model: backend openai sends a model name with every request")
+
+
+def result_of(
+    records: Sequence[RequestRecord], duration_s: float, config: BenchConfig, model_id: str = "", dataset: str = ""
+) -> dict:
+    """The result of a run from its records (in request order) and its duration; every run's keys, one
+    client's or many merged (``splitserve.bench.ray_clients``)."""
     rate = config.request_rate
     return {
         "date": datetime.now().strftime("%Y%m%d-%H%M%S"),
@@ -124,7 +155,7 @@ def benchmark(
         "model_id": model_id or config.model,
         "dataset": dataset,
         "addr": config.base_url if config.backend == "openai" else config.addr,
-        "num_prompts": len(requests),
+        "num_prompts": len(records),
         "request_rate": "inf" if math.isinf(rate) else rate,
         "burstiness": config.burstiness,
         "max_concurrency": config.max_concurrency,
@@ -132,6 +163,6 @@ def benchmark(
         "ignore_eos": config.ignore_eos,
         # The load generator's machine (torch is not imported); the workers' is in their benchmark's header.
         "client_machine": describe_machine(probe_torch=False),
-        **summarize(records, duration, config.percentiles, config.goodput),
+        **summarize(records, duration_s, config.percentiles, config.goodput),
         **per_request_lists(records),
     }

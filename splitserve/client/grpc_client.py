@@ -19,6 +19,8 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
+from google.protobuf.json_format import MessageToDict
+
 from splitserve.engine.wire import finish_label
 from splitserve.rpc.security import API_KEY_ENV, ClientSecurity
 from splitserve.v1 import splitserve_pb2 as pb
@@ -38,9 +40,17 @@ class Completion:
     ttft_ms: float = 0.0  # measured by this client: call start to the first token
     itl_ms: list[float] = field(default_factory=list)  # gaps between messages carrying tokens
     timing: dict = field(default_factory=dict)  # the router's breakdown
+    # With sampling logprobs / prompt_logprobs: the router's entries (pb.TokenLogprobs), one per output token /
+    # per prompt token after the first.
+    logprobs: list = field(default_factory=list)
+    prompt_logprobs: list = field(default_factory=list)
 
     def to_json(self) -> dict:
-        return {k: v for k, v in self.__dict__.items() if k != "itl_ms"} | {"itl_ms": self.itl_ms}
+        skip = ("itl_ms", "logprobs", "prompt_logprobs")
+        values = {k: v for k, v in self.__dict__.items() if k not in skip} | {"itl_ms": self.itl_ms}
+        if self.logprobs or self.prompt_logprobs:
+            values |= {k: [MessageToDict(e) for e in getattr(self, k)] for k in ("logprobs", "prompt_logprobs")}
+        return values
 
 
 def make_request(
@@ -120,6 +130,8 @@ class Client:
                 last = now
             result.request_id = message.request_id
             result.token_ids.extend(message.token_ids)
+            result.logprobs.extend(message.logprobs)
+            result.prompt_logprobs.extend(message.prompt_logprobs)
             result.text += message.text
             if message.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
                 result.finish_reason = finish_label(message.finish_reason)

@@ -18,7 +18,7 @@ import yaml
 from splitserve.common.faults import FaultPlan, FaultPoint, KillPoint
 from splitserve.common.validate import check_choice, check_range, check_ranges, field_default
 from splitserve.deploy.planner_settings import PlannerSettings
-from splitserve.engine.core import EngineConfig, EngineSettings
+from splitserve.engine.core import ENGINE_BACKENDS, EngineConfig, EngineSettings
 from splitserve.kv_transfer.config import TransferConfig
 from splitserve.observability.logs import LOG_FORMATS
 from splitserve.router.config import RouterConfig, RouterSettings
@@ -70,9 +70,13 @@ class RoleConfig:
     # each holds 1/tensor_parallel_size of every layer (docs/engine.md). With cpus, each worker's set is
     # split evenly among its ranks; threads, num_cpus and num_gpus are per rank.
     tensor_parallel_size: int = 1
+    # The engine this role's workers run: splitserve | vllm (docs/engine.md); None: the engine section's backend.
+    backend: str | None = None
 
     def __post_init__(self) -> None:
         check_ranges(self, ("replicas", "threads", "max_inflight", "num_blocks", "tensor_parallel_size"), min=1)
+        if self.backend is not None:
+            check_choice(self, "backend", ENGINE_BACKENDS)
         check_ranges(self, ("num_cpus", "num_gpus"), min=0)
         if self.cpus is not None:
             try:
@@ -228,8 +232,29 @@ class DeploymentConfig:
                         f"{role}.num_gpus: 0 with device {self.device!r}: Ray would hide the GPUs from the "
                         "worker; leave it unset (one GPU per rank) or give each rank a share above 0"
                     )
+        self._check_backends()
         if self.planner.enabled and self.mode != "disaggregated":
             raise ValueError("planner.enabled: the live planner sizes prefill and decode (mode disaggregated)")
+
+    def backend(self, role: str) -> str:
+        """The engine backend of this role's workers: its own ``backend``, else the engine section's."""
+        return getattr(self, role).backend or self.engine.backend
+
+    def _check_backends(self) -> None:
+        """A role on the vllm backend runs at tensor-parallel size 1, and prefill and decode run the same
+        backend: a splitserve prefill worker cannot feed a vLLM decode worker, nor the reverse (their KV
+        layouts differ: block sizes, vLLM's packing of a block)."""
+        for role in self.roles:
+            if self.backend(role) == "vllm" and getattr(self, role).tensor_parallel_size > 1:
+                raise ValueError(f"{role}.tensor_parallel_size: the vllm backend runs tensor parallel size 1 for now")
+        if self.mode == "disaggregated" and self.backend("prefill") != self.backend("decode"):
+            named = [f"{r}.backend" for r in ("prefill", "decode") if getattr(self, r).backend] or ["engine.backend"]
+            prefill, decode = self.backend("prefill"), self.backend("decode")
+            raise ValueError(
+                f"{' and '.join(named)}: prefill runs {prefill!r} and decode {decode!r}; "
+                "their KV layouts differ (block size, vLLM's packing of a block), so one cannot feed the other: "
+                "give both roles the same backend"
+            )
 
     @property
     def roles(self) -> tuple[str, ...]:
@@ -258,6 +283,12 @@ class DeploymentConfig:
     def with_overrides(self, **overrides: Any) -> DeploymentConfig:
         """Command-line overrides: ``None`` leaves the config's value."""
         values = {k: v for k, v in overrides.items() if v is not None}
+        if "backend" in values:  # --backend: every role's engine (a role's own backend gives way to it)
+            backend = values.pop("backend")
+            values["engine"] = replace(self.engine, backend=backend)
+            values.update(
+                {role: replace(getattr(self, role), backend=None) for role in ("prefill", "decode", "colocated")}
+            )
         roles = {}
         for role in ("prefill", "decode", "colocated"):
             changes = {
@@ -295,7 +326,11 @@ class DeploymentConfig:
         """The engine config of the worker of this role in this replica slot."""
         role_config = getattr(self, role)
         return EngineConfig(
-            **{**_values(self.engine), "num_blocks": role_config.num_blocks or self.engine.num_blocks},
+            **{
+                **_values(self.engine),
+                "num_blocks": role_config.num_blocks or self.engine.num_blocks,
+                "backend": self.backend(role),
+            },
             model_dir=model_dir,
             dtype=self.dtype,
             device=self.device,

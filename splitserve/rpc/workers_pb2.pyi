@@ -151,20 +151,24 @@ class PrefillEvent(_message.Message):
     def __init__(self, first_token: _Optional[_Union[FirstToken, _Mapping]] = ..., transfer: _Optional[_Union[TransferResult, _Mapping]] = ..., tokens: _Optional[_Union[Tokens, _Mapping]] = ..., finished: _Optional[_Union[Finished, _Mapping]] = ..., preempted: _Optional[_Union[Preempted, _Mapping]] = ...) -> None: ...
 
 class FirstToken(_message.Message):
-    __slots__ = ("token_id", "cached_tokens", "queue_ms", "compute_ms", "finish_reason", "stop_reason")
+    __slots__ = ("token_id", "cached_tokens", "queue_ms", "compute_ms", "finish_reason", "stop_reason", "logprobs", "prompt_logprobs")
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_MS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     STOP_REASON_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     token_id: int
     cached_tokens: int
     queue_ms: float
     compute_ms: float
     finish_reason: _splitserve_pb2.FinishReason
     stop_reason: str
-    def __init__(self, token_id: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., queue_ms: _Optional[float] = ..., compute_ms: _Optional[float] = ..., finish_reason: _Optional[_Union[_splitserve_pb2.FinishReason, str]] = ..., stop_reason: _Optional[str] = ...) -> None: ...
+    logprobs: _splitserve_pb2.TokenLogprobs
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_splitserve_pb2.TokenLogprobs]
+    def __init__(self, token_id: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., queue_ms: _Optional[float] = ..., compute_ms: _Optional[float] = ..., finish_reason: _Optional[_Union[_splitserve_pb2.FinishReason, str]] = ..., stop_reason: _Optional[str] = ..., logprobs: _Optional[_Union[_splitserve_pb2.TokenLogprobs, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_splitserve_pb2.TokenLogprobs, _Mapping]]] = ...) -> None: ...
 
 class TransferResult(_message.Message):
     __slots__ = ("ok", "error", "transfer_ms", "bytes")
@@ -233,12 +237,16 @@ class KVLanded(_message.Message):
     def __init__(self, wait_ms: _Optional[float] = ..., bytes: _Optional[int] = ...) -> None: ...
 
 class Tokens(_message.Message):
-    __slots__ = ("token_ids", "index")
+    __slots__ = ("token_ids", "index", "logprobs", "prompt_logprobs")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     index: int
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., index: _Optional[int] = ...) -> None: ...
+    logprobs: _containers.RepeatedCompositeFieldContainer[_splitserve_pb2.TokenLogprobs]
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_splitserve_pb2.TokenLogprobs]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., index: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[_splitserve_pb2.TokenLogprobs, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_splitserve_pb2.TokenLogprobs, _Mapping]]] = ...) -> None: ...
 
 class Finished(_message.Message):
     __slots__ = ("finish_reason", "stop_reason")

@@ -41,10 +41,15 @@ DRILLS = {
 }
 
 
-def deployment_config(model_dir: str, drill: str) -> dict:
+def deployment_config(model_dir: str, drill: str, backend: str = "splitserve") -> dict:
     overrides, kill = DRILLS[drill]
     return {
         "model": str(model_dir),
+        # vLLM's worker takes its KV cache at start: a small one keeps its start quick.
+        "engine": {"backend": backend, **({"kv_cache_bytes": 64 << 20} if backend == "vllm" else {})},
+        # vLLM workers publish no prefix-cache events, so prefix-aware routing has only load to go by and may
+        # send every stream to one prefill worker: round robin gives the victim its share.
+        **({"router": {"routing_policy": "round_robin"}} if backend == "vllm" else {}),
         "dtype": "float32",
         "port": 0,
         "prefill": {"threads": 1},
@@ -113,13 +118,14 @@ class DeathWatch:
         self._thread.join(5)
 
 
-def run_drill(model_dir: str, drill: str) -> dict:
-    """Run one drill on an embedded Ray (or the one this process has); returns what happened."""
+def run_drill(model_dir: str, drill: str, backend: str = "splitserve") -> dict:
+    """Run one drill on an embedded Ray (or the one this process has), on this engine backend; returns what
+    happened."""
     from splitserve.deploy.config import DeploymentConfig
     from splitserve.deploy.deployment import Deployment
 
     victim = DRILLS[drill][1]["target"]
-    deployment = Deployment(DeploymentConfig.from_dict(deployment_config(model_dir, drill)))
+    deployment = Deployment(DeploymentConfig.from_dict(deployment_config(model_dir, drill, backend)))
     deployment.start()
     try:
         first = _workers(deployment.address)[victim].incarnation

@@ -1,4 +1,5 @@
-"""Checkpoints for the OpenAI API tests (the tiny preset itself is ``tiny_model_dir``, tests/conftest.py)."""
+"""Checkpoints for the OpenAI API tests (the tiny preset itself is ``tiny_model_dir``, tests/conftest.py), and
+the deployment they share."""
 
 from __future__ import annotations
 
@@ -6,6 +7,17 @@ import json
 import shutil
 
 import pytest
+
+from tests.serving.conftest import start_deployment
+
+
+@pytest.fixture(scope="package")
+def served(ray_session, serving_model):
+    """One deployment (router with the OpenAI API, a prefill and a decode worker) for the package's tests."""
+    # 10 ms per decode step: a long request runs for tens of seconds, so a cancel is visible.
+    deployment = start_deployment(serving_model, openai_port=0, faults={"decode_step_delay_s": 0.01})
+    yield deployment
+    deployment.stop()
 
 
 @pytest.fixture(scope="session")

@@ -102,8 +102,6 @@ def test_malformed_requests_get_openai_errors(plain):
     [
         ("n", 3),
         ("best_of", 2),
-        ("logprobs", 1),
-        ("echo", True),
         ("suffix", "end"),
         ("logit_bias", {"7": 1.0}),
     ],
@@ -117,8 +115,7 @@ def test_completion_parameters_that_cannot_be_honoured_are_refused_by_name(plain
 @pytest.mark.parametrize(
     ("param", "value"),
     [
-        ("logprobs", True),
-        ("top_logprobs", 2),
+        ("echo", True),
         ("tools", [{"type": "function", "function": {"name": "f"}}]),
         ("response_format", {"type": "json_object"}),
         ("tool_choice", "required"),
@@ -138,6 +135,13 @@ def test_chat_parameters_that_cannot_be_honoured_are_refused_by_name(plain, para
         ({"prompt": "Hi", "temperature": "hot"}, "temperature", "invalid_type"),
         ({"prompt": "Hi", "max_tokens": 2.5}, "max_tokens", "invalid_type"),
         ({"prompt": "Hi", "max_tokens": 0}, "max_tokens", "invalid_value"),
+        ({"prompt": "Hi", "max_tokens": 0, "echo": False}, "max_tokens", "invalid_value"),
+        ({"prompt": "Hi", "logprobs": 21}, "logprobs", "invalid_value"),
+        ({"prompt": "Hi", "logprobs": -1}, "logprobs", "invalid_value"),
+        ({"prompt": "Hi", "logprobs": True}, "logprobs", "invalid_type"),
+        ({"prompt": "Hi", "logprobs": 1.5}, "logprobs", "invalid_type"),
+        ({"prompt": "Hi", "echo": "yes"}, "echo", "invalid_type"),
+        ({"prompt": "", "echo": True}, "prompt", "invalid_value"),
         ({"prompt": "Hi", "max_tokens": 2**40}, "max_tokens", "invalid_value"),
         ({"prompt": "Hi", "seed": -1}, "seed", "invalid_value"),
         ({"prompt": "Hi", "top_k": -2}, "top_k", "invalid_value"),
@@ -156,6 +160,39 @@ def test_bad_completion_requests_name_the_parameter(plain, body, param, code):
     status, answer = post(plain, "/v1/completions", json.dumps(body).encode())
     assert status == 400 and (answer["error"]["param"], answer["error"]["code"]) == (param, code)
     assert answer["error"]["message"].startswith(f"{param}: ")
+
+
+@pytest.mark.parametrize(
+    ("extra", "param", "code"),
+    [
+        ({"logprobs": 1}, "logprobs", "invalid_type"),
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", "invalid_value"),
+        ({"logprobs": True, "top_logprobs": "2"}, "top_logprobs", "invalid_type"),
+        ({"top_logprobs": 2}, "top_logprobs", "invalid_value"),
+        ({"logprobs": False, "top_logprobs": 2}, "top_logprobs", "invalid_value"),
+    ],
+)
+def test_bad_chat_logprobs_name_the_parameter(plain, extra, param, code):
+    status, answer = post(plain, "/v1/chat/completions", json.dumps({"messages": MESSAGES, **extra}).encode())
+    assert status == 400 and (answer["error"]["param"], answer["error"]["code"]) == (param, code)
+    assert answer["error"]["message"].startswith(f"{param}: ")
+
+
+def test_logprobs_and_echo_are_translated_for_the_router(plain):
+    from splitserve.router.openai.parse import parse_chat, parse_completion
+
+    model = plain.server.model
+    job = parse_completion({"prompt": [5, 6, 7], "logprobs": 2, "echo": True, "max_tokens": 0}, model, "r")
+    (request,) = job.requests
+    assert (request.sampling.logprobs, request.sampling.prompt_logprobs, request.sampling.max_tokens) == (2, 2, 1)
+    assert (job.logprobs, job.echo_only, job.echo[0][1]) == (2, True, [5, 6, 7])
+    job = parse_completion({"prompt": "Hi", "logprobs": 0}, model, "r")
+    assert job.requests[0].sampling.logprobs == 0 and not job.requests[0].sampling.HasField("prompt_logprobs")
+    assert job.echo is None and job.requests[0].prompt == "Hi"
+    job = parse_chat({"messages": MESSAGES, "logprobs": True}, model, "r")
+    assert job.logprobs == 0 and job.requests[0].sampling.logprobs == 0
+    job = parse_chat({"messages": MESSAGES, "logprobs": False, "top_logprobs": 0}, model, "r")
+    assert job.logprobs is None and not job.requests[0].sampling.HasField("logprobs")
 
 
 @pytest.mark.parametrize(

@@ -9,18 +9,10 @@ import pytest
 import transformers
 
 from splitserve.client.grpc_client import Client
-from tests.serving.conftest import start_deployment, wait_for
+from tests.serving.conftest import wait_for
 
 GREEDY = {"temperature": 0.0}
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is disaggregated serving?"}]
-
-
-@pytest.fixture(scope="module")
-def served(ray_session, serving_model):
-    # 10 ms per decode step: a long request runs for tens of seconds, so a cancel is visible.
-    deployment = start_deployment(serving_model, openai_port=0, faults={"decode_step_delay_s": 0.01})
-    yield deployment
-    deployment.stop()
 
 
 @pytest.fixture(scope="module")

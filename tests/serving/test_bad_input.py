@@ -37,6 +37,8 @@ CASES = [
     ("a stop string too long", dict(token_ids=[1, 2], stop=["x" * 257]), "sampling.stop"),
     ("stop token id past the vocabulary", dict(token_ids=[1, 2], stop_token_ids=[VOCAB]), "sampling.stop_token_ids"),
     ("request_id too long", dict(token_ids=[1, 2], request_id="r" * 129), "request_id"),
+    ("logprobs above 20", dict(token_ids=[1, 2], logprobs=21), "sampling.logprobs"),
+    ("prompt_logprobs above 20", dict(token_ids=[1, 2], prompt_logprobs=21), "sampling.prompt_logprobs"),
 ]
 
 

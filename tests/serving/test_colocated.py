@@ -10,7 +10,7 @@ import time
 import pytest
 
 from splitserve.client.grpc_client import Client
-from tests.serving.conftest import start_deployment, wait_for
+from tests.serving.conftest import assert_logprobs_as_offline, start_deployment, wait_for
 from tests.serving.crash import kill_worker
 from tests.serving.streams import stream_all
 
@@ -67,6 +67,19 @@ def test_only_colocated_workers_run_and_output_equals_the_offline_engine(colocat
         stop = text[10:13]
         stopped = client.generate(token_ids=PROMPTS[2], stop=[stop], **SAMPLING)
         assert stopped.finish_reason == "stop" and stopped.text == text[: text.index(stop)]
+    assert_no_blocks_in_use(colocated)
+
+
+def test_logprobs_of_a_chunked_prompt_and_its_output(colocated, serving_model):
+    """Prompt log-probabilities over several chunks (16 tokens each here), a prefix-cache hit declined for
+    them, and the output's, streamed by the colocated worker."""
+    with Client(colocated.address) as client:
+        client.generate(token_ids=PROMPTS[1], max_tokens=1)  # its prefix is cached now
+        done = client.generate(
+            token_ids=PROMPTS[1], max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=2, prompt_logprobs=2
+        )
+    assert done.cached_tokens == 0
+    assert_logprobs_as_offline(serving_model, PROMPTS[1], done)
     assert_no_blocks_in_use(colocated)
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from splitserve.client.grpc_client import Client
-from tests.serving.conftest import start_deployment, wait_for
+from tests.serving.conftest import assert_logprobs_as_offline, start_deployment, wait_for
 from tests.serving.test_serving import run_concurrently
 
 SHORT, LONG = list(range(300, 312)), list(range(500, 580))  # 12 and 80 prompt tokens
@@ -41,6 +41,15 @@ def test_a_short_prompt_is_prefilled_on_its_decode_worker(conditional, serving_m
         return all(w.kv_blocks_in_use == 0 for w in status.workers) and status.running_requests == 0
 
     wait_for(at_rest, timeout_s=10)
+
+
+def test_logprobs_of_a_prompt_prefilled_on_its_decode_worker(conditional, serving_model):
+    local = conditional.router.metrics.local_prefills
+    before = local._value.get()
+    with Client(conditional.address) as client:
+        done = client.generate(token_ids=SHORT, **GREEDY, logprobs=2, prompt_logprobs=2)
+    assert local._value.get() == before + 1 and done.timing["prefill_worker"] == "decode-0"
+    assert_logprobs_as_offline(serving_model, SHORT, done)
 
 
 def test_a_cancelled_local_prefill_frees_its_lease(conditional):

@@ -241,16 +241,24 @@ def test_nothing_listens_beyond_loopback(ray_session, one_one, two_two):
 
 def test_decode_worker_out_of_blocks_hands_back_and_output_is_unchanged(ray_session, serving_model, reference):
     """A decode worker with room for ~1.3 requests: one is handed back, re-prefilled (prompt plus
-    output so far) and finishes elsewhere in time; greedy output equals the offline engine."""
+    output so far) and finishes elsewhere in time; greedy output equals the offline engine, and so do
+    the log-probabilities of every output token (one each, across the legs) and of the prompt."""
     from splitserve.engine import SamplingParams
 
     tight = start_deployment(serving_model, decode={"num_blocks": 13, "threads": 1})
     try:
         prompts = [list(range(1, 31)), list(range(200, 230))]
-        results = run_concurrently(tight.address, prompts, max_tokens=150, temperature=0.0, ignore_eos=True)
-        expected = reference.generate(prompts, SamplingParams(max_tokens=150, temperature=0.0, ignore_eos=True))
+        sampling = dict(max_tokens=150, temperature=0.0, ignore_eos=True, logprobs=1, prompt_logprobs=1)
+        results = run_concurrently(tight.address, prompts, **sampling)
+        expected = reference.generate(prompts, SamplingParams(**sampling))
         assert [r.token_ids for r in results] == [e.token_ids for e in expected]
         assert sum(r.timing["reprefills"] for r in results) >= 1
+        for got, want in zip(results, expected):
+            assert [e.token_id for e in got.logprobs] == got.token_ids
+            assert [e.logprob for e in got.logprobs] == pytest.approx([e.logprob for e in want.logprobs], abs=1e-4)
+            assert [e.logprob for e in got.prompt_logprobs] == pytest.approx(
+                [e.logprob for e in want.prompt_logprobs[1:]], abs=1e-4
+            )
         assert_no_blocks_in_use(tight)
     finally:
         tight.stop()

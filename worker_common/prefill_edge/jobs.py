@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from splitserve.common.errors import ServingError
 from splitserve.engine.sampling.params import SamplingParamsError
-from splitserve.engine.wire import sampling_from_pb
+from splitserve.engine.wire import logprobs_to_pb, prompt_logprobs_to_pb, sampling_from_pb
 from splitserve.kv_transfer.sender import PeerAddress, SendHandle
 from splitserve.rpc import workers_pb2 as wpb
 from splitserve.worker_common.base import WorkerBase
@@ -49,6 +49,8 @@ class PrefillJob:
             cached_tokens=request.num_cached_tokens,
             queue_ms=(started - self.arrival) * 1e3,
             compute_ms=(self.first_token_at - started) * 1e3,
+            logprobs=logprobs_to_pb(request.logprobs[-1]) if request.logprobs else None,
+            prompt_logprobs=prompt_logprobs_to_pb(request.prompt_logprobs),
         )
 
 

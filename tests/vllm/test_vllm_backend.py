@@ -1,0 +1,121 @@
+"""``engine.backend: vllm``: vLLM's engine core inside a colocated worker (worker_common/vllm_engine.py), behind
+the same router, gRPC API and worker contract as the splitserve engine. One deployment for the module (vLLM
+starts in about 10 s in eager mode); real worker processes on the session's embedded Ray."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from splitserve.client.grpc_client import Client
+from splitserve.v1 import splitserve_pb2 as pb
+from tests.conftest import EOS_PROMPT
+from tests.serving.conftest import start_deployment, wait_for
+from tests.serving.crash import kill_worker
+from tests.serving.streams import stream_all
+from tests.vllm.conftest import GREEDY, PROMPTS
+
+
+@pytest.fixture(scope="module")
+def deployment(ray_session, serving_model):
+    deployment = start_deployment(
+        serving_model,
+        mode="colocated",
+        engine={"backend": "vllm", "kv_cache_bytes": 64 << 20, "max_num_batched_tokens": 256},
+        colocated={"replicas": 1, "threads": 1, "max_restarts": 2},
+    )
+    yield deployment
+    deployment.stop()
+
+
+def status(deployment):
+    return Client(deployment.address).status().workers
+
+
+def assert_no_blocks_in_use(deployment) -> None:
+    wait_for(lambda: all(w.kv_blocks_in_use == 0 for w in status(deployment)), 15)
+
+
+def test_greedy_equals_vllm_offline_and_transformers(deployment, vllm_offline, transformers_greedy):
+    results = [f.result(timeout=120) for f in stream_all(deployment.address, PROMPTS, GREEDY)]
+    served = [r[0] for r in results]
+    assert served == vllm_offline
+    assert served == transformers_greedy
+    assert [r[1] for r in results] == [pb.FINISH_REASON_LENGTH] * len(PROMPTS)
+    assert_no_blocks_in_use(deployment)
+
+
+def test_finish_reasons_and_stop_rules_mean_the_same(deployment, serving_model):
+    from splitserve.engine import LLM, SamplingParams
+
+    ours = LLM(serving_model, dtype="float32", num_blocks=64)
+    with Client(deployment.address) as client:
+        # EOS (an extra id in the checkpoint's generation_config) ends the request on both backends.
+        eos = client.generate(token_ids=EOS_PROMPT, max_tokens=10, temperature=0.0)
+        expected = ours.generate([EOS_PROMPT], SamplingParams(max_tokens=10, temperature=0.0))[0]
+        assert eos.token_ids == expected.token_ids and len(eos.token_ids) == 4
+        assert eos.finish_reason == expected.finish_reason == "stop"
+        # A stop token id: the id that ended it is the stop reason.
+        full = client.generate(token_ids=PROMPTS[0], **GREEDY)
+        stop_id = full.token_ids[5]
+        stopped = client.generate(token_ids=PROMPTS[0], stop_token_ids=[stop_id], **GREEDY)
+        assert stopped.token_ids == full.token_ids[: full.token_ids.index(stop_id) + 1]
+        assert stopped.finish_reason == "stop"
+        # A stop string (matched by the router on both backends).
+        stop = full.text[8:11]
+        by_text = client.generate(token_ids=PROMPTS[0], stop=[stop], **GREEDY)
+        assert by_text.finish_reason == "stop" and by_text.text == full.text[: full.text.index(stop)]
+        # max_tokens and min_tokens.
+        one = client.generate(token_ids=PROMPTS[1], max_tokens=1, temperature=0.0)
+        assert len(one.token_ids) == 1 and one.finish_reason == "length"
+        longer = client.generate(token_ids=EOS_PROMPT, max_tokens=10, min_tokens=6, temperature=0.0)
+        assert len(longer.token_ids) >= 6
+    assert_no_blocks_in_use(deployment)
+
+
+def test_a_seed_repeats_and_sampling_varies_without_one(deployment):
+    sampling = dict(max_tokens=16, temperature=1.0, top_p=0.9, ignore_eos=True)
+    with Client(deployment.address) as client:
+        a = client.generate(token_ids=PROMPTS[2], seed=1234, **sampling).token_ids
+        b = client.generate(token_ids=PROMPTS[2], seed=1234, **sampling).token_ids
+        c = client.generate(token_ids=PROMPTS[2], seed=4321, **sampling).token_ids
+    assert a == b and len(a) == 16
+    assert a != c
+
+
+def test_bad_input_is_refused_by_the_router_and_others_go_on(deployment):
+    with Client(deployment.address) as client:
+        stream = client.stream(token_ids=PROMPTS[3], max_tokens=40, temperature=0.0, ignore_eos=True)
+        first = next(stream)
+        with pytest.raises(grpc.RpcError) as err:
+            client.generate(token_ids=[1, 2, 10**9], max_tokens=4)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "token_ids" in err.value.details()
+        with pytest.raises(grpc.RpcError) as err:
+            client.generate(token_ids=[1, 2, 3], max_tokens=4, temperature=-1.0)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "temperature" in err.value.details()
+        with pytest.raises(grpc.RpcError) as err:  # not on this backend yet: refused, not silently empty
+            client.generate(token_ids=[1, 2, 3], max_tokens=4, logprobs=2)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "logprobs" in err.value.details()
+        rest = [t for m in stream for t in m.token_ids]
+        assert len(first.token_ids) + len(rest) == 40
+    assert_no_blocks_in_use(deployment)
+
+
+def test_cancel_mid_stream_frees_every_block(deployment):
+    with Client(deployment.address) as client:
+        stream = client.stream(token_ids=PROMPTS[3] * 3, max_tokens=400, temperature=0.0, ignore_eos=True)
+        assert [next(stream) for _ in range(3)]
+        wait_for(lambda: sum(w.kv_blocks_in_use for w in status(deployment)) > 0, 5, 0.05)
+        stream.close()  # cancels the call
+    assert_no_blocks_in_use(deployment)
+    with Client(deployment.address) as client:  # the worker goes on serving
+        assert len(client.generate(token_ids=PROMPTS[0], max_tokens=3, temperature=0.0).token_ids) == 3
+
+
+def test_a_killed_vllm_worker_is_restarted_and_rejoins(deployment, vllm_offline):
+    (worker,) = status(deployment)
+    kill_worker(deployment, worker.worker_id)
+    wait_for(lambda: [w for w in status(deployment) if w.address != worker.address], 120, 0.5)
+    with Client(deployment.address) as client:
+        again = client.generate(token_ids=PROMPTS[0], **GREEDY)
+    assert again.token_ids == vllm_offline[0]

@@ -1,0 +1,159 @@
+"""Disaggregated serving on the vllm backend: a vLLM prefill worker and a vLLM decode worker, the KV moved
+between vLLM's paged caches by splitserve's KV sender and receiver through splitserve's KV connector
+(kv_transfer/vllm_connector.py). The same checks as the splitserve engine's: output equal to vLLM's own offline
+engine and to transformers, cancel at every phase (the workers' own status shows the phase), bad input refused by
+the router before any engine sees it, nothing left holding a block, and each fault drill (a worker killed
+mid-prefill, mid-transfer on either side, mid-decode) retried or migrated exactly with the worker back.
+
+One slowed deployment for the module, as tests/serving/test_cancel.py's: every prefill step waits 1 s, a
+``hold-`` request's transfer pauses 3 s after its first layer, decode steps wait 20 ms."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from splitserve.client.grpc_client import Client, make_request
+from tests.harness.drill import DRILLS, reference_outputs, run_drill
+from tests.serving.conftest import start_deployment, wait_for
+from tests.serving.streams import stream_all
+from tests.serving.test_cancel import cancel_after, drain_until_cancelled, tokens_in, worker_status
+from tests.threads import Background
+from tests.vllm.conftest import GREEDY, PROMPTS
+
+HOLD_S = 3.0
+MAX_PAUSE_S = 10.0  # the splitserve engine's drills hold 5 s; a restarted vLLM worker takes longer to start
+MAX_BACK_S = 60.0
+
+
+@pytest.fixture(scope="module")
+def pd(ray_session, serving_model):
+    deployment = start_deployment(
+        serving_model,
+        engine={"backend": "vllm", "kv_cache_bytes": 64 << 20},
+        transfer={"whole_request_bytes": 0, "layer_group_size": 1},
+        faults={
+            "prefill_delay_s": 1.0,
+            "decode_step_delay_s": 0.02,
+            "transfer": [
+                {
+                    "role": "sender",
+                    "action": "pause",
+                    "after_messages": 1,
+                    "seconds": HOLD_S,
+                    "request_id_prefix": "hold-",
+                }
+            ],
+        },
+    )
+    yield deployment
+    deployment.stop()
+
+
+def blocks_in_use(deployment) -> list[int]:
+    return [w.kv_blocks_in_use for w in Client(deployment.address).status().workers]
+
+
+@pytest.fixture(autouse=True)
+def idle(pd):
+    wait_for(lambda: not pd.router.inflight and blocks_in_use(pd) == [0, 0], timeout_s=15)
+
+
+def assert_everything_freed(deployment) -> None:
+    wait_for(lambda: blocks_in_use(deployment) == [0, 0], timeout_s=10)
+
+
+def test_greedy_1p1d_equals_vllm_offline_and_transformers(pd, vllm_offline, transformers_greedy):
+    roles = sorted(w.role for w in Client(pd.address).status().workers)
+    assert roles == ["decode", "prefill"]
+    results = [f.result(timeout=120) for f in stream_all(pd.address, PROMPTS, GREEDY)]
+    served = [r[0] for r in results]
+    assert served == vllm_offline
+    assert served == transformers_greedy
+    with Client(pd.address) as client:
+        done = client.generate(token_ids=PROMPTS[0], **GREEDY)
+    assert done.token_ids == vllm_offline[0]
+    assert done.timing["prefill_worker"] != done.timing["decode_worker"]  # two workers, the KV moved
+    assert_everything_freed(pd)
+
+
+def test_cancel_during_prefill(pd):
+    with Client(pd.address) as client:
+        call = client.stub.Generate(
+            make_request(token_ids=list(range(1, 60)), max_tokens=50, temperature=0.0), timeout=30
+        )
+        reader = Background(drain_until_cancelled, call)
+        wait_for(lambda: worker_status(pd, "prefill").running == 1, 5, 0.02)  # inside its 1 s step
+        assert not reader.done()
+        call.cancel()
+        messages, code = reader.result(10)
+    assert code == grpc.StatusCode.CANCELLED and tokens_in(messages) == 0
+    assert_everything_freed(pd)
+
+
+def test_cancel_during_transfer_frees_both_sides(pd):
+    seen = {}
+
+    def first_token_out(messages) -> bool:
+        if tokens_in(messages) < 1:
+            return False
+        seen["decode"], seen["prefill"] = worker_status(pd, "decode"), worker_status(pd, "prefill")
+        return True
+
+    messages = cancel_after(pd, first_token_out, max_tokens=100, request_id="hold-vllm-cancel-transfer")
+    assert tokens_in(messages) == 1  # decoding never started
+    assert (seen["decode"].waiting, seen["decode"].running) == (1, 0), "the decode worker still waits for the KV"
+    assert seen["decode"].kv_blocks_in_use > 0, "vLLM's scheduler holds the lease's blocks"
+    assert seen["prefill"].kv_blocks_in_use > 0, "the prefill worker holds the blocks its sender reads"
+    assert_everything_freed(pd)
+
+
+def test_cancel_during_decode(pd):
+    seen = {}
+
+    def decoding(messages) -> bool:
+        if tokens_in(messages) < 6:
+            return False
+        seen["decode"] = worker_status(pd, "decode")
+        return True
+
+    messages = cancel_after(pd, decoding, max_tokens=400)
+    assert tokens_in(messages) >= 6 and messages[-1].finish_reason == 0
+    assert (seen["decode"].running, seen["decode"].waiting) == (1, 0)
+    assert_everything_freed(pd)
+
+
+def test_bad_input_is_refused_before_any_engine(pd):
+    with Client(pd.address) as client:
+        for fields, name in (
+            (dict(token_ids=[1, 2, 10**9], max_tokens=4), "token_ids"),
+            (dict(token_ids=[1, 2, 3], max_tokens=4, top_p=2.0), "top_p"),
+            (dict(token_ids=[1, 2, 3], max_tokens=0), "max_tokens"),
+        ):
+            with pytest.raises(grpc.RpcError) as err:
+                client.generate(**fields)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and name in err.value.details()
+        assert len(client.generate(token_ids=PROMPTS[2], max_tokens=5, temperature=0.0).token_ids) == 5
+    assert worker_status(pd, "prefill").running == 0
+    assert_everything_freed(pd)
+
+
+@pytest.fixture(scope="module")
+def drill_reference(serving_model):
+    return reference_outputs(serving_model)  # greedy: vLLM's equals it (the first test)
+
+
+@pytest.mark.parametrize("drill", list(DRILLS))
+def test_a_vllm_worker_killed_at_its_fault_point(ray_session, serving_model, drill_reference, drill):
+    result = run_drill(serving_model, drill, backend="vllm")
+    for stream, want in zip(result["streams"], drill_reference):
+        assert stream["tokens"] == want, "a retried or migrated request must finish exactly"
+        assert stream["finish"] == 2  # FINISH_REASON_LENGTH
+    assert result["longest_pause_s"] < MAX_PAUSE_S, result["longest_pause_s"]
+    if DRILLS[drill][1]["target"].startswith("decode"):
+        assert result["moved"] >= 1, "some request must have moved"
+    assert result["incarnation_changed"]
+    assert 0 < result["killed_after_s"] < result["streams_s"], (result["killed_after_s"], result["streams_s"])
+    assert 0 < result["worker_back_within_s"] < MAX_BACK_S, result["worker_back_within_s"]
+    assert result["blocks_zero_after_s"] < 15
+    assert [s["tokens"] for s in result["again"]] == drill_reference

@@ -1,0 +1,618 @@
+"""``VllmEngine``: vLLM's engine core, in this process, behind the workers' ``Engine`` interface
+(``splitserve.worker_common.engine_api``), for ``engine.backend: vllm`` (docs/engine.md), in any role.
+
+The worker keeps everything it has on the splitserve backend: its gRPC service, status, metrics, health,
+drain, cancel and the router contract. Only the engine changes: vLLM's ``EngineCore`` (its scheduler, KV
+cache manager, model runner and sampler) runs in the worker's own process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``,
+the single-process executor), on the worker's cores, with no HTTP server and no placement group of its own.
+
+One step, as the worker takes it, maps onto vLLM's own step (``EngineCore.step``):
+
+    schedule()  ->  scheduler.schedule()                       (under the worker's lock)
+    run()       ->  executor.execute_model / sample_tokens     (no lock: the model runs)
+                    scheduler.update_from_output               (under the lock)
+
+Requests stay this repository's ``Request`` objects: the engine appends the tokens vLLM sampled and sets the
+finish reason, so the worker streams them exactly as it does its own engine's. vLLM sees token ids only (the
+router detokenizes and matches stop strings, for both backends), and a request's sampling parameters map
+one to one (``vllm_sampling``). A request finished while its step runs (a cancel) is aborted after the model
+returns and before the results apply, as ``EngineCore`` does with aborts that arrive mid-step.
+
+A prefill and a decode worker move the KV as they do on the splitserve engine, with their KV sender and
+receiver over the same pair groups, reading and writing vLLM's paged cache (``kv_cache``: vLLM's per-layer
+blocks seen as one region); vLLM's scheduler learns of it through splitserve's KV connector
+(``splitserve.kv_transfer.vllm_connector``):
+
+* prefill: a request enters vLLM capped at its first token and marked to hand off; vLLM finishes it there and
+  the connector holds its blocks until the worker's ``free`` (its transfer ended), which reports it sent.
+* decode: ``allocate`` (a lease) adds the request to vLLM with the prompt's KV to arrive from outside and a
+  placeholder for the first token; vLLM's scheduler allocates its blocks on the loop thread, and
+  ``block_table`` waits for that (``LEASE_ADMIT_S``). ``add_running`` (the KV landed, the first token known)
+  puts the first token in the placeholder's place and reports the load done; vLLM then computes the first
+  token's KV and samples on. ``free`` of a lease that never ran aborts it and reports the load over, so vLLM
+  frees its blocks at once.
+
+vllm is imported only here and by the connector, and only when a worker builds this engine: ``import
+splitserve`` and the router never import it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import struct
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from splitserve.engine.core import EngineConfig
+from splitserve.engine.kv_cache.cache import KVCache, KVCacheSpec
+from splitserve.engine.model.config import ModelConfig
+from splitserve.engine.model.loader import checkpoint_files
+from splitserve.engine.sampling.params import SamplingParams
+from splitserve.engine.scheduler.request import FinishReason, Request, RequestStatus
+from splitserve.engine.tp.step import PlanChannel
+from splitserve.worker_common.engine_api import ModelFacts, StepKind, StepResult
+from splitserve.worker_common.metrics import WorkerMetrics
+
+logger = logging.getLogger(__name__)
+
+LEASE_ADMIT_S = 10.0  # decode: how long a lease waits for vLLM's scheduler to allocate its blocks
+PLACEHOLDER_TOKEN = 0  # decode: the first token's place until it arrives with the KV
+# The connector's kv_transfer_params keys (splitserve.kv_transfer.vllm_connector's EXTERNAL_TOKENS, HAND_OFF).
+EXTERNAL_KEY = "splitserve_external_tokens"
+HAND_OFF_KEY = "splitserve_hand_off"
+CONNECTOR = {
+    "kv_connector": "SplitserveConnector",
+    "kv_connector_module_path": "splitserve.kv_transfer.vllm_connector",
+}
+
+# vLLM's finish reasons (vllm.v1.engine.FinishReason's names) -> ours.
+_FINISH = {"STOP": FinishReason.STOP, "LENGTH": FinishReason.LENGTH, "ABORT": FinishReason.ABORT}
+
+# EngineArgs this module sets from the engine config; ``engine.vllm_args`` may not set them again.
+_OWNED_ARGS = frozenset(
+    {
+        "model",
+        "dtype",
+        "max_num_seqs",
+        "max_num_batched_tokens",
+        "enable_prefix_caching",
+        "max_model_len",
+        "tensor_parallel_size",
+        "distributed_executor_backend",
+        "kv_cache_memory_bytes",
+        "num_gpu_blocks_override",
+        "kv_transfer_config",
+    }
+)
+
+
+def vllm_sampling(request: Request, hand_off: bool = False, lease: bool = False) -> Any:
+    """The request's sampling parameters as vLLM's ``SamplingParams``, meaning the same as ours: the seed is
+    the request's effective seed (so an unseeded request is as random on both backends, and a seeded one
+    repeats on each, not across them); a request resumed with output tokens asks for the tokens it still
+    lacks. Stop strings are the router's on both backends, so vLLM never sees them. ``hand_off``: a prefill
+    worker's request, capped at its first token (vLLM finishes it there; the decode worker samples the rest).
+    ``lease``: a decode worker's, whose first token comes with the KV (it is not one vLLM samples)."""
+    from vllm import SamplingParams as VllmSamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    sp: SamplingParams = request.sampling
+    done = request.num_output_tokens + (1 if lease else 0)
+    max_tokens = max(1, sp.max_tokens - done)
+    min_tokens = max(0, sp.min_tokens - done)
+    if hand_off:
+        max_tokens, min_tokens = 1, min(1, min_tokens)
+    return VllmSamplingParams(
+        n=1,
+        max_tokens=max_tokens,
+        min_tokens=min_tokens,
+        temperature=sp.temperature,
+        top_p=sp.top_p,
+        top_k=sp.top_k,
+        min_p=sp.min_p,
+        seed=request.seed,
+        repetition_penalty=sp.repetition_penalty,
+        presence_penalty=sp.presence_penalty,
+        frequency_penalty=sp.frequency_penalty,
+        stop_token_ids=list(sp.stop_token_ids),
+        ignore_eos=sp.ignore_eos,
+        detokenize=False,
+        output_kind=RequestOutputKind.DELTA,
+    )
+
+
+def vllm_environment(config: EngineConfig, cpus: Iterable[int] | None) -> dict[str, str]:
+    """The environment vLLM reads at import and start-up, for a worker of this config on these cores: the
+    engine core in this process, vLLM's OpenMP threads bound to the worker's cores (all of them: vLLM's
+    default keeps one for a front end this worker does not run), its CPU platform on a CPU device. Values
+    the operator set already are kept."""
+    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+    if config.device == "cpu":
+        env["VLLM_TARGET_DEVICE"] = "cpu"
+        cores = sorted(cpus) if cpus is not None else sorted(os.sched_getaffinity(0))
+        if config.num_threads:
+            cores = cores[: config.num_threads]
+        env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(str(c) for c in cores)
+    return env
+
+
+def checkpoint_digest(model_dir: str) -> str:
+    """A digest of the checkpoint's tensors as their files list them (names, dtypes, shapes, offsets) and
+    of the files' sizes: the same folder gives the same digest on every worker without reading the weights
+    a second time (vLLM loads them itself)."""
+    digest = hashlib.sha256()
+    for path in checkpoint_files(model_dir):
+        with open(path, "rb") as f:
+            (size,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(size))
+        header.pop("__metadata__", None)
+        digest.update(json.dumps(header, sort_keys=True).encode())
+        digest.update(str(Path(path).stat().st_size).encode())
+    return "vllm-" + digest.hexdigest()[:32]
+
+
+@dataclass(frozen=True)
+class VllmStep:
+    """A ``ScheduledStep`` of this engine: vLLM's scheduler output and the requests it scheduled."""
+
+    output: Any  # vllm.v1.core.sched.output.SchedulerOutput; None: nothing to run
+    requests: tuple[Request, ...] = ()
+    sampling: tuple[Request, ...] = ()  # those whose step computes their last uncomputed token
+    prompt_work: bool = False
+    preempted: tuple[Request, ...] = field(default=())
+
+    @property
+    def is_empty(self) -> bool:
+        return self.output is None
+
+
+def vllm_kv_region(kv_caches: list, model: ModelFacts, dtype) -> KVCache:
+    """vLLM's per-layer KV tensors as one region, when they are consecutive slices of one allocation (vLLM's CPU
+    and GPU runners allocate them so): layer ``l``'s block ``b`` is row ``l * num_blocks + b``, one block's K and
+    V of every head as vLLM's attention backend packs them. Raises ValueError when the layers are not laid out so."""
+    import torch
+
+    first = kv_caches[0]
+    num_blocks = first.shape[0]
+    row = first[0].numel()
+    if row != 2 * model.num_kv_heads * model.block_size * model.head_dim:
+        raise ValueError(f"kv_cache: vLLM's block of {row} elements is not 2 x heads x block_size x head_dim")
+    for i, layer in enumerate(kv_caches):
+        expected = first.data_ptr() + i * num_blocks * row * first.element_size()
+        if not layer.is_contiguous() or layer.shape[0] != num_blocks or layer.data_ptr() != expected:
+            raise ValueError("kv_cache: vLLM's layers are not consecutive slices of one allocation")
+    spec = KVCacheSpec(len(kv_caches), model.num_kv_heads, model.head_dim, num_blocks, model.block_size, dtype)
+    tensor = torch.empty(0, dtype=dtype, device=first.device)
+    tensor.set_(first.untyped_storage(), first.storage_offset(), spec.shape)
+    return KVCache.wrap(spec, tensor)
+
+
+class VllmEngine:
+    """vLLM's ``EngineCore`` in this process, on the worker's lock, for a worker of ``role``. ``wake`` wakes the
+    worker's loop (a lease to admit, a hand-off to report)."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        lock: threading.RLock,
+        metrics: WorkerMetrics | None = None,
+        cpus: Iterable[int] | None = None,
+        role: str = "colocated",
+        wake: Callable[[], None] | None = None,
+    ) -> None:
+        if config.tensor_parallel_size > 1:
+            raise ValueError("tensor_parallel_size: the vllm backend runs one process per worker here (TP 1)")
+        self.config, self.lock, self.metrics, self.role = config, lock, metrics, role
+        self._wake = wake or (lambda: None)
+        self._model_config = ModelConfig.from_model_dir(config.model_dir)
+        for key, value in vllm_environment(config, cpus).items():
+            os.environ.setdefault(key, value)
+        import torch
+        from vllm.config import KVTransferConfig
+        from vllm.engine.arg_utils import EngineArgs
+        from vllm.v1.engine.llm_engine import LLMEngine
+
+        # vLLM's CPU worker replaces torch.set_num_threads with a no-op once it binds its threads; the worker's
+        # loop thread, which runs the model, sets its own thread count (OpenMP's is per thread), so it is kept.
+        set_num_threads = torch.set_num_threads
+
+        # engine.block_size is this package's page: vLLM's attention backends take their own (CPU: multiples of
+        # 32), so vLLM picks its platform's unless vllm_args sets one; the block size in use is the model facts'.
+        extra = dict(config.vllm_args or {})
+        owned = sorted(_OWNED_ARGS & extra.keys())
+        if owned:
+            raise ValueError(f"vllm_args: {', '.join(owned)} set from the engine's own settings; set those instead")
+        args = {
+            "model": config.model_dir,
+            "dtype": config.dtype,
+            "max_num_seqs": config.max_num_seqs,
+            "max_num_batched_tokens": config.max_num_batched_tokens,
+            "enable_prefix_caching": config.enable_prefix_caching,
+            "max_model_len": config.max_model_len,
+            "tensor_parallel_size": 1,
+            "distributed_executor_backend": "uni",
+            "disable_log_stats": True,
+            **extra,
+        }
+        if extra.get("enforce_eager", True):  # eager unless vllm_args asks otherwise: no minutes of compiling
+            args["enforce_eager"] = True
+            args.setdefault("compilation_config", {"mode": 0})
+        if config.num_blocks is not None:
+            args["num_gpu_blocks_override"] = config.num_blocks
+        else:
+            args["kv_cache_memory_bytes"] = config.kv_cache_bytes
+        self._engine_id = f"splitserve-{uuid.uuid4().hex[:12]}"
+        self._link = None
+        if role in ("prefill", "decode"):
+            from splitserve.kv_transfer.vllm_connector import link_for
+
+            self._link = link_for(self._engine_id)
+            kv_role = "kv_producer" if role == "prefill" else "kv_consumer"
+            args["kv_transfer_config"] = KVTransferConfig(**CONNECTOR, kv_role=kv_role, engine_id=self._engine_id)
+            args["disable_hybrid_kv_cache_manager"] = True
+        start = time.monotonic()
+        try:
+            self._llm = LLMEngine.from_engine_args(EngineArgs(**args))
+        finally:
+            torch.set_num_threads = set_num_threads
+        self._core = self._llm.engine_core.engine_core  # the in-process EngineCore
+        self._scheduler = self._core.scheduler
+        vc = self._llm.vllm_config
+        mc = vc.model_config
+        self._model = ModelFacts(
+            vocab_size=mc.get_vocab_size(),
+            num_layers=mc.get_num_layers(vc.parallel_config),
+            num_kv_heads=mc.get_total_num_kv_heads(),
+            head_dim=mc.get_head_size(),
+            dtype=str(mc.dtype).removeprefix("torch."),
+            weights_checksum=checkpoint_digest(config.model_dir),
+            block_size=vc.cache_config.block_size,
+        )
+        self._max_model_len = mc.max_model_len
+        self._region: KVCache | None = None
+        if self._link is not None:
+            runner = self._core.model_executor.driver_worker.worker.model_runner
+            self._region = vllm_kv_region(runner.kv_caches, self._model, mc.dtype)
+        self._requests: dict[str, Request] = {}  # vLLM's request id -> ours
+        self._ids: dict[str, str] = {}  # our request id -> vLLM's
+        self._unstarted: set[str] = set()  # vLLM ids not yet admitted
+        self._leases: set[str] = set()  # decode: vLLM ids of leases whose KV has not landed
+        self._in_step = False
+        self._aborts: list[str] = []  # vLLM ids finished while a step ran: aborted before it applies
+        logger.info(
+            "vllm engine core in-process (%s): %s, %s, block_size %d, %d KV blocks, started in %.1f s",
+            role,
+            config.model_dir,
+            self._model.dtype,
+            self._model.block_size,
+            self._scheduler.kv_cache_manager.block_pool.num_gpu_blocks,
+            time.monotonic() - start,
+        )
+
+    # ---- requests -------------------------------------------------------------------------------
+
+    def _add(self, request: Request, token_ids: list[int], params: Any, transfer: dict | None) -> str:
+        """Add to vLLM (lock held); returns vLLM's id for it."""
+        if request.request_id in self._ids:
+            raise ValueError(f"request_id: {request.request_id!r} is already in the engine")
+        if transfer is not None:
+            params.extra_args = {"kv_transfer_params": transfer}
+        processor = self._llm.input_processor
+        core_request = processor.process_inputs(
+            request.request_id,
+            {"prompt_token_ids": token_ids},
+            params,
+            supported_tasks=self._llm.get_supported_tasks(),
+        )
+        processor.assign_request_id(core_request)
+        vllm_id = core_request.request_id
+        if self._link is not None and self.role == "decode":
+            self._link.expect_lease(vllm_id)
+        self._llm.engine_core.add_request(core_request)
+        self._requests[vllm_id] = request
+        self._ids[request.request_id] = vllm_id
+        self._unstarted.add(vllm_id)
+        return vllm_id
+
+    def add(self, request: Request) -> None:
+        hand_off = self.role == "prefill"
+        with self.lock:
+            vllm_id = self._ids.get(request.request_id)
+            if vllm_id is not None and vllm_id in self._leases:  # a decode worker prefills a leased request itself
+                self.finish(request.request_id, FinishReason.ABORT)
+            self._add(
+                request,
+                list(request.token_ids),
+                vllm_sampling(request, hand_off=hand_off),
+                {HAND_OFF_KEY: True} if hand_off else None,
+            )
+        self._wake()
+
+    def add_running(self, request: Request) -> None:
+        """The lease's KV landed: ``request`` carries its first token last."""
+        with self.lock:
+            vllm_id = self._ids.get(request.request_id)
+            if vllm_id is None or vllm_id not in self._leases:
+                raise ValueError(f"request_id: {request.request_id!r} holds no lease here")
+            vllm_request = self._scheduler.requests[vllm_id]
+            first = request.token_ids[-1]
+            vllm_request.prompt_token_ids[-1] = first
+            vllm_request._all_token_ids[-1] = first
+            self._leases.discard(vllm_id)
+            request.num_computed_tokens = request.num_tokens - 1
+            self._requests[vllm_id] = request
+            self._link.end_lease(vllm_id, report=True)
+        self._wake()
+
+    def finish(self, request_id: str, reason: FinishReason) -> None:
+        with self.lock:
+            vllm_id = self._ids.pop(request_id, None)
+            if vllm_id is None:
+                return
+            request = self._requests.pop(vllm_id)
+            self._unstarted.discard(vllm_id)
+            if not request.is_finished:
+                request.status, request.finish_reason = RequestStatus.FINISHED, reason
+            lease = vllm_id in self._leases
+            self._leases.discard(vllm_id)
+            if self._in_step:
+                self._aborts.append(vllm_id)
+            else:
+                self._core.abort_requests([vllm_id])
+            if lease:  # vLLM keeps an aborted lease's blocks until the load is reported over
+                self._link.end_lease(vllm_id, report=True)
+            elif self._link is not None and self._link.release(vllm_id):
+                pass  # a prefill's held blocks, reported sent
+        self._wake()
+
+    @property
+    def num_running(self) -> int:
+        with self.lock:
+            return len(self._scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        with self.lock:
+            return len(self._scheduler.waiting) - len(self._leases)
+
+    @property
+    def num_preemptions(self) -> int:
+        return 0  # vLLM preempts by recompute inside its scheduler; the worker never sees one
+
+    # ---- the step -------------------------------------------------------------------------------
+
+    def schedule(self) -> VllmStep:
+        with self.lock:
+            for _ in range(2):  # a second pass schedules what the first one's connector report promoted
+                if not self._scheduler.has_requests() and not (self._link is not None and self._link.pending()):
+                    return VllmStep(None)
+                output = self._scheduler.schedule()
+                if output.total_num_scheduled_tokens > 0:
+                    break
+                # Nothing to compute, but the output carries finished requests to the model runner, and the
+                # connector's report (KV landed, blocks sent) reaches the scheduler through it.
+                self._apply(self._scheduler.update_from_output(output, self._execute(output)))
+            else:
+                return VllmStep(None)
+            for new in output.scheduled_new_reqs:  # admitted: what the prefix cache gave it
+                if new.req_id in self._unstarted:
+                    self._unstarted.discard(new.req_id)
+                    request = self._requests[new.req_id]
+                    if new.req_id not in self._leases:
+                        request.num_cached_tokens = new.num_computed_tokens
+            scheduled = output.num_scheduled_tokens
+            ids = [i for i in scheduled if i in self._requests]
+            vllm_requests = self._scheduler.requests
+            final = [i for i in ids if vllm_requests[i].num_computed_tokens >= vllm_requests[i].num_tokens]
+            self._in_step = True
+            return VllmStep(
+                output,
+                tuple(self._requests[i] for i in ids),
+                tuple(self._requests[i] for i in final),
+                prompt_work=any(n > 1 for n in scheduled.values()),
+            )
+
+    def _execute(self, output: Any) -> Any:
+        """Run vLLM's model on a scheduled output, as ``EngineCore.step`` does."""
+        core = self._core
+        future = core.model_executor.execute_model(output, non_block=True)
+        grammar = self._scheduler.get_grammar_bitmask(output)
+        model_output = future.result()
+        if model_output is None:
+            model_output = core.model_executor.sample_tokens(grammar)
+        return model_output
+
+    def run(
+        self, step: VllmStep, kind: StepKind | None = None, on_layer_done: Callable[[int], None] | None = None
+    ) -> StepResult:
+        if not isinstance(step, VllmStep):
+            raise TypeError(f"step: not a step of this engine: {type(step).__name__}")
+        kind = kind or ("prefill" if step.prompt_work else "decode")
+        if step.is_empty:
+            return StepResult(kind, ())
+        start = time.monotonic()
+        try:
+            model_output = self._execute(step.output)
+        finally:
+            with self.lock:
+                self._in_step = False
+                aborts, self._aborts = self._aborts, []
+                if aborts:
+                    self._core.abort_requests(aborts)
+        if on_layer_done is not None:  # the step computed every layer's KV: the sender queues it group by group
+            for layers in range(1, self._model.num_layers + 1):
+                on_layer_done(layers)
+        if self.metrics is not None:
+            output = step.output
+            self.metrics.step(
+                kind, time.monotonic() - start, len(output.num_scheduled_tokens), output.total_num_scheduled_tokens
+            )
+        with self.lock:
+            outputs = self._scheduler.update_from_output(step.output, model_output)
+            advanced = self._apply(outputs)
+        self._core.post_step(model_executed=True)
+        return StepResult(kind, advanced)
+
+    def _apply(self, outputs: dict) -> tuple[Request, ...]:
+        advanced = []
+        for engine_outputs in outputs.values():
+            for out in engine_outputs.outputs:
+                request = self._requests.get(out.request_id)
+                if request is None or not out.new_token_ids:
+                    continue  # finished by us already, or a step that sampled nothing for it
+                request.status = RequestStatus.RUNNING
+                request.token_ids.extend(out.new_token_ids)
+                request.num_computed_tokens = request.num_tokens - 1
+                if out.finish_reason is not None:
+                    request.status = RequestStatus.FINISHED
+                    request.finish_reason = self._finish_reason(request, out.finish_reason.name)
+                    request.stop_reason = out.stop_reason if request.finish_reason is not None else None
+                    self._unstarted.discard(out.request_id)
+                    if self.role != "prefill":  # a prefill's blocks stay held (the connector) until free()
+                        del self._requests[out.request_id]
+                        self._ids.pop(request.request_id, None)
+                advanced.append(request)
+        return tuple(advanced)
+
+    def _finish_reason(self, request: Request, name: str) -> FinishReason | None:
+        """Ours for vLLM's; None for a prefill's request that only reached the cap at its first token."""
+        reason = _FINISH.get(name, FinishReason.ABORT)
+        if (
+            self.role == "prefill"
+            and reason is FinishReason.LENGTH
+            and request.num_output_tokens < request.sampling.max_tokens
+            and request.num_tokens < self._max_model_len
+        ):
+            return None  # it goes on on a decode worker
+        return reason
+
+    def step(self, kind: StepKind | None = None, on_layer_done: Callable[[int], None] | None = None) -> StepResult:
+        return self.run(self.schedule(), kind, on_layer_done)
+
+    # ---- KV blocks: vLLM's block pool ------------------------------------------------------------
+
+    def allocate(self, request_id: str, num_tokens: int, request: Request | None = None) -> bool:
+        """A decode lease for ``request`` (prompt and earlier output; its first token comes with the KV)."""
+        if self.role != "decode" or request is None:
+            raise NotImplementedError("allocate: the vllm backend leases blocks on a decode worker, for a request")
+        with self.lock:
+            needed = -(-num_tokens // self._model.block_size)
+            if self._scheduler.kv_cache_manager.block_pool.get_num_free_blocks() < needed + self._leased_blocks():
+                return False
+            tokens = [*request.token_ids, PLACEHOLDER_TOKEN]
+            vllm_id = self._add(request, tokens, vllm_sampling(request, lease=True), {EXTERNAL_KEY: num_tokens - 1})
+            self._leases.add(vllm_id)
+        self._wake()
+        return True
+
+    def _leased_blocks(self) -> int:
+        """Blocks that leases not yet admitted by vLLM's scheduler will take."""
+        return sum(
+            -(-self._requests[i].num_tokens // self._model.block_size)
+            for i in self._leases
+            if not self._link.is_admitted(i)
+        )
+
+    def block_table(self, request_id: str) -> list[int]:
+        """A request's blocks; a decode lease's once vLLM's scheduler allocated them (waits up to
+        ``LEASE_ADMIT_S`` on the loop thread, so never call it with the worker's lock held): [] if not."""
+        with self.lock:
+            vllm_id = self._ids.get(request_id)
+            if vllm_id is None:
+                return []
+            lease = vllm_id in self._leases
+            if not lease:
+                held = self._link.held(vllm_id) if self._link is not None else None
+                if held is not None:
+                    return held
+                return list(self._scheduler.kv_cache_manager.get_block_ids(vllm_id)[0])
+        self._wake()
+        return self._link.wait_lease(vllm_id, LEASE_ADMIT_S) or []
+
+    def free(self, request_id: str) -> None:
+        """Give back a lease, or a prefill's blocks held since its first token (its transfer ended)."""
+        with self.lock:
+            vllm_id = self._ids.get(request_id)
+            if vllm_id is not None and self.role == "prefill" and self._link.held(vllm_id) is not None:
+                del self._ids[request_id]
+                self._requests.pop(vllm_id, None)
+                self._link.release(vllm_id)
+                self._wake()
+                return
+        self.finish(request_id, FinishReason.ABORT)
+
+    @property
+    def num_free_blocks(self) -> int:
+        with self.lock:
+            return self._scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
+
+    def kv_figures(self) -> tuple[int, int, int]:
+        with self.lock:
+            pool = self._scheduler.kv_cache_manager.block_pool
+            total = pool.num_gpu_blocks - 1  # block 0 is vLLM's null block
+            return total, total - pool.get_num_free_blocks(), len(pool.cached_block_hash_to_block)
+
+    @property
+    def kv_cache(self) -> KVCache:
+        if self._region is None:
+            raise NotImplementedError("kv_cache: a colocated vllm worker moves no KV")
+        return self._region
+
+    def cached_hashes(self) -> list[int]:
+        return []  # vLLM's prefix cache hashes blocks its own way: the router routes these workers by load
+
+    def take_block_events(self) -> list:
+        return []
+
+    # ---- model facts and checks -----------------------------------------------------------------
+
+    @property
+    def model(self) -> ModelFacts:
+        return self._model
+
+    @property
+    def max_model_len(self) -> int:
+        return self._max_model_len
+
+    def check_request(self, token_ids: list[int], sampling: SamplingParams) -> None:
+        vocab = self._model_config.vocab_size
+        bad = next((t for t in token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"token_ids: {bad} is outside the vocabulary [0, {vocab})")
+        sampling.validate(vocab)
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(sampling, name, None) is not None:
+                raise ValueError(f"{name}: log-probabilities are not returned by the vllm backend yet")
+
+    # ---- status ---------------------------------------------------------------------------------
+
+    @property
+    def decode_graphs(self) -> str:
+        return ""
+
+    # ---- tensor parallelism: none of ours (vLLM runs its own ranks) ------------------------------
+
+    @property
+    def plan_channel(self) -> PlanChannel | None:
+        return None
+
+    def keep_alive(self) -> None:
+        pass
+
+    def group_broken(self, error: Exception) -> bool:
+        return False
+
+    def close(self) -> None:
+        self._llm.engine_core.shutdown()
+        if self._link is not None:
+            from splitserve.kv_transfer.vllm_connector import drop_link
+
+            drop_link(self._engine_id)
