@@ -184,6 +184,21 @@ DEPLOYMENTS = {
         "splitserve colocated",
         lambda a: {"mode": "colocated", "colocated": {"threads": a.threads, "max_inflight": max(a.in_flight)}},
     ),
+    # A vLLM prefill worker and a vLLM decode worker, the KV moved by splitserve's connector (engine.backend: vllm).
+    "vllm-1p1d": (
+        "splitserve 1P+1D (vllm backend)",
+        lambda a: {
+            "prefill": {"threads": a.threads, "max_inflight": max(a.in_flight)},
+            "decode": {"threads": a.threads, "max_inflight": max(a.in_flight)},
+            "engine": {
+                "backend": "vllm",
+                "kv_cache_bytes": 1 << 30,
+                "max_num_seqs": max(a.in_flight),
+                "max_num_batched_tokens": 2048,
+                "vllm_args": {"enforce_eager": False},
+            },
+        },
+    ),
     # vLLM's engine core inside a colocated worker (engine.backend: vllm), compiled as `vllm serve` runs it and
     # with vLLM's own scheduler limits: against `vllm serve` it measures what splitserve's layer adds.
     "vllm-colocated": (

@@ -16,11 +16,11 @@ from __future__ import annotations
 import statistics
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from types import SimpleNamespace
+from typing import Any
 
 from splitserve.deploy.profile import ModelShape, StepSample, StepShape
-from splitserve.planning.measure import Grid
 
 # Room per sequence past its prompt, and spare blocks, in the measured engine's cache.
 SEQUENCE_SLACK = 16
@@ -32,10 +32,10 @@ class VllmMeasurer:
     """One ``VllmEngine`` (the colocated role: prefix caching on, no connector), stepped by hand."""
 
     model_dir: str
+    grid: Any  # measure.Grid (measure_profile builds this measurer; measure imports this module)
     dtype: str = "float32"
     device: str = "cpu"
     threads: int | None = None
-    grid: Grid = field(default_factory=Grid)
     vllm_args: dict | None = None
 
     def __post_init__(self) -> None:
