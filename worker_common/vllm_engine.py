@@ -55,7 +55,7 @@ from splitserve.engine.core import EngineConfig
 from splitserve.engine.kv_cache.cache import KVCache, KVCacheSpec
 from splitserve.engine.model.config import ModelConfig
 from splitserve.engine.model.loader import checkpoint_files
-from splitserve.engine.sampling.params import SamplingParams
+from splitserve.engine.sampling.params import SamplingParams, TokenLogprobs
 from splitserve.engine.scheduler.request import FinishReason, Request, RequestStatus
 from splitserve.engine.tp.step import PlanChannel
 from splitserve.worker_common.engine_api import ModelFacts, StepKind, StepResult
@@ -126,7 +126,16 @@ def vllm_sampling(request: Request, hand_off: bool = False, lease: bool = False)
         ignore_eos=sp.ignore_eos,
         detokenize=False,
         output_kind=RequestOutputKind.DELTA,
+        # Both of the raw logits on both backends (vLLM's default logprobs_mode, raw_logprobs).
+        logprobs=sp.logprobs,
+        prompt_logprobs=sp.prompt_logprobs if request.wants_prompt_logprobs and not lease else None,
     )
+
+
+def token_logprobs(ids, logprobs, rank: int, k: int) -> TokenLogprobs:
+    """One position's entry from vLLM's row: column 0 the token there, then the most likely ones."""
+    top = tuple((int(t), float(v)) for t, v in zip(ids[1 : k + 1], logprobs[1 : k + 1], strict=True))
+    return TokenLogprobs(int(ids[0]), float(logprobs[0]), int(rank), top)
 
 
 def vllm_environment(config: EngineConfig, cpus: Iterable[int] | None) -> dict[str, str]:
@@ -469,6 +478,7 @@ class VllmEngine:
                 if request is None or not out.new_token_ids:
                     continue  # finished by us already, or a step that sampled nothing for it
                 request.status = RequestStatus.RUNNING
+                self._logprobs(request, out)
                 request.token_ids.extend(out.new_token_ids)
                 request.num_computed_tokens = request.num_tokens - 1
                 if out.finish_reason is not None:
@@ -481,6 +491,27 @@ class VllmEngine:
                         self._ids.pop(request.request_id, None)
                 advanced.append(request)
         return tuple(advanced)
+
+    def _logprobs(self, request: Request, out: Any) -> None:
+        """The log-probabilities vLLM computed for this output, as our entries on the request."""
+        sp = request.sampling
+        if sp.logprobs is not None and out.new_logprobs is not None:
+            lists = out.new_logprobs
+            for i in range(len(out.new_token_ids)):
+                entry = token_logprobs(
+                    lists.logprob_token_ids[i], lists.logprobs[i], lists.sampled_token_ranks[i], sp.logprobs
+                )
+                request.logprobs.append(entry)
+        prompt = out.new_prompt_logprobs_tensors
+        if prompt is not None and request.prompt_logprobs is not None:
+            ids, values = prompt.logprob_token_ids.tolist(), prompt.logprobs.tolist()
+            ranks = prompt.selected_token_ranks.tolist()
+            start = next((i for i, e in enumerate(request.prompt_logprobs) if i and e is None), None)
+            for row in range(len(ids)):
+                if start is None or start + row >= len(request.prompt_logprobs):
+                    break
+                k = sp.prompt_logprobs
+                request.prompt_logprobs[start + row] = token_logprobs(ids[row], values[row], ranks[row], k)
 
     def _finish_reason(self, request: Request, name: str) -> FinishReason | None:
         """Ours for vLLM's; None for a prefill's request that only reached the cap at its first token."""
@@ -588,9 +619,6 @@ class VllmEngine:
         if bad is not None:
             raise ValueError(f"token_ids: {bad} is outside the vocabulary [0, {vocab})")
         sampling.validate(vocab)
-        for name in ("logprobs", "prompt_logprobs"):
-            if getattr(sampling, name, None) is not None:
-                raise ValueError(f"{name}: log-probabilities are not returned by the vllm backend yet")
 
     # ---- status ---------------------------------------------------------------------------------
 

@@ -93,9 +93,6 @@ def test_bad_input_is_refused_by_the_router_and_others_go_on(deployment):
         with pytest.raises(grpc.RpcError) as err:
             client.generate(token_ids=[1, 2, 3], max_tokens=4, temperature=-1.0)
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "temperature" in err.value.details()
-        with pytest.raises(grpc.RpcError) as err:  # not on this backend yet: refused, not silently empty
-            client.generate(token_ids=[1, 2, 3], max_tokens=4, logprobs=2)
-        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "logprobs" in err.value.details()
         rest = [t for m in stream for t in m.token_ids]
         assert len(first.token_ids) + len(rest) == 40
     assert_no_blocks_in_use(deployment)
@@ -119,3 +116,24 @@ def test_a_killed_vllm_worker_is_restarted_and_rejoins(deployment, vllm_offline)
     with Client(deployment.address) as client:
         again = client.generate(token_ids=PROMPTS[0], **GREEDY)
     assert again.token_ids == vllm_offline[0]
+
+
+def test_logprobs_equal_the_splitserve_engines(deployment, serving_model):
+    """Of the raw logits on both backends: the chosen and the top tokens' log-probabilities, generated and prompt,
+    equal the splitserve engine's (which equal transformers' log_softmax: tests/engine), to 1e-4."""
+    from splitserve.engine import LLM, SamplingParams
+
+    prompt = PROMPTS[1]
+    ours = LLM(serving_model, dtype="float32", num_blocks=64).generate(
+        [prompt], SamplingParams(max_tokens=6, temperature=0.0, logprobs=3, prompt_logprobs=2)
+    )[0]
+    with Client(deployment.address) as client:
+        served = client.generate(token_ids=prompt, max_tokens=6, temperature=0.0, logprobs=3, prompt_logprobs=2)
+    assert served.token_ids == ours.token_ids
+    assert len(served.logprobs) == 6 and len(served.prompt_logprobs) == len(prompt) - 1
+    for got, want in [*zip(served.logprobs, ours.logprobs), *zip(served.prompt_logprobs, ours.prompt_logprobs[1:])]:
+        assert got.token_id == want.token_id and got.rank == want.rank
+        assert abs(got.logprob - want.logprob) < 1e-4
+        assert [t.token_id for t in got.top] == [t for t, _ in want.top]
+        assert all(abs(t.logprob - v) < 1e-4 for t, (_, v) in zip(got.top, want.top, strict=True))
+    assert all(e.rank == 1 for e in served.logprobs)  # greedy: the chosen token is the top-1 entry

@@ -77,6 +77,27 @@ def test_greedy_1p1d_equals_vllm_offline_and_transformers(pd, vllm_offline, tran
     assert_everything_freed(pd)
 
 
+def test_logprobs_across_the_hand_off_equal_the_splitserve_engines(pd, serving_model):
+    """The prompt's and the first token's from the vLLM prefill worker, the rest from the vLLM decode worker."""
+    from splitserve.engine import LLM, SamplingParams
+
+    prompt = PROMPTS[2]
+    ours = LLM(serving_model, dtype="float32", num_blocks=64).generate(
+        [prompt], SamplingParams(max_tokens=5, temperature=0.0, logprobs=2, prompt_logprobs=1)
+    )[0]
+    with Client(pd.address) as client:
+        served = client.generate(token_ids=prompt, max_tokens=5, temperature=0.0, logprobs=2, prompt_logprobs=1)
+    assert served.token_ids == ours.token_ids
+    pairs = [
+        *zip(served.logprobs, ours.logprobs, strict=True),
+        *zip(served.prompt_logprobs, ours.prompt_logprobs[1:], strict=True),
+    ]
+    for got, want in pairs:
+        assert (got.token_id, got.rank) == (want.token_id, want.rank) and abs(got.logprob - want.logprob) < 1e-4
+        assert [t.token_id for t in got.top] == [t for t, _ in want.top]
+    assert_everything_freed(pd)
+
+
 def test_cancel_during_prefill(pd):
     with Client(pd.address) as client:
         call = client.stub.Generate(
