@@ -197,7 +197,7 @@ class VLLMServer:
             "--seed",
             "0",
         ]
-        log = open(self.log_path, "w") if self.log_path else subprocess.DEVNULL  # noqa: SIM115  (closed in stop)
+        log = _open_log(self.log_path) if self.log_path else subprocess.DEVNULL  # closed in stop
         self._log = log
         start = time.perf_counter()
         self.proc = subprocess.Popen(
@@ -233,7 +233,7 @@ class VLLMServer:
         if self.proc is not None:
             _kill_group(self.proc, grace_s=20.0)
             self.proc = None
-        if self.log_path:
+        if self.log_path and getattr(self, "_log", None) is not None:
             self._log.close()
 
     def __enter__(self) -> VLLMServer:
