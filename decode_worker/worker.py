@@ -263,6 +263,8 @@ class DecodeWorker(WorkerBase):
             return
         first = commit.first_token
         if self.draining:  # the KV arrived at a draining worker: hand the request back right away
+            for sample in range(1, job.n):  # samples never forked: each is re-prefilled on its own
+                job.events.put(Emit(wpb.DecodeEvent(preempted=wpb.Preempted(output_token_ids=[], sample=sample))))
             self._hand_back(job, job.output + [first])
             return
         request = Request.resume(job.request_id, job.prompt, job.output + [first], job.sampling, job.sampling.seed)

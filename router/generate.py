@@ -174,10 +174,15 @@ class RequestRun:
             yield self._final()
 
     def _detach_forks(self) -> None:
-        """After the first leg: the samples that did not finish on it continue on legs of their own."""
+        """After a leg that carried forks: those that did not finish on it continue on legs of their own,
+        but while this run is still to generate its first token (the leg is retried: a prefill worker
+        lost, a KV transfer failed) the forks with no output ride its next leg."""
+        retried = not self.output and self.finish_reason == pb.FINISH_REASON_UNSPECIFIED
         forks, self.forks = self.forks, []
         for fork in forks:
-            if not fork.final_sent:
+            if retried and not fork.output and not fork.final_sent:
+                self.forks.append(fork)
+            elif not fork.final_sent:
                 self.on_detach(fork)
 
     async def _leg(self):

@@ -38,8 +38,6 @@ _BOUNDS = {"int32": (-(2**31), 2**31), "uint32": (0, 2**32), "uint64": (0, 2**64
 
 # Parameters refused unless they ask for nothing (the values listed, or null): why.
 REFUSED = {
-    "n": ((1,), "only 1 choice per prompt is supported; send the request again (with another seed) for more"),
-    "best_of": ((1,), "only 1 is supported"),
     "logprobs": ((False,), "log probabilities are not returned by this server"),
     "top_logprobs": ((0,), "log probabilities are not returned by this server"),
     "echo": ((False,), "echoing the prompt is not supported"),
@@ -74,6 +72,7 @@ class Job:
     requests: list[pb.GenerateRequest]
     stream: bool = False
     include_usage: bool = False
+    n: int = 1  # choices per prompt: choice index = prompt index * n + sample
     # The router's field names -> this request's parameter names, to point errors at what was sent.
     params: dict[str, str] = field(default_factory=dict)
 
@@ -95,16 +94,17 @@ def parse_completion(body: object, model: ServedModel, request_id: str) -> Job:
     if len(prompts) > model.max_prompts:
         raise invalid("prompt", f"at most {model.max_prompts} prompts in one request, got {len(prompts)}")
     sampling = _sampling(body, "max_tokens")
+    n = _samples(body)
     requests = []
     for i, prompt in enumerate(prompts):
-        message = pb.GenerateRequest(sampling=sampling, request_id=_nth(request_id, i, len(prompts)))
+        message = pb.GenerateRequest(sampling=sampling, request_id=_nth(request_id, i, len(prompts)), n=n)
         if isinstance(prompt, str):
             message.prompt = prompt
         else:
             message.token_ids.extend(prompt)
         requests.append(message)
     params = {"prompt": "prompt", "token_ids": "prompt", "prompt, token_ids": "prompt", "request_id": "X-Request-Id"}
-    return Job("completion", requests, *_streaming(body), params)
+    return Job("completion", requests, *_streaming(body), n or 1, params)
 
 
 def parse_chat(body: object, model: ServedModel, request_id: str) -> Job:
@@ -134,14 +134,15 @@ def parse_chat(body: object, model: ServedModel, request_id: str) -> Job:
     sampling = _sampling(body, limit)
     if not sampling.HasField("max_tokens"):  # as vLLM: the rest of the context
         sampling.max_tokens = model.max_model_len - len(token_ids)
-    request = pb.GenerateRequest(token_ids=token_ids, sampling=sampling, request_id=request_id)
+    n = _samples(body)
+    request = pb.GenerateRequest(token_ids=token_ids, sampling=sampling, request_id=request_id, n=n)
     params = {
         "token_ids": "messages",
         "prompt, token_ids": "messages",
         "sampling.max_tokens": limit,
         "request_id": "X-Request-Id",
     }
-    return Job("chat", [request], *_streaming(body), params)
+    return Job("chat", [request], *_streaming(body), n or 1, params)
 
 
 def _nth(request_id: str, i: int, count: int) -> str:
@@ -161,6 +162,27 @@ def _common(body: object, model: ServedModel) -> dict:
         if value is not None and not any(value == x and type(value) is type(x) for x in nothing):
             raise unsupported(param, why)
     return body
+
+
+def _samples(body: dict) -> int | None:
+    """``n`` (choices per prompt; its range is the router's: 1 to ``router.max_n``) and ``best_of``, which
+    vLLM no longer takes: accepted only when it asks for nothing more than ``n``."""
+    n = body.get("n")
+    if n is not None and (isinstance(n, bool) or not isinstance(n, int)):
+        raise invalid("n", f"must be an integer, got {n!r}", "invalid_type")
+    if n is not None and not 0 <= n < 2**32:
+        raise invalid("n", f"must be 1 to a few, got {n}")
+    best_of = body.get("best_of")
+    if best_of is not None:
+        if isinstance(best_of, bool) or not isinstance(best_of, int):
+            raise invalid("best_of", f"must be an integer, got {best_of!r}", "invalid_type")
+        if best_of != (1 if n is None else n):
+            raise unsupported(
+                "best_of",
+                "only best_of = n is supported (as vLLM, which dropped best_of): ask for n choices "
+                "and rank them yourself",
+            )
+    return n
 
 
 def _streaming(body: dict) -> tuple[bool, bool]:

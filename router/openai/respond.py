@@ -17,13 +17,14 @@ from splitserve.v1 import splitserve_pb2 as pb
 
 
 def usage(finals: list[pb.GenerateResponse]) -> dict:
-    prompt = sum(f.usage.prompt_tokens for f in finals)
+    """A prompt's tokens count once (its sample 0's final), every sample's output tokens count."""
+    prompt = sum(f.usage.prompt_tokens for f in finals if f.choice == 0)
     completion = sum(f.usage.completion_tokens for f in finals)
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": sum(f.usage.cached_tokens for f in finals)},
+        "prompt_tokens_details": {"cached_tokens": sum(f.usage.cached_tokens for f in finals if f.choice == 0)},
     }
 
 
@@ -62,7 +63,7 @@ class Responder:
         }
 
     def _stop_reason(self, index: int, stop_reason: str) -> str | int | None:
-        if not stop_reason or stop_reason in self.job.requests[index].sampling.stop:
+        if not stop_reason or stop_reason in self.job.requests[index // self.job.n].sampling.stop:
             return stop_reason or None
         return int(stop_reason) if stop_reason.isdigit() else stop_reason
 

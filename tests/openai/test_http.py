@@ -100,7 +100,6 @@ def test_malformed_requests_get_openai_errors(plain):
 @pytest.mark.parametrize(
     ("param", "value"),
     [
-        ("n", 3),
         ("best_of", 2),
         ("logprobs", 1),
         ("echo", True),
