@@ -129,3 +129,39 @@ def test_n_out_of_range_is_refused_naming_it(served, n):
     with Client(served.address) as client:
         assert len(client.generate(token_ids=[1, 2, 3], max_tokens=4, temperature=0.0).token_ids) == 4
     assert_no_blocks_in_use(served)
+
+
+def test_a_stop_string_ends_each_sample_as_a_single_request(served):
+    prompt = list(range(700, 733))
+    sampling = dict(max_tokens=40, temperature=1.0, seed=3, ignore_eos=True)
+    with Client(served.address) as client:
+        text = client.generate(token_ids=prompt, **sampling).text
+        stop = text[6:9]
+        singles = [client.generate(token_ids=prompt, stop=[stop], **{**sampling, "seed": 3 + i}) for i in range(3)]
+    assert singles[0].finish_reason == "stop"
+    messages = generate(served, prompt, 3, stop=[stop], **sampling)
+    _, finals = by_choice(messages, 3)
+    texts = ["".join(m.text for m in messages if m.choice == i) for i in range(3)]
+    assert texts == [s.text for s in singles]
+    assert [f.finish_reason for f in finals] == [
+        pb.FINISH_REASON_STOP if s.finish_reason == "stop" else pb.FINISH_REASON_LENGTH for s in singles
+    ]
+    assert_no_blocks_in_use(served)
+
+
+def test_samples_handed_back_by_a_full_decode_worker_go_on_alone(ray_session, serving_model):
+    """A decode worker with room for fewer than the 3 samples: some are handed back, re-prefilled with their
+    output so far, and every sample still equals a single request with its seed."""
+    tight = start_deployment(serving_model, decode={"num_blocks": 20, "threads": 1})
+    try:
+        prompt = list(range(1, 31))
+        sampling = dict(max_tokens=150, temperature=1.0, seed=9, ignore_eos=True)
+        tokens, finals = by_choice(generate(tight, prompt, 3, **sampling), 3)
+        assert sum(f.timing.reprefills for f in finals) >= 1
+        with Client(tight.address) as client:
+            assert tokens == [
+                client.generate(token_ids=prompt, **{**sampling, "seed": 9 + i}).token_ids for i in range(3)
+            ]
+        assert_no_blocks_in_use(tight)
+    finally:
+        tight.stop()
