@@ -170,8 +170,8 @@ def _samples(body: dict) -> int | None:
     n = body.get("n")
     if n is not None and (isinstance(n, bool) or not isinstance(n, int)):
         raise invalid("n", f"must be an integer, got {n!r}", "invalid_type")
-    if n is not None and not 0 <= n < 2**32:
-        raise invalid("n", f"must be 1 to a few, got {n}")
+    if n is not None and not 1 <= n < 2**32:  # the router bounds it further (router.max_n)
+        raise invalid("n", f"must be >= 1, got {n}" if n < 1 else f"must be < {2**32}, got {n}")
     best_of = body.get("best_of")
     if best_of is not None:
         if isinstance(best_of, bool) or not isinstance(best_of, int):
