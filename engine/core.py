@@ -20,11 +20,12 @@ import torch
 from splitserve.common.arith import ceil_div
 from splitserve.common.validate import check_choice, check_range, check_ranges
 from splitserve.engine.attention.paged_decode import select_backend
+from splitserve.engine.hardware import cpu_isa, native_bf16
 from splitserve.engine.kv_cache.block_manager import BlockManager
 from splitserve.engine.kv_cache.cache import KVCache, KVCacheSpec
 from splitserve.engine.model.config import ModelConfig
-from splitserve.engine.model.linear_tuner import LINEAR_KERNELS, KernelPolicy
-from splitserve.engine.model.loader import build_model, parse_dtype
+from splitserve.engine.model.linear_tuner import LINEAR_KERNELS, KernelPolicy, summarize
+from splitserve.engine.model.loader import build_model, canonical_dtype, parse_dtype
 from splitserve.engine.runner.cuda_graphs import CaptureStats, CudaGraphBackend
 from splitserve.engine.runner.model_runner import ModelRunner
 from splitserve.engine.runner.static_decode import StaticDecodeInputs, batch_buckets
@@ -59,8 +60,12 @@ class EngineSettings:
     prefill_chunk_size: int | None = None  # default: max_num_batched_tokens
     # Which kernel the linear layers run (CPU; CUDA always runs cuBLAS): auto (timed per weight shape at load,
     # cached: engine/model/linear_tuner.py) | plain (F.linear) | packed (oneDNN prepacked) | split (both, by rows)
+    # | and for bf16 weights computed in float32: upcast (bf16 kept) | fp32 (a float32 copy) | fp32-packed
     linear_kernel: str = "auto"
     linear_split_allowed: bool | None = None  # auto may pick split (2x memory); None: when linear weights <= RAM/4
+    # auto may keep a float32 copy of a bf16 weight (fp32, fp32-packed: 2x memory); None: when the linear
+    # weights in float32 take <= RAM/4
+    linear_fp32_weights: bool | None = None
     # Decode-only steps: "static" pads the batch to a bucket in persistent buffers (engine/runner/static_decode.py),
     # "dynamic" runs them as every other step; "auto": static on CUDA, dynamic on CPU (measured faster
     # there: docs/performance.md).
@@ -117,13 +122,15 @@ class EngineConfig(EngineSettings):
         check_range(self, "tensor_parallel_rank", min=0, max=self.tensor_parallel_size - 1)
         if not self.pack_weights and self.linear_kernel not in ("auto", "plain"):
             raise ValueError(f"linear_kernel: {self.linear_kernel!r} contradicts pack_weights=False (plain)")
-        if self.device.startswith("cuda") and self.linear_kernel in ("packed", "split"):
+        if self.device.startswith("cuda") and self.linear_kernel not in ("auto", "plain"):
             raise ValueError(f"linear_kernel: {self.linear_kernel!r} is a CPU kernel; device is {self.device}")
 
     @property
     def kernel_policy(self) -> KernelPolicy:
         mode = self.linear_kernel if self.pack_weights else "plain"
-        return KernelPolicy(mode, self.linear_split_allowed, lm_head_rows=self.max_num_seqs)
+        return KernelPolicy(
+            mode, self.linear_split_allowed, lm_head_rows=self.max_num_seqs, allow_fp32_weights=self.linear_fp32_weights
+        )
 
 
 class EngineCore:
@@ -141,8 +148,16 @@ class EngineCore:
         self.dtype = parse_dtype(cfg.dtype, self.model_config.checkpoint_dtype)
         self.device = torch.device(cfg.device)
         self.model, self.weights_checksum = build_model(
-            self.model_config, cfg.model_dir, self.dtype, self.device, cfg.kernel_policy, self.tp_group
+            self.model_config,
+            cfg.model_dir,
+            self.dtype,
+            self.device,
+            cfg.kernel_policy,
+            self.tp_group,
+            auto_float32=self.auto_float32_applies(),
         )
+        # --dtype auto may compute a bf16 checkpoint in float32 (no native bf16): the model's dtype is the engine's.
+        self.dtype = self.model.embed_tokens.weight.dtype
         tp = (cfg.tensor_parallel_size, cfg.tensor_parallel_rank)
         per_block = KVCacheSpec.for_model(self.model_config, 1, cfg.block_size, self.dtype, *tp).bytes_per_block
         num_blocks = cfg.num_blocks or max(1, cfg.kv_cache_bytes // per_block)
@@ -210,6 +225,20 @@ class EngineCore:
         """Rank 0 that drives: end the followers' loops (Stop). Idempotent; nothing to do otherwise."""
         if self.runner.channel is not None:
             self.runner.channel.close()
+
+    def auto_float32_applies(self) -> bool:
+        """``dtype="auto"`` on a bf16 checkpoint, on a CPU without native bf16 (``engine/hardware.py``'s flags,
+        or ``$SPLITSERVE_CPU_ISA``'s): the loader may then compute in float32 (docs/engine.md, "dtypes")."""
+        if canonical_dtype(self.config.dtype) != "auto" or self.dtype != torch.bfloat16 or self.device.type != "cpu":
+            return False
+        return not native_bf16(cpu_isa())
+
+    @property
+    def linear_kernels(self) -> str:
+        """The compute dtype and each linear shape's kernel on one line, for status (``splitserve status``)."""
+        note = f" ({self.model.dtype_note})" if self.model.dtype_note else ""
+        choices = getattr(self.model, "kernel_choices", None) or {}
+        return f"{str(self.dtype).removeprefix('torch.')}{note}; " + summarize(choices)
 
     def resolve_decode_path(self) -> str:
         """ "static" or "dynamic" for this engine's device (see ``EngineConfig.decode_path``). A plan carries

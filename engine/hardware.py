@@ -5,6 +5,13 @@ writes, because the same machine kind comes with different processors: one day A
 (oneDNN runs bf16 natively), the next AVX2 only (bf16 is emulated and the prepacked path refuses it).
 A figure without the machine beside it cannot be compared with anything.
 
+``$SPLITSERVE_CPU_ISA`` (a comma-separated list of ``ISA_FLAGS`` names, e.g. ``avx2,fma``) replaces the
+flags read from /proc/cpuinfo, so that a machine with native bf16 can take the engine's decisions of one
+without it (tests, and measuring those decisions): ``describe_machine`` reports the flags it used and
+``isa_override`` (the variable's value, or None), and the header says so. It changes what the engine
+decides from the flags (``native_bf16``, ``onednn_bf16_isa``), not what the CPU or torch's own
+dispatch does.
+
 Torch-light on purpose: nothing here imports gRPC, Ray, the router or ``splitserve``, transformers'
 version is read from its installed metadata (never imported), and torch is only asked about when the
 caller says so (``probe_torch``), so torch-free tools can describe the machine too.
@@ -40,6 +47,39 @@ ISA_FLAGS = (
 )
 
 CPUINFO = Path("/proc/cpuinfo")
+ISA_OVERRIDE_ENV = "SPLITSERVE_CPU_ISA"
+
+
+def isa_override() -> str | None:
+    """``$SPLITSERVE_CPU_ISA`` when set (an empty value means "no flags at all"), else None."""
+    return os.environ.get(ISA_OVERRIDE_ENV)
+
+
+def parse_isa_list(text: str) -> dict[str, bool]:
+    """``"avx2, fma"`` -> ``ISA_FLAGS`` -> bool; a name outside ``ISA_FLAGS`` is a ValueError naming it."""
+    names = {name.strip().lower() for name in text.split(",") if name.strip()}
+    unknown = sorted(names - set(ISA_FLAGS))
+    if unknown:
+        raise ValueError(f"{ISA_OVERRIDE_ENV}: unknown ISA flags {unknown} (known: {', '.join(ISA_FLAGS)})")
+    return {name: name in names for name in ISA_FLAGS}
+
+
+def native_bf16(isa: dict[str, bool]) -> bool:
+    """Whether the CPU computes bf16 dot products natively (AVX512_BF16 or AMX-BF16). Without them, as on
+    an AVX2-only EPYC, every bf16 product is emulated through float32 conversions."""
+    return bool(isa.get("avx512_bf16") or isa.get("amx_bf16"))
+
+
+def onednn_bf16_isa(isa: dict[str, bool]) -> bool:
+    """Whether these flags meet oneDNN's bf16 requirement ("avx_ne_convert, or avx512bw, avx512vl and
+    avx512dq"): its prepacked bf16 path runs (natively or emulated) only then."""
+    return bool(isa.get("avx_ne_convert") or (isa.get("avx512bw") and isa.get("avx512vl") and isa.get("avx512dq")))
+
+
+def cpu_isa() -> dict[str, bool]:
+    """This machine's ISA flags, or ``$SPLITSERVE_CPU_ISA``'s when it is set."""
+    override = isa_override()
+    return parse_cpuinfo(_read_cpuinfo())["isa"] if override is None else parse_isa_list(override)
 
 
 def parse_cpuinfo(text: str) -> dict[str, Any]:
@@ -104,9 +144,15 @@ def describe_machine(
     """A JSON-ready description of this machine and the library versions a figure depends on.
 
     ``probe_torch=False`` reports torch's installed version without importing it (no capability,
-    oneDNN or GPU fields then). ``cpuinfo_text`` replaces /proc/cpuinfo (tests).
+    oneDNN or GPU fields then). ``cpuinfo_text`` replaces /proc/cpuinfo (tests); ``$SPLITSERVE_CPU_ISA``
+    replaces its flags (``isa_override``).
     """
     info = parse_cpuinfo(_read_cpuinfo() if cpuinfo_text is None else cpuinfo_text)
+    override = isa_override()
+    info["isa_override"] = override
+    if override is not None:
+        info["isa"] = parse_isa_list(override)
+    info["native_bf16"] = native_bf16(info["isa"])
     info["cpu_model"] = info["cpu_model"] or platform.processor() or platform.machine() or None
     info["logical_cores"] = os.cpu_count()
     info["usable_cores"] = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
@@ -152,6 +198,8 @@ def header_lines(
         f"avx512bw {_yes_no(isa['avx512bw'])}, avx512_bf16 {_yes_no(isa['avx512_bf16'])}, "
         f"amx_bf16 {_yes_no(amx)}, avx_ne_convert {_yes_no(isa['avx_ne_convert'])}"
     )
+    if m.get("isa_override") is not None:
+        cpu += f" (flags from {ISA_OVERRIDE_ENV}={m['isa_override']!r}, not the CPU's)"
     torch_part = f"torch {m.get('torch') or 'not installed'}"
     if "torch_cpu_capability" in m:
         torch_part += (

@@ -12,6 +12,11 @@ written with `splitserve make-model` when missing), with fixed prompt lengths an
   `F.linear` on the model's own weight shapes at that batch size (the practical bound);
 - ratios: batch-1 decode vs transformers batch 1, batch-32 decode vs transformers' best static
   batch, prefill vs transformers;
+- with a bf16 --dtype, splitserve also at `--dtype auto` (--engine-dtypes), which computes a bf16 checkpoint
+  in float32 on a CPU without native bf16 where measuring says so (docs/engine.md): each engine's compute
+  dtype and linear kernels (what the tuner chose per weight shape) are printed and in the JSON, its
+  figures beside transformers' (an auto engine that computes in bf16, as on a CPU with native bf16, is
+  the bf16 one: measured once);
 - the peer, vLLM's CPU build (`make peer` builds .peer; `--peer PYTHON` names another, `--no-peer` skips
   it): its offline `LLM` on the same checkpoint, dtype and cores (scripts/peer_vllm.py, in its own
   process before our engine loads, so the two never hold memory or cores at once), the same prompts,
@@ -204,6 +209,12 @@ def main() -> int:
     ap.add_argument("--decode-batches", default="1,8,32")
     ap.add_argument("--hf-batches", default="1,8,16,32")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument(
+        "--engine-dtypes",
+        default=None,
+        help="comma-separated splitserve dtypes, the first being the main engine (default: --dtype, and auto "
+        "after it when --dtype is bfloat16)",
+    )
     ap.add_argument("--skip-hf", action="store_true", help="measure splitserve and the bounds only")
     ap.add_argument("--json", action="store_true", help="print one JSON object with every figure")
     peer.add_arguments(ap, timeout_s=1800.0, timeout_help="seconds for the whole vLLM run")
@@ -216,6 +227,10 @@ def main() -> int:
     cfg = ModelConfig.from_model_dir(model_dir)
     dtype = parse_dtype(args.dtype, cfg.checkpoint_dtype)
     args.dtype = str(dtype).removeprefix("torch.")
+    if args.engine_dtypes is None:
+        engine_dtypes = [args.dtype] + (["auto"] if args.dtype == "bfloat16" and dev == "cpu" else [])
+    else:
+        engine_dtypes = [dtype_arg(d) for d in args.engine_dtypes.split(",")]
     cpus = peer.pinned_cpus(args.threads) if dev == "cpu" else []
     if cpus:
         os.sched_setaffinity(0, cpus)  # our engine on the very cores the peer is bound to
@@ -272,16 +287,28 @@ def main() -> int:
             )
         result["vllm"] = vllm
 
-    llm = LLM(
-        model_dir,
-        dtype=args.dtype,
-        device=dev,
-        num_threads=args.threads,
-        enable_prefix_caching=False,
-        max_num_seqs=max(decode_batches),
-        max_num_batched_tokens=max(2048, 8 * args.prompt_len),
-        kv_cache_bytes=1 << 30,
-    )
+    engines: dict[str, LLM] = {}
+    for name in engine_dtypes:
+        candidate = LLM(
+            model_dir,
+            dtype=name,
+            device=dev,
+            num_threads=args.threads,
+            enable_prefix_caching=False,
+            max_num_seqs=max(decode_batches),
+            max_num_batched_tokens=max(2048, 8 * args.prompt_len),
+            kv_cache_bytes=1 << 30,
+        )
+        # The same compute dtype is the same engine (auto that stayed bf16): measured once.
+        same = next((n for n, e in engines.items() if e.core.dtype == candidate.core.dtype), None)
+        log(f"splitserve --dtype {name}: {candidate.core.linear_kernels}" + (f" (the {same} engine)" if same else ""))
+        result.setdefault("engines", {})[name] = {"linear_kernels": candidate.core.linear_kernels, "same_as": same}
+        if same is None:
+            engines[name] = candidate
+        else:
+            del candidate
+    llm = engines[engine_dtypes[0]]
+    others = {name: e for name, e in engines.items() if e is not llm}
     hf = None
     if not args.skip_hf:
         from transformers import AutoModelForCausalLM
@@ -291,30 +318,41 @@ def main() -> int:
 
     # Warm-up both (first calls at a new shape pay for kernel selection), then measure them
     # interleaved, best of --repeats, so that drift in this machine's speed hits both alike.
-    splitserve_decode(llm, 2, args.prompt_len, 4, dev)
+    for e in engines.values():
+        splitserve_decode(e, 2, args.prompt_len, 4, dev)
     for b in (1, 8):
-        splitserve_prefill_time(llm, b, args.prompt_len, dev)
+        for e in engines.values():
+            splitserve_prefill_time(e, b, args.prompt_len, dev)
         if hf:
             hf.time(b, 2)
     ours: dict = {"prefill_tok_s": {}, "decode": {}}
+    extra: dict[str, dict] = {name: {"prefill_tok_s": {}, "decode": {}} for name in others}
     theirs: dict = {}
     log("prefill ...")
     for b in (1, 8):
         t_ours, t_hf = [], []
+        t_extra: dict[str, list[float]] = {name: [] for name in others}
         for _ in range(args.repeats):
             t_ours.append(splitserve_prefill_time(llm, b, args.prompt_len, dev))
+            for name, e in others.items():
+                t_extra[name].append(splitserve_prefill_time(e, b, args.prompt_len, dev))
             if hf:
                 t_hf.append(hf.time(b, 1))
         ours["prefill_tok_s"][b] = b * args.prompt_len / min(t_ours)
+        for name, times in t_extra.items():
+            extra[name]["prefill_tok_s"][b] = b * args.prompt_len / min(times)
         if hf:
             theirs.setdefault(b, {})["prefill_tok_s"] = b * args.prompt_len / min(t_hf)
             theirs[b]["t1"] = min(t_hf)
     log("decode ...")
     for b in sorted(set(decode_batches) | (set(hf_batches) if hf else set())):
         runs, t_one, t_full = [], [], []
+        extra_runs: dict[str, list[dict]] = {name: [] for name in others}
         for _ in range(2):
             if b in decode_batches:
                 runs.append(splitserve_decode(llm, b, args.prompt_len, args.new_tokens, dev))
+                for name, e in others.items():
+                    extra_runs[name].append(splitserve_decode(e, b, args.prompt_len, args.new_tokens, dev))
             if hf and b in hf_batches:
                 t_one.append(theirs[b]["t1"] if b in theirs else hf.time(b, 1))
                 t_full.append(hf.time(b, args.new_tokens))
@@ -328,6 +366,11 @@ def main() -> int:
             d["fraction_of_bytes_bound"] = bytes_s / (d["ms_per_step"] / 1e3)
             ours["decode"][b] = d
             log(f"  splitserve batch {b}: {d['tok_s']:.1f} tok/s ({d['ms_per_step']:.1f} ms/step)")
+            for name, e_runs in extra_runs.items():
+                best = max(e_runs, key=lambda r: r["tok_s"])
+                extra[name]["decode"][b] = best
+                figures = f"{best['tok_s']:.1f} tok/s ({best['ms_per_step']:.1f} ms/step)"
+                log(f"  splitserve --dtype {name} batch {b}: {figures}")
         if t_full:
             step = (min(t_full) - min(t_one)) / (args.new_tokens - 1)
             entry = theirs.setdefault(b, {})
@@ -336,6 +379,10 @@ def main() -> int:
             entry.pop("t1", None)
             log(f"  transformers batch {b}: {entry['decode_tok_s']:.1f} tok/s ({entry['ms_per_step']:.1f} ms/step)")
     result["splitserve"] = ours
+    for name, figures in extra.items():
+        result["engines"][name].update(figures)
+    for name, e in engines.items():
+        result["engines"][name]["compute_dtype"] = str(e.core.dtype).removeprefix("torch.")
     vllm = result.get("vllm")
     if vllm and "error" not in vllm:
         result["ratios_vs_vllm"] = vllm_ratios(ours, vllm)
@@ -358,6 +405,12 @@ def main() -> int:
             "prefill_batch1_vs_hf": ours["prefill_tok_s"][1] / theirs[1]["prefill_tok_s"],
             "prefill_batch8_vs_hf": ours["prefill_tok_s"][8] / theirs[8]["prefill_tok_s"],
         }
+        for name, figures in extra.items():
+            result["engines"][name]["ratios"] = {
+                f"decode_batch{b}_vs_hf_batch{b}": d["tok_s"] / theirs[b]["decode_tok_s"]
+                for b, d in figures["decode"].items()
+                if "decode_tok_s" in theirs.get(b, {})
+            } | {f"prefill_batch{b}_vs_hf": v / theirs[b]["prefill_tok_s"] for b, v in figures["prefill_tok_s"].items()}
         result["targets"] = {
             "decode_batch1_vs_hf_batch1 >= 1.2": (result["ratios"]["decode_batch1_vs_hf_batch1"] or 0) >= 1.2,
             "decode_batch32_vs_hf_best >= 2.0": result["ratios"]["decode_batch32_vs_hf_best"] >= 2.0,
@@ -420,6 +473,20 @@ def print_table(r: dict) -> None:
         h = hf.get(b, {}).get("decode_tok_s")
         p = peer_decode.get(str(b), {}).get("tok_s")
         print(f"| decode tok/s | {b} | {cell(v)} | {cell(h)} | {ratio(v, h)} | {cell(p)} | {ratio(v, p)} |")
+    for name, e in r.get("engines", {}).items():
+        if "decode" not in e:
+            continue
+        label = f"--dtype {name} ({e['compute_dtype']})"
+        for b, v in e["prefill_tok_s"].items():
+            h = hf.get(b, {}).get("prefill_tok_s")
+            print(f"| prefill tok/s, {label} | {b} | {v:.0f} | {cell(h, '.0f')} | {ratio(v, h)} | - | - |")
+        for b, d in e["decode"].items():
+            h = hf.get(b, {}).get("decode_tok_s")
+            print(f"| decode tok/s, {label} | {b} | {cell(d['tok_s'])} | {cell(h)} | {ratio(d['tok_s'], h)} | - | - |")
+    print()
+    for name, e in r.get("engines", {}).items():
+        same = f" (the same engine as --dtype {e['same_as']})" if e.get("same_as") else ""
+        print(f"splitserve --dtype {name}: {e['linear_kernels']}{same}")
     print()
     print("| splitserve decode | batch | ms/step | linear bound ms | fraction | bytes bound ms | fraction |")
     print("| --- | --- | --- | --- | --- | --- | --- |")

@@ -22,6 +22,11 @@ client (`splitserve bench --backend openai`, in process) against every splitserv
 `make peer`; `--peer PYTHON` names another, `--no-peer` skips it) on the same checkpoint, dtype and
 cores, one server at a time: output tok/s, mean TTFT and mean TPOT, and ours as ratios to vLLM's.
 `--json` prints one JSON object as the last line.
+
+The engines of a deployment (its workers and the offline engine) take --serve-dtype (default: --dtype;
+`auto` computes a bf16 checkpoint in float32 on a CPU without native bf16 where measuring says so,
+docs/engine.md), transformers and vLLM --dtype. What each worker's model computes in and its linear
+kernels, as `splitserve status` shows them, are printed and in the JSON ("linear_kernels").
 """
 
 from __future__ import annotations
@@ -57,6 +62,20 @@ def log(message: str) -> None:
 def prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(vocab) for _ in range(length)] for _ in range(n)]
+
+
+def worker_kernels(address: str, wait_s: float = 30.0) -> dict[str, str]:
+    """worker id -> the dtype its model computes in and its linear kernels (``splitserve status``), once
+    every worker has reported them (the router polls its workers: at most ``wait_s``)."""
+    from splitserve.client.grpc_client import Client
+
+    deadline = time.monotonic() + wait_s
+    with Client(address) as client:
+        while True:
+            kernels = {w.worker_id: w.linear_kernels for w in client.status().workers}
+            if (kernels and all(kernels.values())) or time.monotonic() > deadline:
+                return kernels
+            time.sleep(0.5)
 
 
 def served_single(address: str, prompt: list[int], new: int) -> dict:
@@ -165,6 +184,21 @@ DEPLOYMENTS = {
         "splitserve colocated",
         lambda a: {"mode": "colocated", "colocated": {"threads": a.threads, "max_inflight": max(a.in_flight)}},
     ),
+    # A vLLM prefill worker and a vLLM decode worker, the KV moved by splitserve's connector (engine.backend: vllm).
+    "vllm-1p1d": (
+        "splitserve 1P+1D (vllm backend)",
+        lambda a: {
+            "prefill": {"threads": a.threads, "max_inflight": max(a.in_flight)},
+            "decode": {"threads": a.threads, "max_inflight": max(a.in_flight)},
+            "engine": {
+                "backend": "vllm",
+                "kv_cache_bytes": 1 << 30,
+                "max_num_seqs": max(a.in_flight),
+                "max_num_batched_tokens": 2048,
+                "vllm_args": {"enforce_eager": False},
+            },
+        },
+    ),
     # vLLM's engine core inside a colocated worker (engine.backend: vllm), compiled as `vllm serve` runs it and
     # with vLLM's own scheduler limits: against `vllm serve` it measures what splitserve's layer adds.
     "vllm-colocated": (
@@ -190,7 +224,7 @@ def deployment_config(args, name: str):
     return DeploymentConfig.from_dict(
         {
             "model": str(args.model),
-            "dtype": args.dtype,
+            "dtype": args.serve_dtype,
             "port": 0,
             "openai_port": 0,
             "model_name": SERVED_NAME,
@@ -286,6 +320,12 @@ def main() -> int:
         help=f"comma-separated, of {', '.join(DEPLOYMENTS)}: the "
         "splitserve deployments the peer's workload measures (the first also runs the measurements above)",
     )
+    ap.add_argument(
+        "--serve-dtype",
+        default=None,
+        type=dtype_arg,
+        help="the dtype splitserve's workers and offline engine are given (default: --dtype; auto: docs/engine.md)",
+    )
     ap.add_argument("--in-flight", default="8,32", help="the peer's workload: requests in flight, comma-separated")
     ap.add_argument("--peer-requests", type=int, default=32, help="the peer's workload: requests per concurrency")
     ap.add_argument(
@@ -312,9 +352,15 @@ def main() -> int:
     checkpoint = json.loads((args.model / "config.json").read_text())
     args.dtype = str(parse_dtype(args.dtype, checkpoint.get("torch_dtype") or checkpoint.get("dtype")))
     args.dtype = args.dtype.removeprefix("torch.")
+    args.serve_dtype = args.serve_dtype or args.dtype
     cpus = peer.pinned_cpus(args.threads)
     os.sched_setaffinity(0, cpus)  # this process, its workers and vLLM all on these cores
-    machine = print_header(args.dtype, args.threads, "cpu", to_stderr=args.json)
+    dtypes = (
+        args.dtype
+        if args.serve_dtype == args.dtype
+        else f"{args.serve_dtype} (splitserve), {args.dtype} (transformers)"
+    )
+    machine = print_header(dtypes, args.threads, "cpu", to_stderr=args.json)
     from splitserve.deploy.deployment import Deployment
 
     vocab = checkpoint["vocab_size"]
@@ -324,6 +370,7 @@ def main() -> int:
     result: dict = {
         "model": str(args.model),
         "dtype": args.dtype,
+        "serve_dtype": args.serve_dtype,
         "threads": args.threads,
         "cpus": cpus,
         "prompt_len": args.prompt_len,
@@ -340,6 +387,10 @@ def main() -> int:
         deployment = Deployment(deployment_config(args, name))
         address = deployment.start()
         try:
+            kernels = worker_kernels(address)
+            result.setdefault("linear_kernels", {})[label] = kernels
+            for worker, line in kernels.items():
+                log(f"  {worker} linear kernels: {line}")
             if i == 0 and not args.skip_baselines:
                 runs = baseline_rounds(args, address, single, batch)
             log(
@@ -364,9 +415,14 @@ def main() -> int:
         print(json.dumps(result, default=float))
         return 0
     print(
-        f"model {args.model} ({args.dtype}), {args.threads} threads per worker and baseline, cores "
-        f"{peer.cpu_list(cpus)}, prompts of {args.prompt_len} tokens, {args.new_tokens} new tokens\n"
+        f"model {args.model} (splitserve --dtype {args.serve_dtype}, transformers {args.dtype}), {args.threads} "
+        f"threads per worker and baseline, cores {peer.cpu_list(cpus)}, prompts of {args.prompt_len} tokens, "
+        f"{args.new_tokens} new tokens"
     )
+    for label, kernels in result.get("linear_kernels", {}).items():
+        for worker, line in kernels.items():
+            print(f"{label} {worker} linear kernels: {line}")
+    print()
     if not args.skip_baselines:
         print_baselines(args, result)
     print_workload(args, result)
@@ -396,7 +452,8 @@ def baselines(args, runs: dict[str, list], single: list[int], batch: list[list[i
     from splitserve.engine import LLM
 
     log("offline engine ...")
-    llm = LLM(args.model, dtype=args.dtype, num_threads=args.threads, enable_prefix_caching=False)
+    llm = LLM(args.model, dtype=args.serve_dtype, num_threads=args.threads, enable_prefix_caching=False)
+    log(f"  offline engine linear kernels: {llm.core.linear_kernels}")
     offline_single(llm, single, 4)
     off_single = best([offline_single(llm, single, args.new_tokens) for _ in range(args.repeats)], "decode_tok_s")
     off_conc = best([offline_concurrent(llm, batch, args.new_tokens) for _ in range(args.repeats)], "output_tok_s")

@@ -222,3 +222,12 @@ def test_a_fake_engine_drives_a_colocated_worker():
     assert isinstance(end, End) and not worker.jobs
     status = worker.status_message()
     assert (status.running, status.waiting, status.kv_blocks_total) == (0, 0, 0)
+
+
+def test_a_worker_on_the_local_engine_reports_its_linear_kernels(local_engine):
+    """The status a worker sends carries the engine's compute dtype and every linear shape's kernel."""
+    config = WorkerConfig(role="colocated", worker_id="c-1", engine=local_engine.core.config)
+    worker = ColocatedWorker(config, engine=local_engine)
+    kernels = worker.status_message().linear_kernels
+    assert kernels == local_engine.linear_kernels and kernels.startswith("float32; ")
+    assert "128x128 float32 plain" in kernels  # o_proj: too small to time, plain

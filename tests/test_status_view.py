@@ -84,3 +84,12 @@ def test_planner_and_pending_workers_lines():
         "pending: prefill-1: splitserve_prefill 1 (waits for resources no node has free)",
     ]
     assert status_json(status)["pending_workers"] == ["prefill-1: splitserve_prefill 1"]
+
+
+def test_linear_kernels_line_for_workers_that_report_them():
+    kernels = "bfloat16; 1152x896 bfloat16 +bias packed, 896x896 bfloat16 upcast"
+    status = make_status([make_worker("decode-0", linear_kernels=kernels), make_worker("prefill-0")])
+    text = format_status(status, "127.0.0.1:50051")
+    assert f"decode-0 linear kernels: {kernels}" in text.splitlines()
+    assert "prefill-0 linear kernels" not in text
+    assert status_json(status)["workers"][0]["linear_kernels"] == kernels

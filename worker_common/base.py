@@ -301,6 +301,8 @@ class WorkerBase:
             cpus=self.cpus,
             threads=self.threads,
             decode_graphs=self.engine.decode_graphs,
+            # Not part of the Engine protocol: LocalEngine's compute dtype and kernels, "" for another engine.
+            linear_kernels=getattr(self.engine, "linear_kernels", ""),
             tensor_parallel_size=self.config.engine.tensor_parallel_size,
         )
 

@@ -206,6 +206,10 @@ class LocalEngine:
     def decode_graphs(self) -> str:
         return self.core.decode_graphs
 
+    @property
+    def linear_kernels(self) -> str:
+        return self.core.linear_kernels
+
     # ---- tensor parallelism ---------------------------------------------------------------------
 
     @property

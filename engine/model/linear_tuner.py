@@ -8,6 +8,10 @@ for each distinct (out, in, dtype, bias) of the model's linear layers (the tied 
 1. time the candidates at rows ``ROW_GRID`` (decode batches to prefill chunks; the LM head only up to the
    engine's ``max_num_seqs``, as it only sees sampled rows), interleaved, best of a few reps, at the
    engine's thread count: "plain" (``F.linear``) and "packed" (oneDNN prepacked) where oneDNN runs the dtype;
+   for a bf16 (or fp16) weight also the paths that compute in float32 (``FP32_COMPUTE_PATHS``): "upcast"
+   (bf16 kept, upcast per call) and, where memory allows a float32 copy (``fp32_allowed``), "fp32"
+   (``F.linear`` on it) and "fp32-packed" (oneDNN on it): on a CPU without native bf16 every bf16 product
+   is emulated, and these can be the fastest;
 2. score each path by ``sum_m ROW_WEIGHTS[m] * t_path(m) / t_best(m)`` (decode rows weigh most), and
    "split" (plain up to a row threshold, packed above) by the same sum over the measured times of the
    two; split is taken only where memory allows it and it beats both by ``SPLIT_GAIN``;
@@ -25,26 +29,32 @@ compiling at load).
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import logging
 import os
 import tempfile
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections import Counter
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from splitserve.common.validate import check_choice
-from splitserve.engine.hardware import describe_machine
-from splitserve.engine.model.transformer import CausalLM, Linear, can_pack, onednn_runs
+from splitserve.engine.hardware import cpu_isa, describe_machine, native_bf16
+from splitserve.engine.model.transformer import FP32_COMPUTE_PATHS, CausalLM, Linear, can_pack, onednn_runs
 
 logger = logging.getLogger(__name__)
 
-LINEAR_KERNELS = ("auto", "plain", "packed", "split")
+LINEAR_KERNELS = ("auto", "plain", "packed", "split", *FP32_COMPUTE_PATHS)
+# The paths that keep the weight in its own dtype (no float32 copy): what a bf16 model stores.
+BF16_STORAGE_PATHS = ("plain", "packed", "split", "upcast")
+FP32_WEIGHT_PATHS = ("fp32", "fp32-packed")
 ROW_GRID = (1, 4, 16, 64, 256)
 ROW_WEIGHTS = {1: 4.0, 4: 2.0, 16: 2.0, 64: 1.0, 256: 1.0}
 UNTIMED_BELOW = 1 << 18
@@ -70,13 +80,19 @@ def wall_clock(path: str, rows: int, fn: Callable[[], object]) -> float:
 @dataclass(frozen=True)
 class KernelPolicy:
     """How the loader picks kernels: ``mode`` is EngineConfig.linear_kernel; ``allow_split`` None means
-    allowed on CPU when the linear weights take at most ``SPLIT_RAM_FRACTION`` of RAM; ``cache_path``
+    allowed on CPU when the linear weights take at most ``SPLIT_RAM_FRACTION`` of RAM; ``allow_fp32_weights``
+    (the bf16 layers' "fp32" and "fp32-packed" paths, a float32 copy of the weight) None means allowed when
+    the linear weights in float32 take at most that share of RAM; ``fp32_compute`` (whether bf16 layers
+    time the ``FP32_COMPUTE_PATHS`` at all) None means on a CPU without native bf16 (``native_bf16``: with
+    it they lost at every shape and m measured, and timing them made tuning 4x longer); ``cache_path``
     None means $SPLITSERVE_KERNEL_CACHE, else ~/.cache/splitserve/linear_kernels.json ("" caches nothing)."""
 
     mode: str = "auto"
     allow_split: bool | None = None
     lm_head_rows: int = 64
     cache_path: str | None = None
+    allow_fp32_weights: bool | None = None
+    fp32_compute: bool | None = None
 
     def __post_init__(self) -> None:
         check_choice(self, "mode", LINEAR_KERNELS, label="linear_kernel")
@@ -101,7 +117,7 @@ class ShapeKey:
 
 @dataclass(frozen=True)
 class Choice:
-    path: str  # plain | packed | split
+    path: str  # plain | packed | split | upcast | fp32 | fp32-packed
     split_rows: int = 0
     source: str = "measured"  # measured | cached | forced | untimed
     times_ms: dict[str, dict[int, float]] | None = None  # path -> rows -> best ms
@@ -115,19 +131,55 @@ def machine_key(threads: int, machine: dict | None = None) -> str:
     return f"{m['cpu_model']} [isa {digest}] torch {torch.__version__} threads {threads}"
 
 
+def candidates(weight: torch.Tensor, fp32_weights: bool, fp32_compute: bool = True) -> tuple[str, ...]:
+    """The single paths timed for this weight (``split`` is scored from plain's and packed's times): the
+    ``FP32_COMPUTE_PATHS`` of a bf16 or fp16 weight with ``fp32_compute``, the float32 copies among them
+    with ``fp32_weights`` too."""
+    paths = ["plain"]
+    if onednn_runs(weight.dtype, weight.device):
+        paths.append("packed")
+    if fp32_compute and weight.dtype != torch.float32 and weight.device.type == "cpu":
+        paths.append("upcast")
+        if fp32_weights:
+            paths.append("fp32")
+            if onednn_runs(torch.float32, weight.device):
+                paths.append("fp32-packed")
+    return tuple(paths)
+
+
+def kernel_fn(path: str, weight: torch.Tensor, bias: torch.Tensor | None) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A call of ``path``'s kernel on an input in the weight's dtype, as ``Linear.forward`` runs it (any
+    packing or float32 copy made here, once)."""
+    linear_pointwise = torch.ops.mkldnn._linear_pointwise
+    if path == "plain":
+        return lambda x: F.linear(x, weight, bias)
+    if path == "packed":
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight)
+        return lambda x: linear_pointwise(x, packed, bias, "none", [], "")
+    b32 = None if bias is None else bias.float()
+    if path == "upcast":
+        return lambda x: F.linear(x.float(), weight.float(), b32).to(x.dtype)
+    w32 = weight.float()
+    if path == "fp32":
+        return lambda x: F.linear(x.float(), w32, b32).to(x.dtype)
+    packed32 = torch.ops.mkldnn._reorder_linear_weight(w32)  # fp32-packed
+    return lambda x: linear_pointwise(x.float(), packed32, b32, "none", [], "").to(x.dtype)
+
+
 def measure(
-    weight: torch.Tensor, bias: torch.Tensor | None, rows: tuple[int, ...], timer: Timer = wall_clock
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    rows: tuple[int, ...],
+    timer: Timer = wall_clock,
+    paths: tuple[str, ...] | None = None,
 ) -> dict[str, dict[int, float]]:
-    """Best ms per candidate path and row count, the candidates interleaved so that noise from other
-    processes falls on all of them alike."""
+    """Best ms per candidate path (default: ``candidates(weight, False)``) and row count, the candidates
+    interleaved so that noise from other processes falls on all of them alike."""
     if weight.shape[0] * weight.shape[1] > TIMED_MAX_WEIGHTS:
         keep = max(1, TIMED_MAX_WEIGHTS // weight.shape[1])
         weight, bias = weight[:keep], None if bias is None else bias[:keep]
     weight = weight.detach()
-    kernels: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"plain": lambda x: F.linear(x, weight, bias)}
-    if onednn_runs(weight.dtype, weight.device):
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight)
-        kernels["packed"] = lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    kernels = {path: kernel_fn(path, weight, bias) for path in paths or candidates(weight, False)}
     times: dict[str, dict[int, float]] = {path: {} for path in kernels}
 
     def time_rows(m: int, paths: list[str], warm_up: bool) -> None:
@@ -184,27 +236,34 @@ def decide(times: dict[str, dict[int, float]], allow_split: bool) -> tuple[str, 
 
 
 class KernelCache:
-    """The measured times in a JSON file: {"version", "entries": {"<machine> | <shape>": {"times_ms": ...}}}.
+    """The measured times in a JSON file: {"version", "entries": {"<machine> | <shape>": {"times_ms": ...}},
+    "decisions": {"<machine> | dtype auto | <model>": Fp32Comparison's fields}}.
     Written whole through a temporary file and a rename, so a reader never sees half a file; two engines
     saving at once can lose one's new entries, which are then timed again at its next load."""
 
     def __init__(self, path: Path | None) -> None:
-        self.path, self.entries = path, {}
+        self.path, self.entries, self.decisions = path, {}, {}
         if path is not None and path.exists():
             try:
                 raw = json.loads(path.read_text())
                 if raw.get("version") == CACHE_VERSION:
                     self.entries = raw["entries"]
+                    self.decisions = raw.get("decisions", {})
             except (OSError, ValueError, KeyError, AttributeError) as e:
                 logger.warning("linear kernel cache %s unreadable (%s): timing again", path, e)
 
-    def get(self, key: str, rows: tuple[int, ...]) -> dict[str, dict[int, float]] | None:
+    def get(
+        self, key: str, rows: tuple[int, ...], paths: tuple[str, ...] = ("plain", "packed")
+    ) -> dict[str, dict[int, float]] | None:
+        """The saved times of ``paths`` at ``rows``; None unless every one of ``paths`` was saved at them
+        (an entry from before a path was timed is timed again)."""
         entry = self.entries.get(key)
         if entry is None:
             return None
         saved = entry["times_ms"]
-        times = {path: {int(m): ms for m, ms in saved[path].items()} for path in ("plain", "packed") if path in saved}
-        return times if all(set(rows) <= t.keys() for t in times.values()) else None
+        times = {path: {int(m): ms for m, ms in saved[path].items()} for path in paths if path in saved}
+        complete = times.keys() == set(paths)
+        return times if complete and all(set(rows) <= t.keys() for t in times.values()) else None
 
     def put(self, key: str, times: dict[str, dict[int, float]]) -> None:
         self.entries[key] = {"times_ms": {p: {str(m): round(ms, 4) for m, ms in t.items()} for p, t in times.items()}}
@@ -215,7 +274,10 @@ class KernelCache:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=self.path.name, suffix=".tmp")
         with os.fdopen(fd, "w") as f:
-            json.dump({"version": CACHE_VERSION, "entries": self.entries}, f, indent=1, sort_keys=True)
+            saved = {"version": CACHE_VERSION, "entries": self.entries}
+            if self.decisions:
+                saved["decisions"] = self.decisions
+            json.dump(saved, f, indent=1, sort_keys=True)
         os.replace(tmp, self.path)
 
 
@@ -226,12 +288,35 @@ def linear_weights(model: CausalLM) -> dict[str, tuple[torch.Tensor, torch.Tenso
     return found
 
 
+def ram_bytes() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
 def split_allowed(policy: KernelPolicy, model: CausalLM) -> bool:
     if policy.allow_split is not None:
         return policy.allow_split
-    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     weight_bytes = sum(w.numel() * w.element_size() for w, _ in linear_weights(model).values())
-    return weight_bytes <= SPLIT_RAM_FRACTION * ram
+    return weight_bytes <= SPLIT_RAM_FRACTION * ram_bytes()
+
+
+def fp32_allowed(policy: KernelPolicy, model: CausalLM) -> bool:
+    """Whether bf16 layers may keep a float32 copy ("fp32", "fp32-packed"): ``allow_fp32_weights``, or when
+    the model's linear weights in float32 take at most ``SPLIT_RAM_FRACTION`` of RAM."""
+    if policy.allow_fp32_weights is not None:
+        return policy.allow_fp32_weights
+    return 4 * sum(w.numel() for w, _ in linear_weights(model).values()) <= SPLIT_RAM_FRACTION * ram_bytes()
+
+
+def forced_path(mode: str, weight: torch.Tensor) -> str:
+    """What a forced ``linear_kernel`` runs on this weight: a float32 weight takes "upcast" and "fp32" as
+    "plain" and "fp32-packed" as "packed"; a path oneDNN cannot run here falls back to "plain"."""
+    if weight.dtype == torch.float32 and mode in FP32_COMPUTE_PATHS:
+        mode = "packed" if mode == "fp32-packed" else "plain"
+    if mode in ("packed", "split"):
+        return mode if can_pack(weight) else "plain"
+    if mode == "fp32-packed":
+        return mode if onednn_runs(torch.float32, weight.device) else "fp32"
+    return mode
 
 
 def choose_kernels(
@@ -242,25 +327,30 @@ def choose_kernels(
     device = next(iter(weights.values()))[0].device
     forced = "plain" if device.type != "cpu" else policy.mode
     allow_split = forced == "auto" and split_allowed(policy, model)
+    fp32_compute = forced == "auto" and (
+        policy.fp32_compute if policy.fp32_compute is not None else not native_bf16(cpu_isa())
+    )
+    allow_fp32 = fp32_compute and fp32_allowed(policy, model)
     cache = KernelCache(policy.resolved_cache_path()) if forced == "auto" else None
     machine = machine or machine_key(torch.get_num_threads())
     choices: dict[ShapeKey, Choice] = {}
     start, measured = time.perf_counter(), 0
     for name, (weight, bias) in weights.items():
-        key = ShapeKey(weight.shape[0], weight.shape[1], str(weight.dtype).removeprefix("torch."), bias is not None)
+        key = shape_key(weight, bias is not None)
         if key in choices:
             continue
         if forced != "auto":
-            path = forced if forced == "plain" or can_pack(weight) else "plain"
+            path = forced_path(forced, weight)
             choices[key] = Choice(path, FORCED_SPLIT_ROWS if path == "split" else 0, "forced")
             continue
-        if weight.numel() < UNTIMED_BELOW or not onednn_runs(weight.dtype, weight.device):
+        paths = candidates(weight, allow_fp32, fp32_compute)
+        if weight.numel() < UNTIMED_BELOW or len(paths) == 1:
             choices[key] = Choice("plain", 0, "untimed")  # the only candidate, or oneDNN's fixed cost dominates
             continue
         rows = tuple(m for m in ROW_GRID if name != "lm_head" or m <= max(policy.lm_head_rows, ROW_GRID[0]))
-        times, source = cache.get(f"{machine} | {key}", rows), "cached"
+        times, source = cache.get(f"{machine} | {key}", rows, paths), "cached"
         if times is None:
-            times, measured = measure(weight, bias, rows, timer), measured + 1
+            times, measured = measure(weight, bias, rows, timer, paths), measured + 1
             # Timings still spiky after the retries were taken while other processes held the cores:
             # used for this load only, so the next load times again rather than keeping a wrong choice.
             source = "measured" if is_steady(times) else "measured while the CPU was busy, not cached"
@@ -275,8 +365,10 @@ def choose_kernels(
         logger.info("linear %s: %s", key, describe(choice))
     if forced == "auto":
         split = "allowed" if allow_split else "not allowed"
-        summary = "linear kernels: %d shapes, %d timed, %.2f s (%s; split %s)"
-        logger.info(summary, len(choices), measured, seconds, machine, split)
+        fp32 = "float32 copies allowed" if allow_fp32 else "no float32 copies"
+        fp32 = f"float32-compute bf16 paths timed, {fp32}" if fp32_compute else "float32-compute bf16 paths not timed"
+        summary = "linear kernels: %d shapes, %d timed, %.2f s (%s; split %s; %s)"
+        logger.info(summary, len(choices), measured, seconds, machine, split, fp32)
     return choices
 
 
@@ -296,8 +388,96 @@ def apply_kernels(model: CausalLM, policy: KernelPolicy, timer: Timer = wall_clo
     choices = choose_kernels(model, policy, timer)
 
     def choose(name: str, weight: torch.Tensor, has_bias: bool) -> tuple[str, int]:
-        key = ShapeKey(weight.shape[0], weight.shape[1], str(weight.dtype).removeprefix("torch."), has_bias)
+        key = shape_key(weight, has_bias)
         return choices[key].path, choices[key].split_rows
 
     model.pack_weights(choose)
     return choices
+
+
+def shape_key(weight: torch.Tensor, has_bias: bool) -> ShapeKey:
+    return ShapeKey(weight.shape[0], weight.shape[1], str(weight.dtype).removeprefix("torch."), has_bias)
+
+
+@dataclass(frozen=True)
+class Fp32Comparison:
+    """A bf16 model's linear layers timed both ways: ``bf16_ms`` the weighted time (``ROW_WEIGHTS`` over
+    the rows timed, each shape times its number of layers) of the fastest path that keeps the weights in
+    bf16 (``BF16_STORAGE_PATHS``) at each row count, ``fp32_ms`` that of the fastest on float32 weights
+    (``FP32_WEIGHT_PATHS``); ``shapes`` the shapes timed (0: none large enough, nothing to compare)."""
+
+    bf16_ms: float
+    fp32_ms: float
+    shapes: int
+    source: str = "measured"  # measured | cached
+
+    @property
+    def fp32_faster(self) -> bool:
+        return self.shapes > 0 and self.fp32_ms < self.bf16_ms
+
+
+def compare_fp32(model: CausalLM, policy: KernelPolicy, timer: Timer = wall_clock) -> Fp32Comparison:
+    """Time every path of the bf16 model's shapes, float32 copies included (through the cache, as
+    ``choose_kernels``), and sum them both ways (``Fp32Comparison``): the measurement behind ``--dtype
+    auto``'s float32 on a CPU without native bf16 (``splitserve.engine.model.loader.build_model``)."""
+    choices = choose_kernels(model, replace(policy, mode="auto", allow_fp32_weights=True, fp32_compute=True), timer)
+    counts = Counter(shape_key(w, b is not None) for w, b in linear_weights(model).values())
+    bf16 = fp32 = 0.0
+    shapes = 0
+    for key, choice in choices.items():
+        times = choice.times_ms
+        if not times or "fp32" not in times:
+            continue
+        shapes += 1
+        for m in next(iter(times.values())):
+            weight = ROW_WEIGHTS.get(m, 1.0) * counts[key]
+            bf16 += weight * min(t[m] for p, t in times.items() if p in BF16_STORAGE_PATHS)
+            fp32 += weight * min(t[m] for p, t in times.items() if p in FP32_WEIGHT_PATHS)
+    return Fp32Comparison(bf16, fp32, shapes)
+
+
+def summarize(choices: dict[ShapeKey, Choice]) -> str:
+    """Every shape's chosen path on one line, for ``splitserve status``: ``1152x896 bfloat16 +bias packed, ...``."""
+
+    def one(choice: Choice) -> str:
+        return f"split at {choice.split_rows} rows" if choice.path == "split" else choice.path
+
+    return ", ".join(f"{key} {one(choice)}" for key, choice in choices.items())
+
+
+@contextmanager
+def cache_lock(path: Path | None) -> Iterator[None]:
+    """An exclusive lock on ``<cache>.lock`` (none without a cache): engines loading at once on this machine
+    take ``--dtype auto``'s decision one after the other, so the second reads the first's."""
+    if path is None:
+        yield
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_name(path.name + ".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def auto_dtype_comparison(model: CausalLM, policy: KernelPolicy, timer: Timer = wall_clock) -> Fp32Comparison:
+    """``compare_fp32`` once per machine and model: the result is kept in the kernel cache (``decisions``)
+    and read back by every later load, under ``cache_lock``, so that the workers and tensor-parallel ranks
+    of one machine, loading at once, all compute in the same dtype (a prefill and a decode worker in
+    different dtypes could not exchange KV). Kept even when measured while the CPU was busy, for that
+    reason: delete the cache file to decide again."""
+    path = policy.resolved_cache_path()
+    shapes = Counter(str(shape_key(w, b is not None)) for w, b in linear_weights(model).values())
+    digest = hashlib.blake2b(json.dumps(sorted(shapes.items())).encode(), digest_size=6).hexdigest()
+    key = f"{machine_key(torch.get_num_threads())} | dtype auto | {digest}"
+    with cache_lock(path):
+        saved = KernelCache(path).decisions.get(key)
+        if saved is not None:
+            return Fp32Comparison(saved["bf16_ms"], saved["fp32_ms"], saved["shapes"], "cached")
+        compared = compare_fp32(model, policy, timer)
+        cache = KernelCache(path)  # compare_fp32 may have saved new times since
+        if cache.path is not None:
+            cache.decisions[key] = {"bf16_ms": compared.bf16_ms, "fp32_ms": compared.fp32_ms, "shapes": compared.shapes}
+            cache.save()
+        return compared

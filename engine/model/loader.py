@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,7 +22,7 @@ import torch
 from safetensors import safe_open
 
 from splitserve.engine.model.config import ModelConfig
-from splitserve.engine.model.linear_tuner import KernelPolicy, apply_kernels
+from splitserve.engine.model.linear_tuner import KernelPolicy, apply_kernels, auto_dtype_comparison
 from splitserve.engine.model.transformer import CausalLM
 from splitserve.engine.tp.distributed import TPGroup
 
@@ -38,6 +39,7 @@ DTYPE_NAMES = {
     "fp32": "float32",
 }
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+logger = logging.getLogger(__name__)
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _IGNORED = re.compile(r"rotary_emb\.inv_freq$")
 # safetensors' dtype names -> torch's, for the checksum of tensors a sharded rank does not materialise.
@@ -265,6 +267,57 @@ def load_weights(model: CausalLM, model_dir: str | Path) -> str:
     return total.hexdigest()
 
 
+def available_memory_bytes() -> int | None:
+    """MemAvailable from /proc/meminfo (Linux), else None."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _gib(n: int) -> str:
+    return f"{n / (1 << 30):.2f} GiB" if n >= 1 << 30 else f"{n / (1 << 20):.1f} MiB"
+
+
+FP32_MEMORY_FRACTION = 0.5  # --dtype auto's float32 must fit in this share of the memory available at load
+
+
+def auto_fp32(model: CausalLM, policy: KernelPolicy, available: int | None = None, timer=None) -> tuple[bool, str]:
+    """``--dtype auto`` on a bf16 checkpoint and a CPU without native bf16: whether the model computes in
+    float32 instead, and why (one line, logged and shown by ``splitserve status``).
+
+    float32 when (1) its weights (twice the bf16 ones) fit in ``FP32_MEMORY_FRACTION`` of the memory
+    available now, else a warning naming the sizes, and (2) timing the model's linear shapes both ways
+    (``linear_tuner.compare_fp32``) finds the float32 weights faster than the fastest bf16-storage path; the
+    comparison is kept in the kernel cache and reused (``linear_tuner.auto_dtype_comparison``), so every
+    engine of this machine and model decides alike."""
+    params = sum(p.numel() for p in model.parameters())
+    bf16_bytes, fp32_bytes = 2 * params, 4 * params
+    available = available_memory_bytes() if available is None else available
+    if available is not None and fp32_bytes > FP32_MEMORY_FRACTION * available:
+        note = (
+            f"bfloat16: float32 weights would take {_gib(fp32_bytes)} (bf16 {_gib(bf16_bytes)}), more than "
+            f"{FP32_MEMORY_FRACTION:.0%} of the {_gib(available)} available; bf16 products are emulated on this CPU"
+        )
+        logger.warning("dtype auto: %s (--dtype float32 forces float32)", note)
+        return False, note
+    compared = auto_dtype_comparison(model, policy) if timer is None else auto_dtype_comparison(model, policy, timer)
+    if compared.shapes == 0:
+        return False, "bfloat16: no linear shape large enough to time (auto, no native bf16)"
+    verdict = "float32" if compared.fp32_faster else "bfloat16"
+    note = (
+        f"{verdict}: no native bf16; linear layers {compared.fp32_ms:.3g} ms on float32 weights vs "
+        f"{compared.bf16_ms:.3g} ms on bf16 ones (weighted, {compared.shapes} shapes, {compared.source})"
+    )
+    if compared.fp32_faster:
+        note += f"; weights {_gib(fp32_bytes)} instead of {_gib(bf16_bytes)}"
+    logger.info("dtype auto: %s", note)
+    return compared.fp32_faster, note
+
+
 def build_model(
     cfg: ModelConfig,
     model_dir: str | Path,
@@ -272,19 +325,34 @@ def build_model(
     device: torch.device,
     kernels: KernelPolicy | None = None,
     tp: TPGroup | None = None,
+    auto_float32: bool = False,
+    timer=None,
 ) -> tuple[CausalLM, str]:
     """Construct without random init (meta device), allocate on ``device``, load; returns (model, checksum).
 
     ``kernels`` says which kernel each linear layer runs (``splitserve.engine.model.linear_tuner``: timed per shape at
     ``auto``, the default); the checksum is of the weights as loaded, before any repacking. With ``tp`` (size
     > 1) the model is rank ``tp.rank``'s shard and the checksum still that of the whole checkpoint.
+
+    ``auto_float32`` (``--dtype auto``, a bf16 ``dtype`` on a CPU without native bf16): the model may be
+    converted to float32 after loading (``auto_fp32``: measured, and only where it fits); its dtype then
+    is the model's, ``model.embed_tokens.weight.dtype``, and ``model.dtype_note`` says why (else "").
+    ``timer`` replaces the tuner's clock (tests).
     """
     with torch.device("meta"):
         model = CausalLM(cfg, tp)
     model = model.to(dtype).to_empty(device=device)
     checksum = load_weights(model, model_dir)
+    policy = kernels or KernelPolicy()
+    model.dtype_note = ""
+    if auto_float32 and dtype == torch.bfloat16 and device.type == "cpu":
+        with torch.no_grad():
+            to_fp32, model.dtype_note = auto_fp32(model, policy, timer=timer)
+        if to_fp32:
+            model = model.to(torch.float32)
+            dtype = torch.float32
     model.init_rotary(device, dtype)
-    apply_kernels(model, kernels or KernelPolicy())
+    model.kernel_choices = apply_kernels(model, policy) if timer is None else apply_kernels(model, policy, timer)
     model.eval()
     model.requires_grad_(False)
     return model, checksum

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from splitserve.engine.attention.paged_attention import AttentionMetadata, paged_attention
+from splitserve.engine.hardware import cpu_isa, isa_override, onednn_bf16_isa
 from splitserve.engine.kv_cache.cache import KVCache
 from splitserve.engine.model.config import ModelConfig
 from splitserve.engine.model.rope import RotaryEmbedding, apply_rotary
@@ -33,10 +34,17 @@ def onednn_runs(dtype: torch.dtype, device: torch.device | str = "cpu") -> bool:
     if torch.device(device).type != "cpu" or not torch.backends.mkldnn.is_available():
         return False
     if dtype == torch.bfloat16:
-        return torch.ops.mkldnn._is_mkldnn_bf16_supported()
+        # torch asks the CPU; $SPLITSERVE_CPU_ISA, when set, may take the support away (engine/hardware.py).
+        override = isa_override()
+        return torch.ops.mkldnn._is_mkldnn_bf16_supported() and (override is None or onednn_bf16_isa(cpu_isa()))
     if dtype == torch.float16:
         return torch.ops.mkldnn._is_mkldnn_fp16_supported()
     return dtype == torch.float32
+
+
+# The paths of a bf16 (or fp16) layer that compute in float32 and round the output back to the layer's dtype.
+FP32_COMPUTE_PATHS = ("upcast", "fp32", "fp32-packed")
+LINEAR_PATHS = ("plain", "packed", "split", *FP32_COMPUTE_PATHS)
 
 
 def can_pack(weight: torch.Tensor) -> bool:
@@ -48,12 +56,20 @@ def can_pack(weight: torch.Tensor) -> bool:
 
 
 class Linear(nn.Module):
-    """``y = x W^T + b`` with nn.Linear's parameter names, run by one of three kernels (``path``):
+    """``y = x W^T + b`` with nn.Linear's parameter names, run by one of these kernels (``path``):
 
     - "plain": ``F.linear`` on the ``[out, in]`` weight (MKL or oneDNN inside torch; cuBLAS on CUDA);
     - "packed": oneDNN on W moved once into its blocked layout (an opaque tensor; the plain weight is dropped);
     - "split": both layouts kept, inputs of at most ``split_rows`` rows go plain, larger ones packed: for CPUs
       where ``F.linear`` wins at decode batches and oneDNN at prefill chunks (twice this layer's memory).
+
+    and, for a bf16 or fp16 weight only, three that compute in float32 (``FP32_COMPUTE_PATHS``: the input
+    upcast exactly, the float32 product rounded back to the input's dtype once, as a bf16 GEMM rounds its
+    float32 sums), for CPUs that emulate bf16 products:
+
+    - "upcast": the weight kept in bf16, upcast to float32 at every call (the weight's memory);
+    - "fp32": the weight kept in float32 (its bf16 values exactly), ``F.linear`` (twice the bf16 memory);
+    - "fp32-packed": that float32 weight in oneDNN's layout, the bf16 one dropped (twice the bf16 memory).
 
     ``splitserve.engine.model.linear_tuner`` picks the path per weight shape by timing them at load.
     """
@@ -64,11 +80,13 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features, device=device)) if bias else None
         self.packed: torch.Tensor | None = None
         self.split_rows = 0  # "split": inputs of at most this many rows run plain
+        self.fp32_path: str | None = None  # one of FP32_COMPUTE_PATHS, or None
+        self.bias32: torch.Tensor | None = None  # the bias in float32, for the FP32_COMPUTE_PATHS
 
     @classmethod
     def from_weight(cls, weight: nn.Parameter, path: str, split_rows: int = 0) -> Linear:
         """A bias-free layer over an existing weight (the tied LM head over the embedding matrix): "packed"
-        packs a copy, "split" keeps sharing ``weight`` beside it."""
+        packs a copy, "split" and "upcast" keep sharing ``weight``, "fp32" keeps a float32 copy."""
         layer = cls(weight.shape[1], weight.shape[0], bias=False, device="meta")
         layer.weight = weight
         layer.use(path, split_rows)
@@ -76,13 +94,27 @@ class Linear(nn.Module):
 
     @property
     def path(self) -> str:
+        if self.fp32_path is not None:
+            return self.fp32_path
         if self.packed is None:
             return "plain"
         return "packed" if self.weight is None else "split"
 
     def use(self, path: str, split_rows: int = 0) -> None:
-        """Switch this layer, still plain, to ``path``; oneDNN must run its dtype for "packed" and "split"."""
-        assert self.path == "plain" and path in ("plain", "packed", "split"), (self.path, path)
+        """Switch this layer, still plain, to ``path``; oneDNN must run its dtype for "packed" and "split",
+        float32 for "fp32-packed"; the ``FP32_COMPUTE_PATHS`` need a bf16 or fp16 weight."""
+        assert self.path == "plain" and path in LINEAR_PATHS, (self.path, path)
+        if path in FP32_COMPUTE_PATHS:
+            weight = self.weight.detach()
+            assert weight.dtype != torch.float32, f"{path}: the weight is float32 already"
+            self.fp32_path = path
+            self.bias32 = None if self.bias is None else self.bias.detach().float()
+            if path == "fp32":
+                self.weight = nn.Parameter(weight.float(), requires_grad=False)
+            elif path == "fp32-packed":
+                self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.float())
+                self.weight = None
+            return
         if path != "plain":
             self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach())
             self.split_rows = split_rows
@@ -90,6 +122,13 @@ class Linear(nn.Module):
                 self.weight = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fp32_path is not None:
+            x32 = x.float()
+            if self.packed is not None:
+                y = torch.ops.mkldnn._linear_pointwise(x32.contiguous(), self.packed, self.bias32, "none", [], "")
+            else:
+                y = F.linear(x32, self.weight if self.fp32_path == "fp32" else self.weight.float(), self.bias32)
+            return y.to(x.dtype)
         if self.packed is not None and (self.weight is None or x.numel() > self.split_rows * x.shape[-1]):
             return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)

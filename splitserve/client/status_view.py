@@ -9,7 +9,9 @@ CPUS is the set the worker's process may run on (its ``cpus`` when pinned), THRE
 the ranks (processes, one per device) it spans: its rank 0's figures are the worker's.
 
 then, for each worker that captured CUDA graphs of its decode step (``decode_graphs``), one line:
-``decode-0 decode graphs: 7 graphs (batch 1-64), captured in 2.10 s, 120.0 MiB``.
+``decode-0 decode graphs: 7 graphs (batch 1-64), captured in 2.10 s, 120.0 MiB``; and for each worker that
+reports them (``linear_kernels``), the dtype its model computes in and each linear shape's kernel:
+``decode-0 linear kernels: bfloat16; 1152x896 bfloat16 +bias packed, 896x896 bfloat16 packed, ...``.
 
 ``--json`` prints the ``GetStatusResponse`` itself (proto field names, every field).
 """
@@ -81,6 +83,7 @@ def format_status(status: pb.GetStatusResponse, address: str) -> str:
     if not rows:
         lines.append("(no workers)")
     lines.extend(f"{w.worker_id} decode graphs: {w.decode_graphs}" for w in workers if w.decode_graphs)
+    lines.extend(f"{w.worker_id} linear kernels: {w.linear_kernels}" for w in workers if w.linear_kernels)
     if status.planner:
         lines.append(f"planner: {status.planner}")
     lines.extend(f"pending: {w} (waits for resources no node has free)" for w in status.pending_workers)

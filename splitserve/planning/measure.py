@@ -604,19 +604,29 @@ def measure_profile(
     transfers: bool = True,
     tensor_parallel_size: int = 1,
     transfer_in_process: bool = False,
+    backend: str = "splitserve",
 ) -> Profile:
     """Measure and fit; a CPU profile's ``threads`` is the torch threads of each rank it stands for. At
     ``tensor_parallel_size`` > 1 the steps are a TP engine's whose rank 0 drives (its ranks spawned here,
     one per GPU on CUDA); the KV transfer is one rank's part. ``transfers`` False: no transfer is measured
     and the profile has none (``parts["transfer"]`` "not measured"); ``transfer_in_process``: see
-    ``measure_transfers``."""
+    ``measure_transfers``. ``backend`` "vllm": a vllm-backend worker's steps (``measure_vllm.VllmMeasurer``),
+    and the transfer at vLLM's block size."""
     from pathlib import Path
 
     from splitserve.engine.hardware import describe_machine
 
     grid = grid or Grid()
     args = {"model_dir": model_dir, "dtype": dtype, "device": device, "threads": threads, "grid": grid}
-    if tensor_parallel_size > 1:
+    block_size = 16
+    if backend == "vllm":
+        from splitserve.planning.measure_vllm import VllmMeasurer
+
+        if tensor_parallel_size > 1:
+            raise ValueError("--tp: the vllm backend runs tensor parallel size 1 for now")
+        measurer = VllmMeasurer(**args)
+        close, block_size = measurer.close, measurer.block_size
+    elif tensor_parallel_size > 1:
         measurer, close, _store = _measure_tp(args, tensor_parallel_size)
     else:
         measurer, close = Measurer(**args), (lambda: None)
@@ -631,11 +641,11 @@ def measure_profile(
     device_name = _device_name(measurer.core.device, machine)
     threads_used = measurer.torch.get_num_threads()
     del measurer
-    notes = {"machine": machine, "pid": os.getpid()}
+    notes = {"machine": machine, "pid": os.getpid(), "backend": backend, "block_size": block_size}
     transfer, transfer_part, transfer_samples = None, NOT_MEASURED, []
     if transfers:
         transfer_samples, notes["transfer_path"] = measure_transfers(
-            shape, dtype_name, 16, grid, device, transfer_in_process
+            shape, dtype_name, block_size, grid, device, transfer_in_process
         )
         transfer, transfer_part = fit_transfer_part(transfer_samples)
     return Profile(

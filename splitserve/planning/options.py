@@ -33,6 +33,12 @@ def add_profile_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", help="cpu | cuda")
     p.add_argument("--threads", type=int, default=None, help="torch threads (CPU), as each worker rank runs")
     p.add_argument(
+        "--backend",
+        choices=["splitserve", "vllm"],
+        default="splitserve",
+        help="the engine whose steps are measured (vllm: vLLM's engine core as a vllm-backend worker runs it)",
+    )
+    p.add_argument(
         "--tp",
         type=int,
         default=1,
@@ -92,6 +98,7 @@ def run_profile(args: argparse.Namespace) -> int:
         grid,
         transfers=not args.no_transfer,
         tensor_parallel_size=args.tp,
+        backend=args.backend,
     )
     if args.serving:
         from splitserve.planning.measure import measure_serving, with_serving
@@ -102,7 +109,7 @@ def run_profile(args: argparse.Namespace) -> int:
     c = profile.step_coefficients
     print(
         f"profile of {profile.model.name} ({profile.dtype}, {profile.device_name}, {profile.threads} threads, "
-        f"TP {profile.tensor_parallel_size})"
+        f"TP {profile.tensor_parallel_size}, {args.backend} engine)"
     )
     print(
         f"step = {c['const'] * 1e3:.3f} ms + {c['prefill_tokens'] * 1e6:.2f} us/prompt token + "

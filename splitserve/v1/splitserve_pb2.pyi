@@ -173,7 +173,7 @@ class GetStatusResponse(_message.Message):
     def __init__(self, workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., queued_requests: _Optional[int] = ..., running_requests: _Optional[int] = ..., model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., metrics_address: _Optional[str] = ..., planner: _Optional[str] = ..., pending_workers: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("role", "worker_id", "node_id", "address", "healthy", "running", "waiting", "kv_blocks_total", "kv_blocks_in_use", "kv_blocks_cached", "metrics_address", "incarnation", "cpus", "threads", "decode_graphs", "tensor_parallel_size")
+    __slots__ = ("role", "worker_id", "node_id", "address", "healthy", "running", "waiting", "kv_blocks_total", "kv_blocks_in_use", "kv_blocks_cached", "metrics_address", "incarnation", "cpus", "threads", "decode_graphs", "tensor_parallel_size", "linear_kernels")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -190,6 +190,7 @@ class WorkerStatus(_message.Message):
     THREADS_FIELD_NUMBER: _ClassVar[int]
     DECODE_GRAPHS_FIELD_NUMBER: _ClassVar[int]
     TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    LINEAR_KERNELS_FIELD_NUMBER: _ClassVar[int]
     role: str
     worker_id: str
     node_id: str
@@ -206,4 +207,5 @@ class WorkerStatus(_message.Message):
     threads: int
     decode_graphs: str
     tensor_parallel_size: int
-    def __init__(self, role: _Optional[str] = ..., worker_id: _Optional[str] = ..., node_id: _Optional[str] = ..., address: _Optional[str] = ..., healthy: _Optional[bool] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_in_use: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., metrics_address: _Optional[str] = ..., incarnation: _Optional[str] = ..., cpus: _Optional[str] = ..., threads: _Optional[int] = ..., decode_graphs: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ...) -> None: ...
+    linear_kernels: str
+    def __init__(self, role: _Optional[str] = ..., worker_id: _Optional[str] = ..., node_id: _Optional[str] = ..., address: _Optional[str] = ..., healthy: _Optional[bool] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_in_use: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., metrics_address: _Optional[str] = ..., incarnation: _Optional[str] = ..., cpus: _Optional[str] = ..., threads: _Optional[int] = ..., decode_graphs: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., linear_kernels: _Optional[str] = ...) -> None: ...

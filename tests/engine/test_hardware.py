@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from splitserve.engine import hardware
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -140,3 +142,29 @@ def test_cpu_summary_names_model_cores_and_isa():
     assert hardware.cpu_summary(m).endswith("AVX2, no BF16")
     m = hardware.describe_machine(probe_torch=False, cpuinfo_text=AMX_CPUINFO)
     assert hardware.cpu_summary(m).endswith("AVX-512, AMX")
+
+
+def test_isa_override_replaces_the_flags_and_the_header_says_so(monkeypatch):
+    """``SPLITSERVE_CPU_ISA`` stands for another CPU's flags: what the engine decides from them follows."""
+    monkeypatch.delenv(hardware.ISA_OVERRIDE_ENV, raising=False)
+    m = hardware.describe_machine(probe_torch=False, cpuinfo_text=AMX_CPUINFO)
+    assert m["isa_override"] is None and m["native_bf16"] is True
+    monkeypatch.setenv(hardware.ISA_OVERRIDE_ENV, "avx2, FMA")
+    m = hardware.describe_machine(probe_torch=False, cpuinfo_text=AMX_CPUINFO)
+    assert m["isa_override"] == "avx2, FMA" and m["native_bf16"] is False
+    assert [name for name, on in m["isa"].items() if on] == ["avx2", "fma"]
+    assert hardware.cpu_isa() == m["isa"]
+    assert "flags from SPLITSERVE_CPU_ISA='avx2, FMA'" in hardware.header_lines(machine=m)
+    monkeypatch.setenv(hardware.ISA_OVERRIDE_ENV, "avx2,avx9000")
+    with pytest.raises(ValueError, match=r"SPLITSERVE_CPU_ISA: unknown ISA flags \['avx9000'\]"):
+        hardware.cpu_isa()
+
+
+def test_native_bf16_and_onednn_bf16_from_the_flags():
+    avx2 = hardware.parse_cpuinfo(AVX2_CPUINFO)["isa"]
+    avx512 = hardware.parse_cpuinfo(AVX512_CPUINFO)["isa"]
+    amx = hardware.parse_cpuinfo(AMX_CPUINFO)["isa"]
+    assert [hardware.native_bf16(i) for i in (avx2, avx512, amx)] == [False, True, True]
+    assert [hardware.onednn_bf16_isa(i) for i in (avx2, avx512, amx)] == [False, True, True]
+    assert hardware.onednn_bf16_isa(hardware.parse_isa_list("avx2,avx_ne_convert"))
+    assert not hardware.native_bf16(hardware.parse_isa_list("avx2,avx_ne_convert"))

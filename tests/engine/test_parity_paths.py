@@ -5,7 +5,8 @@ Llama, Qwen2 and Mistral) are large enough that every projection and the LM head
 packing floor, so the prepacked oneDNN path is the one compared. The paths are those this machine
 offers (``available_paths``), each forced with ``linear_kernel``: on CPU "packed" (oneDNN, where it runs
 the dtype), "split" (both layouts: up to ``FORCED_SPLIT_ROWS`` rows plain, so these decodes run plain and
-the prefills packed) and "plain" (``F.linear``); on CUDA "cublas". Each test first asserts that every
+the prefills packed) and "plain" (``F.linear``), and in bf16 the float32-compute paths "upcast", "fp32"
+and "fp32-packed"; on CUDA "cublas". Each test first asserts that every
 linear layer, the LM head included, really runs the path its id names; the default ("auto", timed at
 load) must pick one of them for every layer.
 
@@ -25,6 +26,7 @@ import torch
 
 from splitserve.engine import LLM, SamplingParams
 from splitserve.engine.model.linear_tuner import FORCED_SPLIT_ROWS
+from splitserve.engine.model.transformer import FP32_COMPUTE_PATHS, LINEAR_PATHS
 from tests.conftest import PACKABLE_ARCH_CONFIGS
 from tests.engine.parity import (
     assert_greedy_parity,
@@ -58,13 +60,18 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def available_paths(device: str, dtype: torch.dtype) -> list[str]:
-    """The linear-layer paths the engine can take here, from the machine's capability (not the engine's)."""
+    """The linear-layer paths the engine can take here, from the machine's capability (not the engine's):
+    in bf16 also the three that compute in float32 ("upcast", "fp32", and "fp32-packed" where oneDNN runs)."""
     if device.startswith("cuda"):
         return ["cublas"]
-    packs = torch.backends.mkldnn.is_available() and (
+    onednn = torch.backends.mkldnn.is_available()
+    packs = onednn and (
         dtype == torch.float32 or (dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported())
     )
-    return ["packed", "split", "plain"] if packs else ["plain"]
+    paths = ["packed", "split", "plain"] if packs else ["plain"]
+    if dtype == torch.bfloat16:
+        paths += ["upcast", "fp32"] + (["fp32-packed"] if onednn else [])
+    return paths
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
@@ -81,7 +88,7 @@ class Engines:
         self.model_dirs, self.device, self._built = model_dirs, device, {}
 
     def get(self, arch: str, dtype: str, path: str) -> LLM:
-        kernel = path if path in ("plain", "packed", "split") else "auto"  # "cublas" and "default": the default
+        kernel = path if path in LINEAR_PATHS else "auto"  # "cublas" and "default": the default
         if (arch, dtype, kernel) not in self._built:
             model_dir = self.model_dirs[arch]
             llm = LLM(model_dir, dtype=dtype, device=self.device, block_size=16, num_blocks=96, linear_kernel=kernel)
@@ -227,7 +234,7 @@ def test_bf16_greedy_matches_transformers_bf16(arch, bf16_path, engines, referen
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_default_path_is_one_of_the_tested_paths(dtype, engines, device):
     """With the default config (linear_kernel auto), every layer runs a path this module tests: on CPU
-    one of ``available_paths`` (only "plain" where oneDNN does not run the dtype: bf16 without ISA support),
+    one of ``available_paths`` (in bf16 without oneDNN support "plain" or a float32-compute path),
     the same for every layer of one projection (one shape); on CUDA, cuBLAS."""
     for arch in ARCHS:
         llm = engines.get(arch, dtype, "default")
@@ -244,4 +251,4 @@ def test_default_path_is_one_of_the_tested_paths(dtype, engines, device):
             by_projection.setdefault(layer.rsplit(".", 1)[-1], set()).add(path)
         assert all(len(p) == 1 for p in by_projection.values()), by_projection
         if device == "cpu" and dtype == "bfloat16" and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
-            assert set(paths.values()) == {"plain"}
+            assert set(paths.values()) <= {"plain", *FP32_COMPUTE_PATHS}  # no oneDNN bf16 path
