@@ -15,6 +15,11 @@ instead of moving the KV anywhere, streams the decode worker's events on the sam
 
 A cancelled call frees the request in whatever phase it is.
 
+A request with ``n`` > 1 samples (``worker_common.samples``) is one job and one call: right after its first
+token, samples 1 to n - 1 are forked from it (sharing its full prompt blocks; or, if that token ended it
+and its blocks are freed, added as requests that the prefix cache serves) and stream on the same call,
+each event naming its sample; the job ends with its last sample.
+
 It shares the prefill worker's edge (``splitserve.worker_common.prefill_edge``: ``PrefillServicer``,
 ``PrefillJob``, the cache-event feed) and the engine interface (``worker_common.engine_api``), not its
 class: it has no KV sender, as nothing ever leaves it. A role package of its own, like the prefill and
@@ -46,6 +51,7 @@ from splitserve.worker_common.prefill_edge.jobs import (
     mark_scheduled,
 )
 from splitserve.worker_common.prefill_edge.service import PrefillServicer
+from splitserve.worker_common.samples import fork_samples
 from splitserve.worker_common.tp.rank_link import Ranks
 
 
@@ -56,6 +62,7 @@ class ColocatedWorker(WorkerBase):
         super().__init__(config, ranks, engine)
         self.cache_events = CacheEventFeed(self.engine, self.lock)
         self.jobs: dict[str, PrefillJob] = {}
+        self.forked: dict[str, PrefillJob] = {}  # engine ids of samples 1 to n - 1 -> their job
         # Tells the router a restarted worker from the one it knew (the prefill worker's comes from its
         # KV sender; the same format).
         self._incarnation = uuid.uuid4().hex
@@ -102,13 +109,15 @@ class ColocatedWorker(WorkerBase):
                 self._cancel(job)
             case Drain():  # hand back what has tokens; the rest is handed back at its first token
                 for job in [j for j in self.jobs.values() if j.done]:
-                    self._hand_back(job)
+                    for _, request in list(job.samples.values()):
+                        self._hand_back(job, request)
             case _:
                 raise unknown_command(command)
 
     def _cancel(self, job: PrefillJob) -> None:
         if self.jobs.get(job.request.request_id) is job:
-            self.engine.finish(job.request.request_id, FinishReason.ABORT)  # frees its blocks
+            for request_id in [job.request.request_id, *job.samples]:
+                self.engine.finish(request_id, FinishReason.ABORT)  # frees its blocks
             self._finish_job(job, End())
 
     def step(self) -> bool:
@@ -120,40 +129,69 @@ class ColocatedWorker(WorkerBase):
         self.faults.step(kind)
         mark_scheduled(self.jobs, scheduled)
         for request in self.engine.run(scheduled, kind).advanced:
-            self._advanced(self.jobs[request.request_id], request)
+            self._advanced(self._job(request.request_id), request)
         self.cache_events.publish()
         self.faults.step_done()
         return True
 
+    def _job(self, request_id: str) -> PrefillJob:
+        """The job of an engine request: the request's own, or the one a forked sample belongs to."""
+        job = self.jobs.get(request_id)
+        return job if job is not None else self.forked[request_id]
+
     def _advanced(self, job: PrefillJob, request: Request) -> None:
-        """The request got a token: the first one as FirstToken, later ones as Tokens."""
+        """The request got a token: the first one as FirstToken, later ones (and other samples') as Tokens."""
+        sample = job.samples[request.request_id][0]
         if not job.done:
             self.metrics.prefix_cache(request.num_tokens - 1, request.num_cached_tokens)
             job.events.put(Emit(wpb.PrefillEvent(first_token=job.first_token(request))))
+            with self.lock:
+                for i, child in enumerate(fork_samples(self.engine, request, job.n), start=1):
+                    job.samples[child.request_id] = (i, child)
+                    self.forked[child.request_id] = job
         else:
-            tokens = wpb.Tokens(token_ids=[request.token_ids[-1]], index=request.num_output_tokens - 1)
+            tokens = wpb.Tokens(token_ids=[request.token_ids[-1]], index=request.num_output_tokens - 1, sample=sample)
             if request.logprobs:
                 tokens.logprobs.append(logprobs_to_pb(request.logprobs[-1]))
             job.events.put(Emit(wpb.PrefillEvent(tokens=tokens)))
         if request.is_finished:  # the scheduler has freed its blocks
             finished = wpb.Finished(
-                finish_reason=FINISH_TO_PB[request.finish_reason], stop_reason=stop_reason_text(request.stop_reason)
+                finish_reason=FINISH_TO_PB[request.finish_reason],
+                stop_reason=stop_reason_text(request.stop_reason),
+                sample=sample,
             )
-            self._finish_job(job, Emit(wpb.PrefillEvent(finished=finished)))
+            self._sample_ended(job, request.request_id, wpb.PrefillEvent(finished=finished))
         elif self.draining:
-            self._hand_back(job)
+            self._hand_back(job, request)
 
-    def _hand_back(self, job: PrefillJob) -> None:
-        output = job.request.output_token_ids
-        self.engine.finish(job.request.request_id, FinishReason.PREEMPTED)
-        self._finish_job(job, Emit(wpb.PrefillEvent(preempted=wpb.Preempted(output_token_ids=output))))
+    def _hand_back(self, job: PrefillJob, request: Request) -> None:
+        output = request.output_token_ids
+        sample = job.samples[request.request_id][0]
+        self.engine.finish(request.request_id, FinishReason.PREEMPTED)
+        event = wpb.PrefillEvent(preempted=wpb.Preempted(output_token_ids=output, sample=sample))
+        self._sample_ended(job, request.request_id, event)
+
+    def _sample_ended(self, job: PrefillJob, request_id: str, event: wpb.PrefillEvent) -> None:
+        """One sample's last event; the job's last sample ends the job (and its call)."""
+        with self.lock:
+            job.samples.pop(request_id, None)
+            self.forked.pop(request_id, None)
+            others = bool(job.samples)
+        if others:
+            job.events.put(Emit(event))
+        else:
+            self._finish_job(job, Emit(event))
 
     def _finish_job(self, job: PrefillJob, last: Event) -> None:
+        with self.lock:
+            for request_id in job.samples:
+                self.forked.pop(request_id, None)
         finish_job(self.jobs, self.lock, job, last)
 
     def fail_all(self, message: str) -> None:
         for job in list(self.jobs.values()):
-            self.engine.finish(job.request.request_id, FinishReason.ABORT)
+            for request_id in [job.request.request_id, *job.samples]:
+                self.engine.finish(request_id, FinishReason.ABORT)
             self._finish_job(job, Fail(ServingError("INTERNAL", message)))
 
     def status_message(self):

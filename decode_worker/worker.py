@@ -12,6 +12,10 @@ A request's life here (it exists exactly as long as the router's ``Decode`` call
 
 The request starts decoding only after every layer of its KV has landed; the first token and the
 sampling state come with the transfer's commit. A cancelled call frees the request in any phase.
+
+A request with ``n`` > 1 samples (``worker_common.samples``) is one job and one call: once its KV landed,
+samples 1 to n - 1 are forked from it and join the batch beside it; Tokens, Finished and Preempted name
+their sample, and the job ends with its last sample (a cancel ends them all).
 """
 
 from __future__ import annotations
@@ -57,6 +61,7 @@ from splitserve.worker_common.messages import (
     make_event_queue,
     unknown_command,
 )
+from splitserve.worker_common.samples import check_samples, fork_samples
 from splitserve.worker_common.tp.kv import TPReceiver
 from splitserve.worker_common.tp.rank_link import Ranks
 
@@ -77,6 +82,10 @@ class DecodeJob:
     leased_at: float = field(default_factory=time.monotonic)
     transfer: TransferHandle | None = None
     request: Request | None = None  # set once admitted into the batch
+    n: int = 1  # samples of the prompt
+    samples: dict[str, tuple[int, Request]] = field(
+        default_factory=dict
+    )  # engine id -> (sample, request), in the batch
     cancelled: bool = False
     ended: bool = False
 
@@ -97,6 +106,7 @@ class DecodeWorker(WorkerBase):
         # A tensor-parallel worker receives a request's KV as one part per rank, into the same block ids.
         self.kv: KVReceiver | TPReceiver = self.receiver if ranks is None else TPReceiver(self.receiver, ranks)
         self.jobs: dict[str, DecodeJob] = {}
+        self.forked: dict[str, DecodeJob] = {}  # engine ids of samples 1 to n - 1 -> their job
 
     @property
     def incarnation(self) -> str:
@@ -129,6 +139,11 @@ class DecodeWorker(WorkerBase):
             raise ServingError("INVALID_ARGUMENT", str(e)) from None
         prompt, output = list(message.prompt_token_ids), list(message.output_token_ids)
         self.check_request(prompt + output, sampling)
+        n = max(1, message.n)
+        if n > 1 and (message.prefill_locally or output):
+            raise ServingError("INVALID_ARGUMENT", "n: samples fork from a first leg's landed KV only")
+        if (why := check_samples(self.engine, n)) is not None:
+            raise ServingError("INVALID_ARGUMENT", why)
         if self.draining:
             return None, wpb.DecodeEvent(refused=wpb.LeaseRefused(reason="draining", free_blocks=0))
         engine = self.engine
@@ -146,7 +161,7 @@ class DecodeWorker(WorkerBase):
             if not engine.allocate(message.request_id, len(prompt) + len(output) + 1, leased):
                 refusal = wpb.LeaseRefused(reason="not enough free KV blocks", free_blocks=engine.num_free_blocks)
                 return None, wpb.DecodeEvent(refused=refusal)
-            job = self.jobs[message.request_id] = DecodeJob(message.request_id, prompt, output, sampling)
+            job = self.jobs[message.request_id] = DecodeJob(message.request_id, prompt, output, sampling, n=n)
         table = engine.block_table(message.request_id)  # without the lock: vLLM's admits it on the loop thread
         if not table:
             with self.lock:
@@ -216,8 +231,9 @@ class DecodeWorker(WorkerBase):
                 self._cancel(job)
             case Drain():  # hand every running request back to the router (it re-prefills elsewhere)
                 for job in [j for j in self.jobs.values() if j.request is not None]:
-                    self.engine.finish(job.request_id, FinishReason.PREEMPTED)
-                    self._hand_back(job, job.request.output_token_ids)
+                    for request_id, (_, request) in list(job.samples.items()):
+                        self.engine.finish(request_id, FinishReason.PREEMPTED)
+                        self._hand_back(job, request.output_token_ids, request_id)
             case _:
                 raise unknown_command(command)
 
@@ -226,7 +242,8 @@ class DecodeWorker(WorkerBase):
             return
         job.cancelled = True
         if job.request is not None:
-            self.engine.finish(job.request_id, FinishReason.ABORT)  # frees its blocks
+            for request_id in job.samples:
+                self.engine.finish(request_id, FinishReason.ABORT)  # frees its blocks
             self._end(job, End())
         else:  # still waiting for its KV: _kv_ended frees the lease (or _admit, if the KV just landed)
             self.kv.cancel(job.request_id, "cancelled by the router")
@@ -245,6 +262,7 @@ class DecodeWorker(WorkerBase):
             with self.lock:
                 self.engine.add(request)
                 job.request = request
+                job.samples[request.request_id] = (0, request)
         except ValueError as e:
             self._end(job, Fail(ServingError("INVALID_ARGUMENT", str(e))))
 
@@ -258,30 +276,42 @@ class DecodeWorker(WorkerBase):
             return
         first = commit.first_token
         if self.draining:  # the KV arrived at a draining worker: hand the request back right away
+            for sample in range(1, job.n):  # samples never forked: each is re-prefilled on its own
+                job.events.put(Emit(wpb.DecodeEvent(preempted=wpb.Preempted(output_token_ids=[], sample=sample))))
             self._hand_back(job, job.output + [first])
             return
         request = Request.resume(job.request_id, job.prompt, job.output + [first], job.sampling, job.sampling.seed)
         with self.lock:
             self.engine.add_running(request)
             job.request = request
+            job.samples[request.request_id] = (0, request)
+            for sample, child in enumerate(fork_samples(self.engine, request, job.n), start=1):
+                job.samples[child.request_id] = (sample, child)
+                self.forked[child.request_id] = job
         landed = wpb.KVLanded(wait_ms=ms_since(job.leased_at), bytes=job.transfer.nbytes)
         job.events.put(Emit(wpb.DecodeEvent(landed=landed)))
 
     def step(self) -> bool:
         scheduled = self.engine.schedule()
         for victim in scheduled.preempted:  # handed back: blocks already freed
-            self._hand_back(self.jobs[victim.request_id], victim.output_token_ids)
+            self._hand_back(self._job(victim.request_id), victim.output_token_ids, victim.request_id)
         if scheduled.is_empty:
             return False
         self.faults.step("decode")
         for request in self.engine.run(scheduled, "decode").advanced:
-            self._advanced(self.jobs[request.request_id], request)
+            self._advanced(self._job(request.request_id), request)
         self.faults.step_done()
         return True
 
+    def _job(self, request_id: str) -> DecodeJob:
+        """The job of an engine request: the request's own, or the one a forked sample belongs to."""
+        job = self.jobs.get(request_id)
+        return job if job is not None else self.forked[request_id]
+
     def _advanced(self, job: DecodeJob, request: Request) -> None:
         """The request got a token: stream it; a finished request ends here (the scheduler freed its blocks)."""
-        tokens = wpb.Tokens(token_ids=[request.token_ids[-1]], index=request.num_output_tokens - 1)
+        sample = job.samples[request.request_id][0]
+        tokens = wpb.Tokens(token_ids=[request.token_ids[-1]], index=request.num_output_tokens - 1, sample=sample)
         if request.logprobs:
             tokens.logprobs.append(logprobs_to_pb(request.logprobs[-1]))
         if job.transfer is None and request.num_output_tokens == len(job.output) + 1:  # prefilled here
@@ -289,12 +319,27 @@ class DecodeWorker(WorkerBase):
         job.events.put(Emit(wpb.DecodeEvent(tokens=tokens)))
         if request.is_finished:
             finished = wpb.Finished(
-                finish_reason=FINISH_TO_PB[request.finish_reason], stop_reason=stop_reason_text(request.stop_reason)
+                finish_reason=FINISH_TO_PB[request.finish_reason],
+                stop_reason=stop_reason_text(request.stop_reason),
+                sample=sample,
             )
-            self._end(job, Emit(wpb.DecodeEvent(finished=finished)))
+            self._sample_ended(job, request.request_id, wpb.DecodeEvent(finished=finished))
 
-    def _hand_back(self, job: DecodeJob, output: list[int]) -> None:
-        self._end(job, Emit(wpb.DecodeEvent(preempted=wpb.Preempted(output_token_ids=output))))
+    def _hand_back(self, job: DecodeJob, output: list[int], request_id: str | None = None) -> None:
+        sample = job.samples[request_id][0] if request_id in job.samples else 0
+        event = wpb.DecodeEvent(preempted=wpb.Preempted(output_token_ids=output, sample=sample))
+        self._sample_ended(job, request_id or job.request_id, event)
+
+    def _sample_ended(self, job: DecodeJob, request_id: str, event: wpb.DecodeEvent) -> None:
+        """One sample's last event; the job's last sample ends the job (and its call)."""
+        with self.lock:
+            job.samples.pop(request_id, None)
+            self.forked.pop(request_id, None)
+            others = bool(job.samples)
+        if others:
+            job.events.put(Emit(event))
+        else:
+            self._end(job, Emit(event))
 
     def _end(self, job: DecodeJob, last: Event) -> None:
         """End a job once: free its lease if it never joined the batch (a joined request's blocks are
@@ -307,6 +352,8 @@ class DecodeWorker(WorkerBase):
             job.ended = True
             if job.request is None:
                 self.engine.free(job.request_id)
+            for request_id in job.samples:
+                self.forked.pop(request_id, None)
         self.kv.release(job.request_id)  # may call back into _end: it returns at once
         with self.lock:
             if self.jobs.get(job.request_id) is job:
@@ -317,7 +364,8 @@ class DecodeWorker(WorkerBase):
 
     def fail_all(self, message: str) -> None:
         for job in list(self.jobs.values()):
-            self.engine.finish(job.request_id, FinishReason.ABORT)
+            for request_id in [job.request_id, *job.samples]:
+                self.engine.finish(request_id, FinishReason.ABORT)
             self._end(job, Fail(ServingError("INTERNAL", message)))
 
     def status_message(self):
@@ -368,7 +416,7 @@ def _coalesce(event: wpb.DecodeEvent, events: queue.Queue[Event]) -> wpb.DecodeE
         except queue.Empty:
             break
         match following:
-            case Emit(message) if message.WhichOneof("kind") == "tokens":
+            case Emit(message) if message.WhichOneof("kind") == "tokens" and message.tokens.sample == merged.sample:
                 merged.token_ids.extend(message.tokens.token_ids)
                 merged.logprobs.extend(message.tokens.logprobs)
                 continue

@@ -94,6 +94,8 @@ class PrefillWorker(WorkerBase):
     def accept(self, message: wpb.PrefillRequest) -> PrefillJob:
         """Validate and queue a request (handler thread); raises ServingError."""
         job = job_from_pb(self, message)
+        if job.n > 1:
+            raise ServingError("INVALID_ARGUMENT", "n: a prefill worker prefills one sample; the decode worker forks")
         with self.lock:
             if message.request_id in self.jobs or self.sender.has_transfer(message.request_id):
                 raise ServingError("ALREADY_EXISTS", f"request_id: {message.request_id!r} is already here")

@@ -28,6 +28,7 @@ class RouterSettings:
     # remote_prefill_max_queue_tokens uncached prompt tokens; otherwise its decode worker prefills it. 0: off.
     local_prefill_max_tokens: int = 0
     remote_prefill_max_queue_tokens: int = 0
+    max_n: int = 16  # samples of one prompt a request may ask for (n); past it INVALID_ARGUMENT
 
     def __post_init__(self) -> None:
         check_choice(self, "routing_policy", POLICIES)
@@ -36,6 +37,7 @@ class RouterSettings:
         check_range(self, "lease_timeout_s", above=0)
         check_ranges(self, ("max_migrations", "max_prefill_retries"), min=0)
         check_ranges(self, ("local_prefill_max_tokens", "remote_prefill_max_queue_tokens"), min=0)
+        check_range(self, "max_n", min=1)
 
 
 @dataclass(frozen=True)

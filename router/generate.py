@@ -12,6 +12,11 @@ Metrics are observed from the same clock readings as the final message's timing 
 The request lives on a worker exactly as long as the router's call to it: whatever ends this
 generator (the last token, a stop string, the client's cancel or deadline, an error) cancels the
 calls still open, and the workers free what they hold.
+
+A request with ``n`` > 1 samples is one ``RequestRun`` per sample (router/samples.py): sample 0's first
+leg carries the others (``forks``): one prefill, one KV transfer, and the decode (or colocated) worker
+forks them on the same call, whose events name their sample (``_decode_samples``). A fork that does not
+finish on that call (handed back, its worker lost) continues on legs of its own, as any request.
 """
 
 from __future__ import annotations
@@ -122,14 +127,27 @@ class RequestRun:
         self.prefill_retries = self.migrations = 0
         self.transfer_failure: WorkerLost | None = None  # set when the KV of this leg will not arrive
         self.timing: pb.Timing | None = None  # set with the final message
+        # n > 1 (router/samples.py): the client's id (a sample runs on workers under an id of its own), this
+        # sample's index, the other samples (sample 0, on its first leg only), and where a fork goes that
+        # must continue alone.
+        self.public_id = request_id
+        self.choice = 0
+        self.forks: list[RequestRun] = []
+        self.on_detach = lambda run: None
+        # The prompt's log-probabilities from this run's first token (sample 0's are its forks' too).
+        self.prompt_logprobs: list[pb.TokenLogprobs] = []
+        self.final_sent = False
 
     async def run(self):
         """Legs until finished: a lost prefill worker retries the leg elsewhere, a lost decode worker
         migrates the request (re-prefill prompt + output elsewhere), each within its limit."""
         while self.finish_reason == pb.FINISH_REASON_UNSPECIFIED:
             try:
-                async for message in self._leg():
-                    yield message
+                try:
+                    async for message in self._leg():
+                        yield message
+                finally:
+                    self._detach_forks()
             except WorkerLost as lost:
                 if lost.worker_failed:
                     self.dispatcher.pool.lost(lost.worker)
@@ -157,13 +175,26 @@ class RequestRun:
                         raise ServingError(
                             "UNAVAILABLE", f"{lost.message}; gave up after {self.migrations - 1} migrations"
                         ) from None
-        yield self._final()
+        if not self.final_sent:  # a sample's last message may have gone out on its first leg
+            yield self._final()
+
+    def _detach_forks(self) -> None:
+        """After a leg that carried forks: those that did not finish on it continue on legs of their own,
+        but while this run is still to generate its first token (the leg is retried: a prefill worker
+        lost, a KV transfer failed) the forks with no output ride its next leg."""
+        retried = not self.output and self.finish_reason == pb.FINISH_REASON_UNSPECIFIED
+        forks, self.forks = self.forks, []
+        for fork in forks:
+            if retried and not fork.output and not fork.final_sent:
+                self.forks.append(fork)
+            elif not fork.final_sent:
+                self.on_detach(fork)
 
     async def _leg(self):
         """Prefill prompt + output so far, then decode until finished or handed back."""
         calls: list = []
         ticket = Ticket(self.request_id, len(self.prompt) + len(self.output), self.hashes)
-        if self.dispatcher.prefill_locally(ticket, self.sampling.max_tokens - len(self.output)):
+        if not self.forks and self.dispatcher.prefill_locally(ticket, self.sampling.max_tokens - len(self.output)):
             async for message in self._local_leg(ticket):
                 yield message
             return
@@ -172,6 +203,8 @@ class RequestRun:
             self.clock.dispatched = time.monotonic()
             self.metrics.queue.observe(self.clock.dispatched - self.clock.arrival)
         self.prefill_worker = prefill.worker_id
+        for fork in self.forks:
+            fork.clock.dispatched, fork.prefill_worker = self.clock.dispatched, prefill.worker_id
         if prefill.spec.role == "colocated":
             async for message in self._colocated_leg(prefill, ticket):
                 yield message
@@ -185,6 +218,7 @@ class RequestRun:
                         prompt_token_ids=self.prompt,
                         output_token_ids=self.output,
                         sampling=self._leg_sampling,
+                        n=len(self.forks) + 1 if self.forks else 0,
                     )
                     deadline = time.monotonic() + self.config.lease_timeout_s
                     decode, call, grant = await self.dispatcher.lease(
@@ -192,6 +226,8 @@ class RequestRun:
                     )
                     calls.append(call)
                     self.decode_worker = decode.worker_id
+                    for fork in self.forks:
+                        fork.decode_worker = decode.worker_id
                 prefill_call = _start(
                     prefill.stub.Prefill,
                     wpb.PrefillRequest(
@@ -210,14 +246,19 @@ class RequestRun:
                 self.dispatcher.release(prefill, ticket)
             leg = LegTransfer(self._first_token(first))
             yield self._relay_first(first)
-            if first.finish_reason != pb.FINISH_REASON_UNSPECIFIED or call is None:
+            no_decode = first.finish_reason != pb.FINISH_REASON_UNSPECIFIED or call is None  # no KV moves
+            if no_decode:
                 self._finish(first.finish_reason or pb.FINISH_REASON_LENGTH, first.stop_reason)
-            if self.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
+            # A stop string in sample 0's first token ends it only: its forks still decode on this call.
+            if no_decode or (self.finish_reason != pb.FINISH_REASON_UNSPECIFIED and not self.forks):
                 return
             self.transfer_failure = None
             transfer = asyncio.create_task(self._await_transfer(prefill_call, prefill, call, leg))
             try:
-                async for message in self._decode(call, decode, leg=leg):
+                decoded = (
+                    self._decode_samples(call, decode, leg=leg) if self.forks else self._decode(call, decode, leg=leg)
+                )
+                async for message in decoded:
                     yield message
             except (WorkerLost, ServingError):
                 if self.transfer_failure is not None:  # the decode call was ended for it, not by its worker
@@ -244,16 +285,22 @@ class RequestRun:
                 prompt_token_ids=self.prompt,
                 output_token_ids=self.output,
                 sampling=self._leg_sampling,
+                n=len(self.forks) + 1 if self.forks else 0,
             ),
             "colocated",
             worker,
         )
+        for fork in self.forks:
+            fork.decode_worker = worker.worker_id
         try:
             first = (await _read(call, "colocated", worker)).first_token
             self.dispatcher.prefilled(worker, ticket)
             self._first_token(first)
             yield self._relay_first(first)
-            if self.finish_reason == pb.FINISH_REASON_UNSPECIFIED:
+            if self.forks:  # the worker forks them after the first token, even one that ended sample 0
+                async for message in self._decode_samples(call, worker, "colocated"):
+                    yield message
+            elif self.finish_reason == pb.FINISH_REASON_UNSPECIFIED:
                 async for message in self._decode(call, worker, "colocated"):
                     yield message
         finally:
@@ -290,6 +337,8 @@ class RequestRun:
         now = time.monotonic()
         if self.clock.first_token is None:
             self.clock.first_token, self.cached_tokens = now, first.cached_tokens
+            if self.choice:  # the request's time to first token is its sample 0's
+                return now
             self.metrics.first_token(
                 now - self.clock.arrival, now - self.clock.dispatched, len(self.prompt), first.cached_tokens
             )
@@ -319,6 +368,55 @@ class RequestRun:
                 self.clock.reprefills += 1
                 self.metrics.preemptions.inc()
                 return
+
+    async def _decode_samples(self, call, worker, role: str = "decode", leg: LegTransfer | None = None):
+        """The first leg's call of a request with n > 1 samples: each event names its sample (0: this run,
+        i: ``forks[i - 1]``). Every sample's messages go out as they come, its last one as soon as it ends
+        here. The call is read until every sample has ended on the worker; one that a stop string ended
+        here is only no longer relayed (the worker decodes it on, to its EOS or max_tokens). A handed-back
+        sample continues on legs of its own once the call has ended (``run``, ``_detach_forks``)."""
+        runs = [self, *self.forks]
+        unfinished = pb.FINISH_REASON_UNSPECIFIED
+        relayed = set()  # samples still relayed to the client
+        for i, run in enumerate(runs):
+            if run.finish_reason == unfinished:
+                relayed.add(i)
+            else:  # sample 0, ended by a stop string in its first token
+                yield run._final()
+        on_worker = set(range(len(runs)))
+        while on_worker:
+            event = await _read(call, role, worker)
+            kind = event.WhichOneof("kind")
+            if kind == "landed" and leg is not None:
+                leg.landed_ms = (time.monotonic() - leg.first_token) * 1e3
+                leg.nbytes = leg.nbytes or event.landed.bytes
+            elif kind == "tokens" and event.tokens.sample in relayed:
+                run = runs[event.tokens.sample]
+                if run.clock.first_token is None:  # a forked sample's first token, sampled on the worker
+                    run._first_token(wpb.FirstToken(token_id=event.tokens.token_ids[0]))
+                skip = max(0, len(run.output) - event.tokens.index)
+                new = list(event.tokens.token_ids)[skip:]
+                if new:  # a fork's first message carries the prompt's log-probabilities, computed by sample 0's
+                    prompt_logprobs = self.prompt_logprobs if run is not self else event.tokens.prompt_logprobs
+                    yield run._relay(new, event.tokens.logprobs[skip:], prompt_logprobs)
+                if run.finish_reason != unfinished:  # a stop string matched
+                    relayed.discard(event.tokens.sample)
+                    yield run._final()
+            elif kind == "finished":
+                on_worker.discard(event.finished.sample)
+                if event.finished.sample in relayed:
+                    relayed.discard(event.finished.sample)
+                    run = runs[event.finished.sample]
+                    run._finish(event.finished.finish_reason, event.finished.stop_reason)
+                    yield run._final()
+            elif kind == "preempted":  # this sample goes on alone: re-prefill prompt + its output
+                sample = event.preempted.sample
+                on_worker.discard(sample)
+                if sample in relayed:
+                    relayed.discard(sample)
+                    runs[sample].output = list(event.preempted.output_token_ids)
+                    runs[sample].clock.reprefills += 1
+                    self.metrics.preemptions.inc()
 
     async def _await_transfer(self, prefill_call, prefill, decode_call, leg: LegTransfer) -> None:
         """After the first token the prefill call reports the KV transfer. If it fails, or the prefill
@@ -359,6 +457,8 @@ class RequestRun:
 
     def _relay_first(self, first: wpb.FirstToken) -> pb.GenerateResponse:
         logprobs = [first.logprobs] if first.HasField("logprobs") else []
+        if not self.output:
+            self.prompt_logprobs = list(first.prompt_logprobs)
         return self._relay([first.token_id], logprobs, first.prompt_logprobs)
 
     def _relay(self, tokens: list[int], logprobs=(), prompt_logprobs=()) -> pb.GenerateResponse:
@@ -374,7 +474,8 @@ class RequestRun:
         if stop is not None:
             self._finish(pb.FINISH_REASON_STOP, stop)
         return pb.GenerateResponse(
-            request_id=self.request_id,
+            request_id=self.public_id,
+            choice=self.choice,
             token_ids=tokens,
             text=text,
             index=index,
@@ -407,8 +508,10 @@ class RequestRun:
             prompt_tokens=len(self.prompt), completion_tokens=len(self.output), cached_tokens=self.cached_tokens or 0
         )
         self.timing = self.clock.timing(self.prefill_worker, self.decode_worker)
+        self.final_sent = True
         return pb.GenerateResponse(
-            request_id=self.request_id,
+            request_id=self.public_id,
+            choice=self.choice,
             text=text,
             index=len(self.output),
             finish_reason=self.finish_reason,

@@ -30,6 +30,7 @@ from splitserve.router.dispatcher import Dispatcher
 from splitserve.router.generate import RequestRun
 from splitserve.router.load import LoadWindow
 from splitserve.router.metrics import RequestSummary, RouterMetrics, log_request
+from splitserve.router.samples import SAMPLE_ID_SEPARATOR, SampleGroup, sample_sampling
 from splitserve.router.workers import WorkerAddress, WorkerPool
 from splitserve.rpc import workers_pb2 as wpb
 from splitserve.rpc import workers_pb2_grpc as wpb_grpc
@@ -168,7 +169,7 @@ class Router(pb_grpc.SplitServeServicer):
             await abort_async(context, e)
 
     @contextlib.contextmanager
-    def admitted(self, request: pb.GenerateRequest) -> Iterator[RequestRun]:
+    def admitted(self, request: pb.GenerateRequest) -> Iterator[RequestRun | SampleGroup]:
         """The request validated, tokenized and in flight (its id taken) until the block ends; raises
         ServingError naming the bad field (and counts the refusal). Every front end admits requests
         this way, then runs them through ``observed``."""
@@ -183,7 +184,9 @@ class Router(pb_grpc.SplitServeServicer):
         finally:
             self.inflight.discard(run.request_id)
 
-    async def observed(self, run: RequestRun, time_remaining=lambda: None) -> AsyncIterator[pb.GenerateResponse]:
+    async def observed(
+        self, run: RequestRun | SampleGroup, time_remaining=lambda: None
+    ) -> AsyncIterator[pb.GenerateResponse]:
         """An admitted request's messages; however it ends, it is counted in the metrics and logged
         (its line carries the timeline). Raises ServingError as ``RequestRun.run`` does.
         ``time_remaining``: the caller's deadline, to tell a deadline from a cancel."""
@@ -219,7 +222,7 @@ class Router(pb_grpc.SplitServeServicer):
     def model_name(self) -> str:
         return self.config.model_name or Path(self.config.model_dir).name
 
-    def _admit(self, request: pb.GenerateRequest) -> RequestRun:
+    def _admit(self, request: pb.GenerateRequest) -> RequestRun | SampleGroup:
         """Validate and tokenize; raises ServingError naming the bad field."""
         cfg = self.config
         has_prompt, has_ids = request.HasField("prompt"), len(request.token_ids) > 0
@@ -260,6 +263,9 @@ class Router(pb_grpc.SplitServeServicer):
                 f"sampling.max_tokens: prompt ({len(tokens)} tokens) + max_tokens "
                 f"({sampling.max_tokens}) exceeds the context length {max_len}",
             )
+        n = request.n if request.HasField("n") else 1
+        if not 1 <= n <= cfg.max_n:
+            raise ServingError("INVALID_ARGUMENT", f"n: must be 1 to {cfg.max_n} (the router's max_n), got {n}")
         if request.HasField("request_id"):
             request_id = request.request_id
             if not 0 < len(request_id) <= cfg.max_request_id_chars or not request_id.isprintable():
@@ -271,7 +277,21 @@ class Router(pb_grpc.SplitServeServicer):
         if request_id in self.inflight:
             raise ServingError("ALREADY_EXISTS", f"request_id: {request_id!r} is already in flight")
         self.inflight.add(request_id)
-        return RequestRun(request_id, tokens, sampling, self.tokenizer, self.dispatcher, cfg, self.metrics)
+        if n == 1:
+            return RequestRun(request_id, tokens, sampling, self.tokenizer, self.dispatcher, cfg, self.metrics)
+        runs = [
+            RequestRun(
+                request_id if i == 0 else f"{request_id}{SAMPLE_ID_SEPARATOR}{i}",
+                tokens,
+                sample_sampling(sampling, i),
+                self.tokenizer,
+                self.dispatcher,
+                cfg,
+                self.metrics,
+            )
+            for i in range(n)
+        ]
+        return SampleGroup(runs)
 
     async def GetStatus(self, request, context):  # noqa: N802
         workers = []

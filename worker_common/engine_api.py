@@ -156,6 +156,17 @@ class TensorParallel(Protocol):
 
 
 @runtime_checkable
+class Forks(Protocol):
+    """An engine that can run ``n`` > 1 samples of one prompt on one prefill (an optional part: a worker
+    whose engine lacks it refuses ``n`` > 1)."""
+
+    def fork(self, parent_id: str, child: Request) -> None:
+        """Join ``child`` (the parent's prompt, no output, its own seed) to the batch, sharing the parent's
+        computed full prompt blocks; it computes the rest of the prompt itself (``Scheduler.fork``)."""
+        ...
+
+
+@runtime_checkable
 class Engine(TensorParallel, Protocol):
     """The one interface the workers drive an engine through (with its ``TensorParallel`` part)."""
 

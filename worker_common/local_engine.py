@@ -100,6 +100,10 @@ class LocalEngine:
         with self.lock:
             self.scheduler.add_running(request)
 
+    def fork(self, parent_id: str, child: Request) -> None:
+        with self.lock:
+            self.scheduler.fork(parent_id, child)
+
     def finish(self, request_id: str, reason: FinishReason) -> None:
         with self.lock:
             self.scheduler.finish(request_id, reason)

@@ -203,6 +203,21 @@ class BlockManager:
             table.append(block)
         return True
 
+    def fork(self, parent_id: str, child_id: str, num_blocks: int) -> None:
+        """Give ``child_id`` a new table holding the parent's first ``num_blocks`` blocks (ref += 1 each):
+        the full blocks of a prompt that several samples share. The caller shares only full blocks that
+        no one writes again (the child computes the rest itself), so no block is ever copied."""
+        if child_id in self._tables:
+            raise ValueError(f"request {child_id!r} already has blocks")
+        table = self._tables[parent_id]
+        if not 0 <= num_blocks <= len(table):
+            raise ValueError(f"num_blocks: the parent holds {len(table)} blocks, asked for {num_blocks}")
+        shared = table[:num_blocks]
+        for block in shared:
+            self._ref[block] += 1
+        self._tables[child_id] = list(shared)
+        self._chains[child_id] = self._chains[parent_id][:num_blocks]
+
     def free(self, request_id: str) -> None:
         """Release every block of the request (a no-op for an unknown id, so callers may free twice)."""
         table = self._tables.pop(request_id, None)

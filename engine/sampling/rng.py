@@ -25,6 +25,12 @@ def keyed_uniform(seed: int, position: int) -> float:
     return (x >> 11) * (1.0 / (1 << 53))
 
 
+def sample_seed(seed: int, sample: int) -> int:
+    """The seed of sample ``sample`` of a request with ``n`` > 1 samples: ``seed + sample`` modulo 2**64, so
+    sample 0 is the request's own stream and each sample equals a single request with its seed."""
+    return (seed + sample) & _MASK64
+
+
 def random_seed() -> int:
     """A fresh seed for a request that did not ask for one."""
     return secrets.randbits(63)

@@ -162,6 +162,21 @@ class Scheduler:
         self.requests[request.request_id] = request
         self.running.append(request)
 
+    def fork(self, parent_id: str, child: Request) -> None:
+        """Admit ``child``, another sample of the parent's prompt (``n`` > 1), sharing the parent's computed
+        full prompt blocks by reference count; the child computes the rest of the prompt (less than a block,
+        or one token) and samples its own first token. The parent's prompt must be computed (its KV landed,
+        or its prefill ran); the shared blocks hold prompt tokens only, which nothing writes again."""
+        parent = self.requests[parent_id]
+        if child.prompt_token_ids != parent.prompt_token_ids or child.num_output_tokens:
+            raise ValueError(f"request {child.request_id!r}: a fork has its parent's prompt and no output")
+        # Never the block holding the prompt's last token: its logits are the child's to compute.
+        computed = min(parent.num_computed_tokens, parent.num_prompt_tokens - 1)
+        num_blocks = computed // self.blocks.block_size
+        self.blocks.fork(parent_id, child.request_id, num_blocks)
+        child.num_cached_tokens = num_blocks * self.blocks.block_size
+        self.add_running(child, child.num_cached_tokens)
+
     def update(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
         """Apply one step's results; returns the requests that got a new token (finished ones too)."""
         advanced = []

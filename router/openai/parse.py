@@ -39,8 +39,6 @@ _BOUNDS = {"int32": (-(2**31), 2**31), "uint32": (0, 2**32), "uint64": (0, 2**64
 
 # Parameters refused unless they ask for nothing (the values listed, or null): why.
 REFUSED = {
-    "n": ((1,), "only 1 choice per prompt is supported; send the request again (with another seed) for more"),
-    "best_of": ((1,), "only 1 is supported"),
     "suffix": (("",), "suffixes (insertion) are not supported"),
     "logit_bias": (({},), "logit bias is not supported"),
     "tools": (([],), "tool calling is not supported"),
@@ -72,6 +70,7 @@ class Job:
     requests: list[pb.GenerateRequest]
     stream: bool = False
     include_usage: bool = False
+    n: int = 1  # choices per prompt: choice index = prompt index * n + sample
     # The router's field names -> this request's parameter names, to point errors at what was sent.
     params: dict[str, str] = field(default_factory=dict)
     # Log-probabilities asked for: the top entries per position (completions' logprobs, chat's
@@ -108,9 +107,10 @@ def parse_completion(body: object, model: ServedModel, request_id: str) -> Job:
         sampling.logprobs = logprobs
         if echo:
             sampling.prompt_logprobs = logprobs
+    n = _samples(body)
     requests, echoed = [], []
     for i, prompt in enumerate(prompts):
-        message = pb.GenerateRequest(sampling=sampling, request_id=_nth(request_id, i, len(prompts)))
+        message = pb.GenerateRequest(sampling=sampling, request_id=_nth(request_id, i, len(prompts)), n=n)
         if isinstance(prompt, str) and not echo:
             message.prompt = prompt
         elif isinstance(prompt, str):  # echo: the ids are needed to name each prompt token
@@ -128,7 +128,8 @@ def parse_completion(body: object, model: ServedModel, request_id: str) -> Job:
         "completion",
         requests,
         *_streaming(body),
-        params,
+        n=n or 1,
+        params=params,
         logprobs=logprobs,
         echo=echoed if echo else None,
         echo_only=echo_only,
@@ -167,7 +168,8 @@ def parse_chat(body: object, model: ServedModel, request_id: str) -> Job:
         sampling.logprobs = logprobs
     if not sampling.HasField("max_tokens"):  # as vLLM: the rest of the context
         sampling.max_tokens = model.max_model_len - len(token_ids)
-    request = pb.GenerateRequest(token_ids=token_ids, sampling=sampling, request_id=request_id)
+    n = _samples(body)
+    request = pb.GenerateRequest(token_ids=token_ids, sampling=sampling, request_id=request_id, n=n)
     params = {
         "token_ids": "messages",
         "prompt, token_ids": "messages",
@@ -175,7 +177,7 @@ def parse_chat(body: object, model: ServedModel, request_id: str) -> Job:
         "request_id": "X-Request-Id",
         "sampling.logprobs": "top_logprobs",
     }
-    return Job("chat", [request], *_streaming(body), params, logprobs=logprobs)
+    return Job("chat", [request], *_streaming(body), n=n or 1, params=params, logprobs=logprobs)
 
 
 def _logprobs_count(body: dict, name: str) -> int | None:
@@ -229,6 +231,27 @@ def _common(body: object, model: ServedModel) -> dict:
         if value is not None and not any(value == x and type(value) is type(x) for x in nothing):
             raise unsupported(param, why)
     return body
+
+
+def _samples(body: dict) -> int | None:
+    """``n`` (choices per prompt; its range is the router's: 1 to ``router.max_n``) and ``best_of``, which
+    vLLM no longer takes: accepted only when it asks for nothing more than ``n``."""
+    n = body.get("n")
+    if n is not None and (isinstance(n, bool) or not isinstance(n, int)):
+        raise invalid("n", f"must be an integer, got {n!r}", "invalid_type")
+    if n is not None and not 1 <= n < 2**32:  # the router bounds it further (router.max_n)
+        raise invalid("n", f"must be >= 1, got {n}" if n < 1 else f"must be < {2**32}, got {n}")
+    best_of = body.get("best_of")
+    if best_of is not None:
+        if isinstance(best_of, bool) or not isinstance(best_of, int):
+            raise invalid("best_of", f"must be an integer, got {best_of!r}", "invalid_type")
+        if best_of != (1 if n is None else n):
+            raise unsupported(
+                "best_of",
+                "only best_of = n is supported (as vLLM, which dropped best_of): ask for n choices "
+                "and rank them yourself",
+            )
+    return n
 
 
 def _streaming(body: dict) -> tuple[bool, bool]:

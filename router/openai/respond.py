@@ -26,13 +26,14 @@ from splitserve.v1 import splitserve_pb2 as pb
 
 
 def usage(finals: list[pb.GenerateResponse]) -> dict:
-    prompt = sum(f.usage.prompt_tokens for f in finals)
+    """A prompt's tokens count once (its sample 0's final), every sample's output tokens count."""
+    prompt = sum(f.usage.prompt_tokens for f in finals if f.choice == 0)
     completion = sum(f.usage.completion_tokens for f in finals)
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": sum(f.usage.cached_tokens for f in finals)},
+        "prompt_tokens_details": {"cached_tokens": sum(f.usage.cached_tokens for f in finals if f.choice == 0)},
     }
 
 
@@ -61,7 +62,7 @@ class Responder:
         self.chat = job.kind == "chat"
         self.id = f"{'chatcmpl' if self.chat else 'cmpl'}-{request_id}"
         self.created = int(time.time())
-        self.choices = [_Choice() for _ in job.requests]
+        self.choices = [_Choice() for _ in range(len(job.requests) * job.n)]  # index: prompt * n + sample
         self._names: dict[int, str] = {}
 
     # ---- log-probabilities ----------------------------------------------------------------------
@@ -79,7 +80,7 @@ class Responder:
         prefix = ""
         if job.echo is not None and not choice.echoed:
             choice.echoed = True
-            prefix, prompt_ids = job.echo[index]
+            prefix, prompt_ids = job.echo[index // job.n]
             if job.logprobs is not None:
                 choice.pending.append((prompt_ids[0], None))
                 choice.pending.extend(zip(prompt_ids[1:], message.prompt_logprobs))
@@ -146,7 +147,7 @@ class Responder:
         }
 
     def _stop_reason(self, index: int, stop_reason: str) -> str | int | None:
-        if not stop_reason or stop_reason in self.job.requests[index].sampling.stop:
+        if not stop_reason or stop_reason in self.job.requests[index // self.job.n].sampling.stop:
             return stop_reason or None
         return int(stop_reason) if stop_reason.isdigit() else stop_reason
 

@@ -178,8 +178,9 @@ class OpenAIServer:
                 async with contextlib.aclosing(_merged([self.router.observed(run) for run in runs])) as messages:
                     if job.stream:
                         return await self._stream(request, job, responder, messages, request_id)
-                    texts, finals = [[] for _ in runs], [None] * len(runs)
-                    async for index, message in messages:
+                    texts, finals = [[] for _ in range(len(runs) * job.n)], [None] * (len(runs) * job.n)
+                    async for prompt, message in messages:
+                        index = prompt * job.n + message.choice
                         texts[index].append(responder.gather(index, message))
                         if message.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
                             finals[index] = message
@@ -206,10 +207,11 @@ class OpenAIServer:
         finals: list[pb.GenerateResponse] = []
         try:
             if job.kind == "chat":
-                for index in range(len(job.requests)):
+                for index in range(len(job.requests) * job.n):
                     await send(responder.role_chunk(index))
             while item is not None:
-                index, message = item
+                prompt, message = item
+                index = prompt * job.n + message.choice
                 if message.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
                     finals.append(message)
                 chunk = responder.chunk(index, message)

@@ -123,18 +123,20 @@ class RankEvent(_message.Message):
     def __init__(self, transfer_id: _Optional[str] = ..., state: _Optional[str] = ..., error: _Optional[str] = ..., bytes: _Optional[int] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "output_token_ids", "sampling", "destination")
+    __slots__ = ("request_id", "prompt_token_ids", "output_token_ids", "sampling", "destination", "n")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     DESTINATION_FIELD_NUMBER: _ClassVar[int]
+    N_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     output_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _splitserve_pb2.SamplingParams
     destination: KVDestination
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_splitserve_pb2.SamplingParams, _Mapping]] = ..., destination: _Optional[_Union[KVDestination, _Mapping]] = ...) -> None: ...
+    n: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_splitserve_pb2.SamplingParams, _Mapping]] = ..., destination: _Optional[_Union[KVDestination, _Mapping]] = ..., n: _Optional[int] = ...) -> None: ...
 
 class PrefillEvent(_message.Message):
     __slots__ = ("first_token", "transfer", "tokens", "finished", "preempted")
@@ -183,18 +185,20 @@ class TransferResult(_message.Message):
     def __init__(self, ok: _Optional[bool] = ..., error: _Optional[str] = ..., transfer_ms: _Optional[float] = ..., bytes: _Optional[int] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "output_token_ids", "sampling", "prefill_locally")
+    __slots__ = ("request_id", "prompt_token_ids", "output_token_ids", "sampling", "prefill_locally", "n")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     PREFILL_LOCALLY_FIELD_NUMBER: _ClassVar[int]
+    N_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     output_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _splitserve_pb2.SamplingParams
     prefill_locally: bool
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_splitserve_pb2.SamplingParams, _Mapping]] = ..., prefill_locally: _Optional[bool] = ...) -> None: ...
+    n: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_splitserve_pb2.SamplingParams, _Mapping]] = ..., prefill_locally: _Optional[bool] = ..., n: _Optional[int] = ...) -> None: ...
 
 class DecodeEvent(_message.Message):
     __slots__ = ("lease", "refused", "landed", "tokens", "finished", "preempted")
@@ -237,30 +241,36 @@ class KVLanded(_message.Message):
     def __init__(self, wait_ms: _Optional[float] = ..., bytes: _Optional[int] = ...) -> None: ...
 
 class Tokens(_message.Message):
-    __slots__ = ("token_ids", "index", "logprobs", "prompt_logprobs")
+    __slots__ = ("token_ids", "index", "logprobs", "prompt_logprobs", "sample")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     index: int
     logprobs: _containers.RepeatedCompositeFieldContainer[_splitserve_pb2.TokenLogprobs]
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_splitserve_pb2.TokenLogprobs]
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., index: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[_splitserve_pb2.TokenLogprobs, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_splitserve_pb2.TokenLogprobs, _Mapping]]] = ...) -> None: ...
+    sample: int
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., index: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[_splitserve_pb2.TokenLogprobs, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_splitserve_pb2.TokenLogprobs, _Mapping]]] = ..., sample: _Optional[int] = ...) -> None: ...
 
 class Finished(_message.Message):
-    __slots__ = ("finish_reason", "stop_reason")
+    __slots__ = ("finish_reason", "stop_reason", "sample")
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     STOP_REASON_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_FIELD_NUMBER: _ClassVar[int]
     finish_reason: _splitserve_pb2.FinishReason
     stop_reason: str
-    def __init__(self, finish_reason: _Optional[_Union[_splitserve_pb2.FinishReason, str]] = ..., stop_reason: _Optional[str] = ...) -> None: ...
+    sample: int
+    def __init__(self, finish_reason: _Optional[_Union[_splitserve_pb2.FinishReason, str]] = ..., stop_reason: _Optional[str] = ..., sample: _Optional[int] = ...) -> None: ...
 
 class Preempted(_message.Message):
-    __slots__ = ("output_token_ids",)
+    __slots__ = ("output_token_ids", "sample")
     OUTPUT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_FIELD_NUMBER: _ClassVar[int]
     output_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, output_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    sample: int
+    def __init__(self, output_token_ids: _Optional[_Iterable[int]] = ..., sample: _Optional[int] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
     __slots__ = ()

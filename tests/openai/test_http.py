@@ -100,7 +100,6 @@ def test_malformed_requests_get_openai_errors(plain):
 @pytest.mark.parametrize(
     ("param", "value"),
     [
-        ("n", 3),
         ("best_of", 2),
         ("suffix", "end"),
         ("logit_bias", {"7": 1.0}),
@@ -148,6 +147,11 @@ def test_chat_parameters_that_cannot_be_honoured_are_refused_by_name(plain, para
         ({"prompt": "Hi", "stop": [1, 2]}, "stop", "invalid_type"),
         ({"prompt": "Hi", "stop": ["s"] * 17}, "stop", "invalid_value"),
         ({"prompt": "Hi", "ignore_eos": "yes"}, "ignore_eos", "invalid_type"),
+        ({"prompt": "Hi", "n": "2"}, "n", "invalid_type"),
+        ({"prompt": "Hi", "n": 2.0}, "n", "invalid_type"),
+        ({"prompt": "Hi", "n": 0}, "n", "invalid_value"),
+        ({"prompt": "Hi", "n": 17}, "n", "invalid_value"),  # over the router's max_n
+        ({"prompt": "Hi", "n": 2, "best_of": "3"}, "best_of", "invalid_type"),
         ({"prompt": "Hi", "stream_options": {"include_usage": True}}, "stream_options", "invalid_value"),
         ({"prompt": ""}, "prompt", "invalid_value"),
         ({"prompt": [1, -2]}, "prompt", "invalid_type"),

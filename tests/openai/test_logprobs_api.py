@@ -211,3 +211,26 @@ def test_requests_without_logprobs_are_unchanged(served):
     assert response["choices"][0]["logprobs"] is None
     chunks = stream(served, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 3, "temperature": 0})
     assert all(c["choices"][0]["logprobs"] is None for c in chunks if c["choices"])
+
+
+def test_each_of_n_choices_carries_its_own_logprobs(served):
+    """n: 2 with echo: every choice echoes the prompt with its log-probabilities (scored once) and carries
+    its own tokens', each as the single request with seed + i; streamed alike, and chat's per choice."""
+    body = {"prompt": PROMPT, "max_tokens": 4, "temperature": 1.0, "seed": 5, "logprobs": 2, "echo": True}
+    whole = post(served, "/v1/completions", {**body, "n": 2})
+    assert [c["index"] for c in whole["choices"]] == [0, 1]
+    singles = [post(served, "/v1/completions", {**body, "seed": 5 + i})["choices"][0] for i in range(2)]
+    chunks = stream(served, "/v1/completions", {**body, "n": 2})
+    for i, single in enumerate(singles):
+        choice = whole["choices"][i]
+        assert choice["text"] == single["text"]
+        assert_same(choice["logprobs"], single["logprobs"])
+        assert len(choice["logprobs"]["tokens"]) == len(PROMPT) + 4
+        assert_same(joined([c for c in chunks if c["choices"] and c["choices"][0]["index"] == i]), single["logprobs"])
+    chat = {"messages": CHAT, "max_tokens": 3, "temperature": 1.0, "seed": 9, "logprobs": True, "top_logprobs": 1}
+    choices = post(served, "/v1/chat/completions", {**chat, "n": 2})["choices"]
+    for i in range(2):
+        single = post(served, "/v1/chat/completions", {**chat, "seed": 9 + i})["choices"][0]["logprobs"]["content"]
+        content = choices[i]["logprobs"]["content"]
+        assert [e["token"] for e in content] == [e["token"] for e in single] and len(content) == 3
+        assert [e["logprob"] for e in content] == pytest.approx([e["logprob"] for e in single], abs=TOL)

@@ -122,6 +122,54 @@ def test_a_batch_of_prompts_gets_one_choice_each(served, reference):
     assert (response.usage.prompt_tokens, response.usage.completion_tokens) == (7, 16)
 
 
+def test_n_choices_per_prompt_index_and_usage(served, reference):
+    """n choices per prompt, indexed prompt * n + sample (as OpenAI and vLLM); the prompt counted once."""
+    prompts = [[1, 2, 3, 4], [900, 800, 700]]
+    client = make_client(served)
+    response = client.completions.create(
+        model=served.router.model_name, prompt=prompts, n=2, max_tokens=8, extra_body={"ignore_eos": True}, **GREEDY
+    )
+    expected = [offline(reference, p, max_tokens=8, ignore_eos=True).text for p in prompts]
+    assert [c.index for c in response.choices] == [0, 1, 2, 3]
+    assert [c.text for c in response.choices] == [expected[0], expected[0], expected[1], expected[1]]
+    assert (response.usage.prompt_tokens, response.usage.completion_tokens) == (7, 32)
+    sampled = client.completions.create(
+        model=served.router.model_name, prompt=prompts[0], n=3, seed=5, max_tokens=8, extra_body={"ignore_eos": True}
+    )
+    singles = [
+        client.completions.create(
+            model=served.router.model_name, prompt=prompts[0], seed=5 + i, max_tokens=8, extra_body={"ignore_eos": True}
+        )
+        .choices[0]
+        .text
+        for i in range(3)
+    ]
+    assert [c.text for c in sampled.choices] == singles and len(set(singles)) == 3
+    chunks = list(
+        client.chat.completions.create(
+            model=served.router.model_name,
+            messages=CHAT,
+            n=2,
+            max_tokens=6,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+            **GREEDY,
+        )
+    )
+    texts = ["", ""]
+    for chunk in chunks[:-1]:
+        (choice,) = chunk.choices
+        texts[choice.index] += choice.delta.content or ""
+    assert texts[0] == texts[1] and texts[0]
+    assert chunks[-1].usage.completion_tokens == 12
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=served.router.model_name, prompt="Hi", n=2, best_of=3)
+    assert (e.value.param, e.value.code) == ("best_of", "unsupported_parameter")
+    assert len(client.completions.create(model=served.router.model_name, prompt="Hi", n=2, best_of=2).choices) == 2
+    assert_idle(served)
+
+
 def test_chat_completion_renders_the_checkpoint_template(served, serving_model, reference):
     hf = transformers.AutoTokenizer.from_pretrained(serving_model)
     prompt_ids = hf.apply_chat_template(CHAT, add_generation_prompt=True, return_dict=False)
@@ -193,8 +241,9 @@ def test_errors_in_openai_shape(served):
         client.chat.completions.create(model="gpt-4o", messages=CHAT)
     assert (e.value.param, e.value.code) == ("model", "model_not_found")
     with pytest.raises(openai.BadRequestError) as e:
-        client.completions.create(model=name, prompt="Hi", n=2)
-    assert (e.value.param, e.value.code) == ("n", "unsupported_parameter")
+        client.completions.create(model=name, prompt="Hi", n=17)
+    assert (e.value.param, e.value.code) == ("n", "invalid_value")
+    assert e.value.body["message"].startswith("n: must be 1 to 16")
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=name, prompt=[[]])
     assert e.value.param == "prompt"

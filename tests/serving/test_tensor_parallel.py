@@ -22,9 +22,11 @@ import os
 import signal
 import time
 
+import grpc
 import pytest
 
-from splitserve.client.grpc_client import Client
+from splitserve.client.grpc_client import Client, make_request
+from splitserve.v1 import splitserve_pb2_grpc as pb_grpc
 from tests.engine.parity import assert_matches, hf_greedy, make_prompts
 from tests.serving.conftest import start_deployment, wait_for
 from tests.serving.test_serving import run_concurrently
@@ -158,6 +160,25 @@ def test_prefill_tp1_to_decode_tp2_equals_the_offline_engine(p1_d2, references):
     assert_at_rest(p1_d2)
 
 
+def assert_samples_equal_single_requests(deployment) -> None:
+    """n = 3 seeded samples of one prompt (forked on rank 0, computed on every rank) equal single requests
+    with seed + i."""
+    sampling = dict(max_tokens=NEW_TOKENS, temperature=1.0, seed=21, ignore_eos=True)
+    message = make_request(token_ids=PROMPTS[1], **sampling)
+    message.n = 3
+    with grpc.insecure_channel(deployment.address) as channel:
+        messages = list(pb_grpc.SplitServeStub(channel).Generate(message, timeout=60))
+    samples = [[t for m in messages if m.choice == i for t in m.token_ids] for i in range(3)]
+    with Client(deployment.address) as client:
+        singles = [client.generate(token_ids=PROMPTS[1], **{**sampling, "seed": 21 + i}).token_ids for i in range(3)]
+    assert samples == singles and len({tuple(s) for s in samples}) == 3
+
+
+def test_samples_fork_on_a_tp2_decode_worker(p1_d2):
+    assert_samples_equal_single_requests(p1_d2)
+    assert_at_rest(p1_d2)
+
+
 # ---- prefill TP 2 -> decode TP 2, one KV head replicated on every rank ---------------------------
 
 
@@ -246,4 +267,9 @@ def colocated_tp2(ray_session, serving_model, llama_p2_d2):
 def test_colocated_tp2_equals_the_offline_engine(colocated_tp2, references):
     assert sizes(colocated_tp2) == {"colocated-0": 2}
     assert_equals_offline(serve_all(colocated_tp2), references["tiny"], "colocated TP 2")
+    assert_at_rest(colocated_tp2)
+
+
+def test_samples_fork_on_a_colocated_tp2_worker(colocated_tp2):
+    assert_samples_equal_single_requests(colocated_tp2)
     assert_at_rest(colocated_tp2)

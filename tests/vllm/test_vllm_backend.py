@@ -7,7 +7,7 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from splitserve.client.grpc_client import Client
+from splitserve.client.grpc_client import Client, make_request
 from splitserve.v1 import splitserve_pb2 as pb
 from tests.conftest import EOS_PROMPT
 from tests.serving.conftest import start_deployment, wait_for
@@ -93,6 +93,11 @@ def test_bad_input_is_refused_by_the_router_and_others_go_on(deployment):
         with pytest.raises(grpc.RpcError) as err:
             client.generate(token_ids=[1, 2, 3], max_tokens=4, temperature=-1.0)
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "temperature" in err.value.details()
+        samples = make_request(token_ids=[1, 2, 3], max_tokens=4)
+        samples.n = 2
+        with pytest.raises(grpc.RpcError) as err:  # this backend cannot fork samples of one prefill
+            list(client.stub.Generate(samples, timeout=60))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "n:" in err.value.details()
         rest = [t for m in stream for t in m.token_ids]
         assert len(first.token_ids) + len(rest) == 40
     assert_no_blocks_in_use(deployment)

@@ -154,6 +154,11 @@ def test_bad_input_is_refused_before_any_engine(pd):
             with pytest.raises(grpc.RpcError) as err:
                 client.generate(**fields)
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and name in err.value.details()
+        samples = make_request(token_ids=[1, 2, 3], max_tokens=4)
+        samples.n = 2  # a vLLM decode worker cannot fork samples: its lease refuses them
+        with pytest.raises(grpc.RpcError) as err:
+            list(client.stub.Generate(samples, timeout=60))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "n:" in err.value.details()
         assert len(client.generate(token_ids=PROMPTS[2], max_tokens=5, temperature=0.0).token_ids) == 5
     assert worker_status(pd, "prefill").running == 0
     assert_everything_freed(pd)

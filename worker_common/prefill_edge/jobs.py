@@ -17,6 +17,7 @@ from splitserve.rpc import workers_pb2 as wpb
 from splitserve.worker_common.base import WorkerBase
 from splitserve.worker_common.engine_api import Engine, Request, ScheduledStep
 from splitserve.worker_common.messages import Emit, End, Event, Fail, make_event_queue
+from splitserve.worker_common.samples import check_samples
 
 # A worker refuses a request only past this many times max_inflight held: the router keeps to max_inflight,
 # but a call it has ended (a cancel) leaves here a moment later, and the router may already have sent the
@@ -38,6 +39,8 @@ class PrefillJob:
     first_token_at: float | None = None
     transfer: SendHandle | None = None
     done: bool = False  # past its first token (prefill: blocks freed or owned by the transfer callback)
+    n: int = 1  # samples of the prompt (a colocated worker forks samples 1 to n - 1 after the first token)
+    samples: dict[str, tuple[int, Request]] = field(default_factory=dict)  # engine id -> (sample, request)
 
     def first_token(self, request: Request) -> wpb.FirstToken:
         """The request sampled its first token: mark the job done and describe the token, with its timing."""
@@ -75,7 +78,13 @@ def job_from_pb(worker: WorkerBase, message: wpb.PrefillRequest) -> PrefillJob:
         if bad is not None:
             field = f"destination.ranks[{bad}]" if d.ranks else "destination"
             raise ServingError("INVALID_ARGUMENT", f"{field}: receiver_id and control_address must be set")
-    return PrefillJob(Request.resume(message.request_id, prompt, output, sampling, sampling.seed), destination)
+    n = max(1, message.n)
+    if n > 1 and output:
+        raise ServingError("INVALID_ARGUMENT", "n: a re-prefilled request (output_token_ids set) is one sample")
+    if (why := check_samples(worker.engine, n)) is not None:
+        raise ServingError("INVALID_ARGUMENT", why)
+    request = Request.resume(message.request_id, prompt, output, sampling, sampling.seed)
+    return PrefillJob(request, destination, n=n, samples={request.request_id: (0, request)})
 
 
 def check_room(worker: WorkerBase, held: int) -> None:
@@ -90,8 +99,8 @@ def mark_scheduled(jobs: dict[str, PrefillJob], step: ScheduledStep) -> None:
     """Note when each scheduled job first got compute (its queue time ends there)."""
     now = time.monotonic()
     for request in step.requests:
-        job = jobs[request.request_id]
-        if job.first_scheduled is None:
+        job = jobs.get(request.request_id)  # None: a forked sample (it is timed by its request's job)
+        if job is not None and job.first_scheduled is None:
             job.first_scheduled = now
 
 
