@@ -197,7 +197,8 @@ def test_status_table_and_json(served, capsys):
         "ADDRESS",
         "METRICS",
     ]
-    rows = {line.split()[0]: line.split() for line in table[2:]}
+    rows = {line.split()[0]: line.split() for line in table[2:4]}  # the two worker rows; kernel lines follow
+    assert {line.split(" linear kernels: ")[0] for line in table[4:]} <= set(rows)  # one per worker that reports
     assert set(rows) == {"prefill-0", "decode-0"}
     assert cli.main(["status", "--addr", served.address, "--json"]) == 0
     status = json.loads(capsys.readouterr().out)

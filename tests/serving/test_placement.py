@@ -112,7 +112,8 @@ def test_prefill_and_decode_on_cores_of_their_own(ray_session, serving_model):
         }
         table = format_status(status, deployment.address).splitlines()
         cpus_column = table[1].index("CPUS")
-        assert sorted(line[cpus_column:].split()[0] for line in table[2:]) == sorted([str(a), str(b)])
+        rows = table[2 : 2 + len(status.workers)]  # the worker rows; each worker's linear kernels follow
+        assert sorted(line[cpus_column:].split()[0] for line in rows) == sorted([str(a), str(b)])
     finally:
         deployment.stop()
 
