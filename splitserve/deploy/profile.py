@@ -91,6 +91,22 @@ class ModelShape:
     vocab_size: int
     max_position_embeddings: int = 4096
 
+    @classmethod
+    def of(cls, model, name: str) -> ModelShape:
+        """The shape of a loaded model's config (``splitserve.engine.model.config.ModelConfig``)."""
+        return cls(
+            name=name,
+            architecture=model.architecture,
+            num_layers=model.num_layers,
+            hidden_size=model.hidden_size,
+            num_heads=model.num_heads,
+            num_kv_heads=model.num_kv_heads,
+            head_dim=model.head_dim,
+            intermediate_size=model.intermediate_size,
+            vocab_size=model.vocab_size,
+            max_position_embeddings=model.max_position_embeddings,
+        )
+
     @property
     def kv_elements_per_token(self) -> int:
         """K and V of every layer's KV heads: elements one token adds to the cache (whole model)."""

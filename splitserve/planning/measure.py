@@ -223,19 +223,7 @@ class Measurer:
         return samples
 
     def model_shape(self, name: str) -> ModelShape:
-        m = self.core.model_config
-        return ModelShape(
-            name=name,
-            architecture=m.architecture,
-            num_layers=m.num_layers,
-            hidden_size=m.hidden_size,
-            num_heads=m.num_heads,
-            num_kv_heads=m.num_kv_heads,
-            head_dim=m.head_dim,
-            intermediate_size=m.intermediate_size,
-            vocab_size=m.vocab_size,
-            max_position_embeddings=m.max_position_embeddings,
-        )
+        return ModelShape.of(self.core.model_config, name)
 
 
 # ---- the KV transfer, between two processes ---------------------------------------------------------

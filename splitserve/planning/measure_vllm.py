@@ -183,19 +183,7 @@ class VllmMeasurer:
         return samples
 
     def model_shape(self, name: str) -> ModelShape:
-        m = self.model_config
-        return ModelShape(
-            name=name,
-            architecture=m.architecture,
-            num_layers=m.num_layers,
-            hidden_size=m.hidden_size,
-            num_heads=m.num_heads,
-            num_kv_heads=m.num_kv_heads,
-            head_dim=m.head_dim,
-            intermediate_size=m.intermediate_size,
-            vocab_size=m.vocab_size,
-            max_position_embeddings=m.max_position_embeddings,
-        )
+        return ModelShape.of(self.model_config, name)
 
     def close(self) -> None:
         self.engine.close()

@@ -17,7 +17,15 @@ from splitserve.client.grpc_client import Client, make_request
 from tests.harness.drill import DRILLS, reference_outputs, run_drill
 from tests.serving.conftest import start_deployment, wait_for
 from tests.serving.streams import stream_all
-from tests.serving.test_cancel import cancel_after, drain_until_cancelled, tokens_in, worker_status
+from tests.serving.test_cancel import (
+    assert_everything_freed,
+    blocks_in_use,
+    cancel_after,
+    drain_until_cancelled,
+    tokens_in,
+    worker_status,
+)
+from tests.serving.test_faults import assert_drill
 from tests.threads import Background
 from tests.vllm.conftest import GREEDY, PROMPTS
 
@@ -50,17 +58,9 @@ def pd(ray_session, serving_model):
     deployment.stop()
 
 
-def blocks_in_use(deployment) -> list[int]:
-    return [w.kv_blocks_in_use for w in Client(deployment.address).status().workers]
-
-
 @pytest.fixture(autouse=True)
 def idle(pd):
     wait_for(lambda: not pd.router.inflight and blocks_in_use(pd) == [0, 0], timeout_s=15)
-
-
-def assert_everything_freed(deployment) -> None:
-    wait_for(lambda: blocks_in_use(deployment) == [0, 0], timeout_s=10)
 
 
 def test_greedy_1p1d_equals_vllm_offline_and_transformers(pd, vllm_offline, transformers_greedy):
@@ -171,15 +171,4 @@ def drill_reference(serving_model):
 
 @pytest.mark.parametrize("drill", list(DRILLS))
 def test_a_vllm_worker_killed_at_its_fault_point(ray_session, serving_model, drill_reference, drill):
-    result = run_drill(serving_model, drill, backend="vllm")
-    for stream, want in zip(result["streams"], drill_reference):
-        assert stream["tokens"] == want, "a retried or migrated request must finish exactly"
-        assert stream["finish"] == 2  # FINISH_REASON_LENGTH
-    assert result["longest_pause_s"] < MAX_PAUSE_S, result["longest_pause_s"]
-    if DRILLS[drill][1]["target"].startswith("decode"):
-        assert result["moved"] >= 1, "some request must have moved"
-    assert result["incarnation_changed"]
-    assert 0 < result["killed_after_s"] < result["streams_s"], (result["killed_after_s"], result["streams_s"])
-    assert 0 < result["worker_back_within_s"] < MAX_BACK_S, result["worker_back_within_s"]
-    assert result["blocks_zero_after_s"] < 15
-    assert [s["tokens"] for s in result["again"]] == drill_reference
+    assert_drill(run_drill(serving_model, drill, backend="vllm"), drill, drill_reference, MAX_PAUSE_S, MAX_BACK_S)
