@@ -245,7 +245,9 @@ class VllmEngine:
             "max_num_seqs": config.max_num_seqs,
             "max_num_batched_tokens": config.max_num_batched_tokens,
             "enable_prefix_caching": config.enable_prefix_caching,
-            "max_model_len": config.max_model_len,
+            # Unset: the model's, or as long as the KV cache holds one request of (vLLM's auto-fit, -1), where
+            # vLLM would otherwise refuse to start; this engine's own cache has no such floor.
+            "max_model_len": config.max_model_len if config.max_model_len is not None else -1,
             "tensor_parallel_size": 1,
             "distributed_executor_backend": "uni",
             "disable_log_stats": True,
