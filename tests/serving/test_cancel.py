@@ -21,6 +21,17 @@ from tests.serving.conftest import start_deployment, wait_for
 from tests.threads import Background
 
 HOLD_S = 3.0  # the pause of a ``hold-`` request's transfer
+# The slowing above, as deployment settings (the vllm backend's cancel tests slow theirs the same way).
+SLOWED = {
+    "transfer": {"whole_request_bytes": 0, "layer_group_size": 1},
+    "faults": {
+        "prefill_delay_s": 1.0,
+        "decode_step_delay_s": 0.02,
+        "transfer": [
+            {"role": "sender", "action": "pause", "after_messages": 1, "seconds": HOLD_S, "request_id_prefix": "hold-"}
+        ],
+    },
+}
 
 
 @pytest.fixture(scope="module")
@@ -29,20 +40,7 @@ def slow(ray_session, serving_model):
         serving_model,
         engine={"num_blocks": 48},
         prefill={"threads": 1, "max_inflight": 1},  # one request at a time in prefill; see the credit test
-        transfer={"whole_request_bytes": 0, "layer_group_size": 1},
-        faults={
-            "prefill_delay_s": 1.0,
-            "decode_step_delay_s": 0.02,
-            "transfer": [
-                {
-                    "role": "sender",
-                    "action": "pause",
-                    "after_messages": 1,
-                    "seconds": HOLD_S,
-                    "request_id_prefix": "hold-",
-                }
-            ],
-        },
+        **SLOWED,
     )
     yield deployment
     deployment.stop()

@@ -18,6 +18,7 @@ from tests.harness.drill import DRILLS, reference_outputs, run_drill
 from tests.serving.conftest import start_deployment, wait_for
 from tests.serving.streams import stream_all
 from tests.serving.test_cancel import (
+    SLOWED,
     assert_everything_freed,
     blocks_in_use,
     cancel_after,
@@ -29,7 +30,6 @@ from tests.serving.test_faults import assert_drill
 from tests.threads import Background
 from tests.vllm.conftest import GREEDY, PROMPTS
 
-HOLD_S = 3.0
 MAX_PAUSE_S = 10.0  # the splitserve engine's drills hold 5 s; a restarted vLLM worker takes longer to start
 MAX_BACK_S = 60.0
 
@@ -39,20 +39,7 @@ def pd(ray_session, serving_model):
     deployment = start_deployment(
         serving_model,
         engine={"backend": "vllm", "kv_cache_bytes": 64 << 20},
-        transfer={"whole_request_bytes": 0, "layer_group_size": 1},
-        faults={
-            "prefill_delay_s": 1.0,
-            "decode_step_delay_s": 0.02,
-            "transfer": [
-                {
-                    "role": "sender",
-                    "action": "pause",
-                    "after_messages": 1,
-                    "seconds": HOLD_S,
-                    "request_id_prefix": "hold-",
-                }
-            ],
-        },
+        **SLOWED,
     )
     yield deployment
     deployment.stop()
