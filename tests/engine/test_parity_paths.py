@@ -16,7 +16,13 @@ load) must pick one of them for every layer.
 - bf16: prefill logits within 1.5x the relative L2 error that transformers-bf16 itself reaches against
   transformers-fp32 on the same weights; greedy identical to transformers-bf16 (on the same device) for
   32 tokens on 16 prompts of 64, where a difference is accepted only at a near-tie, a gap of at most two bf16
-  steps at the top logit's magnitude.
+  steps at the top logit's magnitude. The float32-compute paths are held to transformers-bf16 whose linear
+  layers compute as theirs do (``fp32_linears``: bf16 inputs and weights, float32 products by the same
+  kernel, outputs rounded to bf16), everything else transformers' own, and run one prompt at a time as
+  transformers does (a float32 GEMM sums a 16-row batch in another order than one row): on a CPU with native
+  bf16 products (AVX512_BF16's dot-product instructions) transformers' own linears sum in another order
+  than any float32 GEMM, and greedy runs drifted apart past the tie rule (flips at a gap of 3 bf16 steps,
+  AMD EPYC Zen 4, 2026-12-05).
 """
 
 from __future__ import annotations
@@ -103,11 +109,16 @@ class References:
         self.model_dirs, self.device, self._models, self._greedy = model_dirs, device, {}, {}
 
     def model(self, arch: str, dtype: str):
+        """``dtype``: "fp32", "bf16", or bf16 with ``fp32_linears``: "bf16-fp32-linears" (``F.linear``),
+        "bf16-fp32-packed-linears" (oneDNN)."""
         from transformers import AutoModelForCausalLM
 
         if (arch, dtype) not in self._models:
             device = "cpu" if dtype == "fp32" else self.device
-            model = AutoModelForCausalLM.from_pretrained(self.model_dirs[arch], dtype=DTYPES[dtype])
+            name = dtype.split("-")[0]
+            model = AutoModelForCausalLM.from_pretrained(self.model_dirs[arch], dtype=DTYPES[name])
+            if dtype != name:
+                fp32_linears(model, packed="packed" in dtype)
             self._models[arch, dtype] = model.to(device).eval()
         return self._models[arch, dtype]
 
@@ -116,7 +127,7 @@ class References:
     ) -> list[tuple[list[int], list[float]]]:
         key = (arch, dtype, tuple(map(tuple, prompts)), n)
         if key not in self._greedy:
-            model, in_steps = self.model(arch, dtype), dtype == "bf16"
+            model, in_steps = self.model(arch, dtype), dtype.startswith("bf16")
             self._greedy[key] = [hf_greedy(model, p, n, in_bf16_steps=in_steps) for p in prompts]
         return self._greedy[key]
 
@@ -124,6 +135,29 @@ class References:
     def prompt_logits(self, arch: str, dtype: str, prompt: list[int]) -> torch.Tensor:
         model = self.model(arch, dtype)
         return model(torch.tensor([prompt], device=model.device)).logits[0].float().cpu()
+
+
+def fp32_linears(model: torch.nn.Module, packed: bool) -> None:
+    """Every ``nn.Linear`` of ``model`` (the LM head included) computes as the engine's float32-compute paths
+    do: its bf16 input and weight (and bias) taken to float32, one float32 product, the output rounded back;
+    the product by ``F.linear`` ("upcast", "fp32") or, ``packed``, by oneDNN on a prepacked weight
+    ("fp32-packed"): the two sum in different orders."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear):
+            weight = module.weight.detach().float()
+            bias = None if module.bias is None else module.bias.detach().float()
+            if packed:
+                packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight)
+
+                def forward(x: torch.Tensor, w=packed_weight, b=bias) -> torch.Tensor:
+                    y = torch.ops.mkldnn._linear_pointwise(x.float().contiguous(), w, b, "none", [], "")
+                    return y.to(x.dtype)
+            else:
+
+                def forward(x: torch.Tensor, w=weight, b=bias) -> torch.Tensor:
+                    return torch.nn.functional.linear(x.float(), w, b).to(x.dtype)
+
+            module.forward = forward
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -205,7 +239,8 @@ def test_bf16_prefill_logits_within_transformers_bf16_error(arch, bf16_path, eng
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_bf16_greedy_matches_transformers_bf16(arch, bf16_path, engines, references):
-    """Greedy 32 tokens on 16 prompts of 64, against transformers-bf16 on the same device: identical
+    """Greedy 32 tokens on 16 prompts of 64, against transformers-bf16 on the same device (its linears in
+    float32 for the float32-compute paths, as the module docstring says): identical
     token for token until the first difference, which must fall on a near-tie: transformers' gap at most
     two bf16 steps at the top logit's magnitude (logits near 4-8 are spaced 2^-5 apart, near 8-16 2^-4).
     Values that close are a tie that any
@@ -217,8 +252,15 @@ def test_bf16_greedy_matches_transformers_bf16(arch, bf16_path, engines, referen
     llm = engines.get(arch, "bfloat16", bf16_path)
     assert_runs_path(llm, bf16_path)
     prompts = make_prompts(4, BF16_GREEDY_LENGTHS)
-    outputs = llm.generate(prompts, SamplingParams(max_tokens=BF16_NEW_TOKENS, temperature=0.0, ignore_eos=True))
-    refs = references.greedy(arch, "bf16", prompts, BF16_NEW_TOKENS)
+    params = SamplingParams(max_tokens=BF16_NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    if bf16_path in FP32_COMPUTE_PATHS:  # one at a time, as transformers runs them (see the module docstring)
+        outputs = [llm.generate([prompt], params)[0] for prompt in prompts]
+    else:
+        outputs = llm.generate(prompts, params)
+    reference = "bf16"
+    if bf16_path in FP32_COMPUTE_PATHS:
+        reference = "bf16-fp32-packed-linears" if bf16_path == "fp32-packed" else "bf16-fp32-linears"
+    refs = references.greedy(arch, reference, prompts, BF16_NEW_TOKENS)
     before_tie = [first_tie(gaps, BF16_TIE_STEPS) for _, gaps in refs]
     print(f"\n{arch}/{bf16_path}: transformers-bf16 steps before the first near-tie: {before_tie}")
     assert sum(before_tie) >= NEW_TOKENS, f"{arch}: reference near-ties come too early to test much: {before_tie}"
