@@ -19,7 +19,7 @@ import torch
 
 from splitserve.common.arith import ceil_div
 from splitserve.common.validate import check_choice, check_range, check_ranges
-from splitserve.engine.attention.paged_decode import select_backend
+from splitserve.engine.attention.paged_decode import PagedDecodeBackend, select_backend
 from splitserve.engine.hardware import cpu_isa, native_bf16
 from splitserve.engine.kv_cache.block_manager import BlockManager
 from splitserve.engine.kv_cache.cache import KVCache, KVCacheSpec
@@ -44,6 +44,7 @@ log = logging.getLogger(__name__)
 DYNAMIC_DECODE_BACKEND = "gather (splitserve.engine.attention)"
 
 DECODE_PATHS = ("auto", "dynamic", "static")
+DYNAMIC_DECODE_ATTENTION = ("in_place", "gather")
 TP_STEPS = ("lockstep", "plan")
 ENGINE_BACKENDS = ("splitserve", "vllm")
 
@@ -70,6 +71,10 @@ class EngineSettings:
     # "dynamic" runs them as every other step; "auto": static on CUDA, dynamic on CPU (measured faster
     # there: docs/performance.md).
     decode_path: str = "auto"
+    # The decodes of dynamic steps: "in_place" attends them through their block tables with the preferred
+    # paged_decode backend that reads the cache in place (the CPU kernel, Triton on CUDA; the gather where
+    # none is available for the device and dtype), "gather" copies their blocks out first (the older path).
+    dynamic_decode_attention: str = "in_place"
     cuda_graphs: bool = True  # CUDA with the static path: capture each bucket's decode step at start-up
     # A tensor-parallel worker's ranks: a collective (or a follower's wait for rank 0's next message) that
     # takes longer fails the whole worker, so a dead or stalled rank is noticed within this; an idle rank 0
@@ -84,6 +89,7 @@ class EngineSettings:
 
     def __post_init__(self) -> None:
         check_choice(self, "decode_path", DECODE_PATHS)
+        check_choice(self, "dynamic_decode_attention", DYNAMIC_DECODE_ATTENTION)
         check_choice(self, "backend", ENGINE_BACKENDS)
         if self.vllm_args is not None and not (
             isinstance(self.vllm_args, dict) and all(isinstance(k, str) for k in self.vllm_args)
@@ -163,8 +169,12 @@ class EngineCore:
         num_blocks = cfg.num_blocks or max(1, cfg.kv_cache_bytes // per_block)
         self.decode_path = self.resolve_decode_path()
         self.static_decode = self.decode_path == "static"
-        # The decode attention of decode-only steps: a paged_decode backend (static) or the gather (dynamic).
-        self.decode_backend = DYNAMIC_DECODE_BACKEND
+        # The decode attention: on the static path its paged_decode backend; on the dynamic path the preferred
+        # backend that reads the cache in place (the CPU kernel, Triton on CUDA), or the gather where only the
+        # reference is available here (a bf16 CPU cache; the CPU kernel not built).
+        in_place = self.dynamic_decode_attention()
+        self.dynamic_decode_backend = DYNAMIC_DECODE_BACKEND if in_place is None else f"paged_decode {in_place.name}"
+        self.decode_backend = self.dynamic_decode_backend  # the static path's replaces it (_static_decode_inputs)
         # The static path's padding rows write to one scratch block past those the block manager owns.
         cache_blocks = num_blocks + 1 if self.static_decode else num_blocks
         cache_spec = KVCacheSpec.for_model(self.model_config, cache_blocks, cfg.block_size, self.dtype, *tp)
@@ -180,7 +190,13 @@ class EngineCore:
         static = self._static_decode_inputs(scratch_block=num_blocks) if self.static_decode else None
         channel = PlanChannel(self.tp_group, self.device) if self.drives_followers else None
         self.runner = ModelRunner(
-            self.model, self.kv_cache, self.blocks, Sampler(self.eos_token_ids), static, channel=channel
+            self.model,
+            self.kv_cache,
+            self.blocks,
+            Sampler(self.eos_token_ids),
+            static,
+            channel=channel,
+            decode_attention=None if in_place is None else in_place.fn,
         )
         self.graph_stats: CaptureStats | None = None
         # Collectives inside captured graphs are not validated yet: a tensor-parallel engine decodes eagerly.
@@ -248,6 +264,15 @@ class EngineCore:
         if self.config.decode_path != "auto":
             return self.config.decode_path
         return "static" if self.device.type == "cuda" else "dynamic"
+
+    def dynamic_decode_attention(self) -> PagedDecodeBackend | None:
+        """The paged_decode backend the dynamic path attends its decodes with, reading the cache in place; None
+        when the preferred one here is the reference (``paged_decode_torch`` gathers as the dynamic path's own
+        gather does, over every row's padded table: no gain) or ``dynamic_decode_attention`` is "gather"."""
+        if self.config.dynamic_decode_attention == "gather":
+            return None
+        backend = select_backend(self.device, self.dtype)
+        return None if backend.name == "torch" else backend
 
     def _static_decode_inputs(self, scratch_block: int) -> StaticDecodeInputs:
         cfg = self.config

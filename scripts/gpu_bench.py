@@ -181,7 +181,7 @@ def triton_status(device: str) -> str:
 PATH_NAMES = {"graph": "static, CUDA graphs replayed", "static": "static, eager", "dynamic": "dynamic"}
 
 
-def decode_ran(paths: Counter, static_backend: str) -> tuple[str, str]:
+def decode_ran(paths: Counter, static_backend: str, dynamic_backend: str = DYNAMIC_DECODE_BACKEND) -> tuple[str, str]:
     """The decode path and attention backend that the timed decode steps ran (``paths``: the engine's own
     count of them by path, summed over the rows), not the configured ones: a static engine whose capture
     failed replays no graph, and a step its buckets do not hold runs the dynamic path."""
@@ -189,9 +189,7 @@ def decode_ran(paths: Counter, static_backend: str) -> tuple[str, str]:
     if not total:
         return "no decode step timed", "-"
     path = "; ".join(f"{PATH_NAMES[p]} in {n} of {total} timed steps" for p, n in paths.most_common())
-    backends = dict.fromkeys(
-        DYNAMIC_DECODE_BACKEND if p == "dynamic" else static_backend for p, _ in paths.most_common()
-    )
+    backends = dict.fromkeys(dynamic_backend if p == "dynamic" else static_backend for p, _ in paths.most_common())
     return path, " and ".join(backends)
 
 
@@ -291,7 +289,7 @@ def bench_splitserve(model_dir: Path, plan: Plan, args, budget: Budget) -> dict:
         broken = broken or (t if isinstance(t, str) else None)
         ours[f"prefill_{n}"] = n / t if isinstance(t, float) else t
     ran = sum((Counter(d["paths"]) for d in ours.values() if isinstance(d, dict)), Counter())
-    path, backend = decode_ran(ran, static_backend)
+    path, backend = decode_ran(ran, static_backend, llm.core.dynamic_decode_backend)
     llm = None  # frees the engine before the next backend loads
     return {"splitserve": ours, "decode_backend": backend, "decode_path": path}
 

@@ -5,8 +5,10 @@ then every prefill chunk, one request after another. ``AttentionMetadata`` says 
 tokens are and which cache blocks hold its context; it is built once per step on the host and
 shared by every layer.
 
-- Decodes (one query each) are batched: their blocks are gathered into ``[kv_heads, B, L, d]``,
-  padded to the longest context and masked, then two batched matmuls.
+- Decodes (one query each) are batched. With a ``paged_decode`` backend that reads the cache in place
+  (``AttentionMetadata.paged_decode``: the CPU kernel, Triton on CUDA) they are attended through their
+  block tables, nothing gathered; otherwise their blocks are gathered into ``[kv_heads, B, L, d]``, padded
+  to the longest context and masked, then one SDPA call.
 - Prefill chunks go one request at a time through ``scaled_dot_product_attention``: against their own
   fresh keys when nothing precedes the chunk (plain causal), else against the gathered context
   (cached prefix or earlier chunks) with a causal mask shifted by what precedes the chunk.
@@ -48,6 +50,11 @@ class AttentionMetadata:
     num_decodes: int = 0
     decode_rows: torch.Tensor | None = None  # kv_cache.context_rows of the padded decode block tables
     decode_context_lens: list[int] = field(default_factory=list)
+    # The decodes' attention read in place: a paged_decode backend, the decodes' block tables [B, width] and
+    # context lengths [B] (int64, on the device). None: the gather through ``decode_rows``.
+    paged_decode: PagedDecodeFn | None = None
+    decode_tables: torch.Tensor | None = None
+    decode_lens: torch.Tensor | None = None
     prefills: list[PrefillChunk] = field(default_factory=list)
     # The decode batch's key span and mask, one per sliding window (None = full attention); built
     # lazily, shared by every layer with the same window.
@@ -109,6 +116,8 @@ def paged_attention(
 
 
 def _decode(q, cache, meta: AttentionMetadata, scale: float, window: int | None) -> torch.Tensor:
+    if meta.paged_decode is not None:
+        return meta.paged_decode(q, cache, meta.decode_tables, meta.decode_lens, scale, window)
     keys, values = gather_context(cache, meta.decode_rows, q.shape[0])  # [kv_heads, B, blocks * block_size, d]
     start, end, mask = meta.decode_span(window, q.device)
     keys, values = keys[:, :, start:end].transpose(0, 1), values[:, :, start:end].transpose(0, 1)  # [B, kv_heads, L, d]

@@ -29,6 +29,7 @@ import torch
 
 from splitserve.common.arith import ceil_div
 from splitserve.engine.attention.paged_attention import AttentionMetadata, PrefillChunk
+from splitserve.engine.attention.paged_decode import PagedDecodeFn
 from splitserve.engine.kv_cache.block_manager import BlockManager
 from splitserve.engine.kv_cache.cache import KVCache, context_rows
 from splitserve.engine.model.transformer import CausalLM
@@ -52,9 +53,11 @@ class ModelRunner:
         sampler: Sampler,
         static_decode: StaticDecodeInputs | None = None,
         channel: PlanChannel | None = None,
+        decode_attention: PagedDecodeFn | None = None,
     ) -> None:
         """``blocks`` is None on a follower rank, which only runs plans (``run_plan``); ``channel`` is rank 0's
-        of a tensor-parallel engine whose rank 0 drives (``splitserve.engine.tp.step``)."""
+        of a tensor-parallel engine whose rank 0 drives (``splitserve.engine.tp.step``). ``decode_attention``:
+        the paged_decode backend that attends the decodes of dynamic steps in place (None: they gather)."""
         self.model = model
         self.kv_cache = kv_cache
         self.blocks = blocks
@@ -63,6 +66,7 @@ class ModelRunner:
         self.block_size = kv_cache.spec.block_size
         self.channel = channel
         self.static = static_decode
+        self.decode_attention = decode_attention
         self.graphs: DecodeGraphs | None = None
         # Steps by the path that ran them: "dynamic", "static" (eager) or "graph" (a captured graph replayed).
         # What ran, not what was configured: scripts/gpu_bench.py reports its timed steps' paths from it.
@@ -249,7 +253,11 @@ class ModelRunner:
             num_decodes=num_decodes,
             decode_context_lens=plan.decode_context_lens.tolist(),
         )
-        if num_decodes:
+        if num_decodes and self.decode_attention is not None:
+            meta.paged_decode = self.decode_attention
+            meta.decode_tables = self._to_device(plan.decode_tables)
+            meta.decode_lens = self._to_device(plan.decode_context_lens)
+        elif num_decodes:
             meta.decode_rows = self._rows(plan.decode_tables.reshape(-1))
         for (start, end, computed), table in zip(plan.prefill_chunks.tolist(), plan.prefill_tables):
             rows = self._rows(table[: ceil_div(computed + end - start, self.block_size)]) if computed else None
