@@ -286,13 +286,19 @@ def _single(
     run: Callable[..., dict],
 ) -> int:
     from splitserve.bench.metrics import format_summary
+    from splitserve.bench.timeline import Probe, format_timeline
 
     trace = args.dataset == "mooncake"
     offsets = request_offsets(args, requests)
+    probe = Probe.start(config)  # the router's and the workers' metrics before the run (None: not exposed)
     result = run(requests, offsets, config, model_id, args.dataset)
+    if probe is not None and (timeline := probe.finish()) is not None:
+        result["timeline"] = timeline
     if trace:
         result |= {"request_rate": "trace", "time_scale": args.time_scale}
     print(format_summary(result, config.percentiles))
+    if "timeline" in result:
+        print(format_timeline(result["timeline"]))
     if args.save_result:
         path = Path(args.save_result)
         path.parent.mkdir(parents=True, exist_ok=True)
