@@ -18,7 +18,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import grpc
@@ -119,6 +119,20 @@ class Probe:
         except TimelineUnavailable as e:
             _note(str(e))
             return None
+
+
+def timed(run: Callable[..., dict]) -> Callable[..., dict]:
+    """``run`` (``benchmark``'s arguments and result) with the run's ``timeline`` added to its result when
+    the server exposes it."""
+
+    def run_with_timeline(requests, offsets_s, config: BenchConfig, *args, **kwargs) -> dict:
+        probe = Probe.start(config)
+        result = run(requests, offsets_s, config, *args, **kwargs)
+        if probe is not None and (timeline := probe.finish()) is not None:
+            result["timeline"] = timeline
+        return result
+
+    return run_with_timeline
 
 
 def _note(reason: str) -> None:

@@ -227,7 +227,10 @@ def test_sweep_over_two_rates(deployment, tmp_path):
     assert "goodput: >= 40 req/s" in out.stdout
     for name in ("ttft.png", "tpot.png", "attainment.png"):
         assert (tmp_path / name).read_bytes()[:4] == b"\x89PNG"
-    assert_all_served(json.loads((tmp_path / "rate_10.json").read_text()), 6)
+    rate_10 = json.loads((tmp_path / "rate_10.json").read_text())
+    assert_all_served(rate_10, 6)
+    assert rate_10["timeline"]["router"]["relayed_tokens"] == 24  # each rate's own run: 6 requests of 4 tokens
+    assert out.stderr.count("=== Where the time went ===") == 2
 
 
 def test_requests_past_their_deadline_are_counted_as_failed(deployment, tmp_path):
