@@ -18,7 +18,7 @@ from splitserve import cli
 from splitserve.client.grpc_client import Client
 from splitserve.worker_common.loop_clock import PHASES
 from tests.observability.capture import json_log_lines
-from tests.observability.scrape import Scrape
+from tests.observability.scrape import Scrape, loop_phases, timed_worker_scrapes
 from tests.serving.conftest import start_deployment, wait_for
 
 
@@ -177,37 +177,21 @@ def test_gauges_show_queue_running_and_kv_per_worker(served):
     assert scrape.value("splitserve_worker_kv_blocks_cached", role="decode") == 0  # no prefix cache there
 
 
-def timed_worker_scrapes(deployment) -> dict[str, tuple[float, Scrape]]:
-    """Every worker's /metrics, each with the moment it was read (the midpoint of its HTTP call)."""
-    with Client(deployment.address) as client:
-        addresses = {w.worker_id: w.metrics_address for w in client.status().workers}
-    scrapes = {}
-    for worker_id, address in addresses.items():
-        before = time.perf_counter()
-        scrape = Scrape.http(address)
-        scrapes[worker_id] = ((before + time.perf_counter()) / 2, scrape)
-    return scrapes
-
-
 def test_worker_loop_phases_add_up_to_its_wall_clock(served):
     """Every second of each worker's loop thread is in one phase: over a run of a few requests, the phases'
     seconds add up to the time between two scrapes, the model ran and the loop also idled."""
-    first = timed_worker_scrapes(served)
+    first = timed_worker_scrapes(served.address)
     with Client(served.address) as client, ThreadPoolExecutor(3) as pool:
         prompts = [[11 * i + j for j in range(20 + 7 * i)] for i in range(3)]
         results = list(pool.map(lambda p: client.generate(token_ids=p, max_tokens=8, ignore_eos=True), prompts))
     assert [r.completion_tokens for r in results] == [8, 8, 8]
     time.sleep(0.5)  # idle, so that the window is long against a scrape's own time
-    last = timed_worker_scrapes(served)
+    last = timed_worker_scrapes(served.address)
     assert set(last) == {"prefill-0", "decode-0"}
-    for worker_id, (t1, scrape) in last.items():
-        t0, before = first[worker_id]
-        phases = {
-            phase: scrape.value("splitserve_worker_loop_seconds_total", phase=phase)
-            - before.value("splitserve_worker_loop_seconds_total", phase=phase)
-            for phase in PHASES
-        }
-        assert sum(phases.values()) == pytest.approx(t1 - t0, rel=0.05), (worker_id, t1 - t0, phases)
+    for worker_id in last:
+        wall, phases = loop_phases(first[worker_id], last[worker_id])
+        assert set(phases) == set(PHASES)
+        assert sum(phases.values()) == pytest.approx(wall, rel=0.05), (worker_id, wall, phases)
         assert phases["run"] > 0 and phases["idle"] > 0, (worker_id, phases)
         assert phases["schedule"] > 0 and phases["apply"] > 0 and phases["stream"] > 0, (worker_id, phases)
         assert min(phases.values()) >= 0, (worker_id, phases)
