@@ -12,7 +12,8 @@ at the edges (the servicers, and ``stream_events``).
 The loop thread is the only one that runs the model. The engine (``self.engine``, the interface of
 ``worker_common.engine_api``) is shared with handler threads and transfer callbacks under ``self.lock``,
 which it holds only while it schedules or applies results, never while the model runs. Nothing is done
-while holding the lock that could call back into code taking it.
+while holding the lock that could call back into code taking it. Every second of the loop thread is booked
+to one phase (``worker_common.loop_clock``), its waits for the lock included.
 """
 
 from __future__ import annotations
