@@ -463,7 +463,8 @@ class RequestRun:
 
     def _relay(self, tokens: list[int], logprobs=(), prompt_logprobs=()) -> pb.GenerateResponse:
         """Tokens to the client, with the text they complete (held back while it may become a stop), their
-        log-probabilities and, with the first token, the prompt's."""
+        log-probabilities and, with the first token, the prompt's. Its own cost is the relay's metric."""
+        start = time.perf_counter()
         index = len(self.output)
         now = time.monotonic()
         self.metrics.relayed(len(tokens), now - self.clock.last_relay if self.clock.last_relay is not None else None)
@@ -473,7 +474,7 @@ class RequestRun:
         text, stop = self.stops.feed(self.detok.add_tokens(tokens))
         if stop is not None:
             self._finish(pb.FINISH_REASON_STOP, stop)
-        return pb.GenerateResponse(
+        response = pb.GenerateResponse(
             request_id=self.public_id,
             choice=self.choice,
             token_ids=tokens,
@@ -482,6 +483,8 @@ class RequestRun:
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs if index == 0 else (),
         )
+        self.metrics.relay_cost(len(tokens), time.perf_counter() - start)
+        return response
 
     def _ended_by_output(self) -> bool:
         """Whether the tokens relayed so far already end the request (its worker was lost between the

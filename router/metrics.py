@@ -7,11 +7,11 @@ message (``router/generate.py``), so the histograms agree with what clients rece
        └──────────────── time to first token ───┘                                          │
        └──────────────────────────────────── e2e ─────────────────────────────────────────┘
 
-Queue time, TTFT, prefill time and inter-token latency are observed as they happen (so a stuck queue
-shows while it lasts, and cancelled requests count up to where they got); transfer time and bytes
-once per leg that moved KV; e2e, decode time and token counts when a request finishes. Gauges (queue
-length, running requests, and each worker's load and KV blocks as the router's status polls last saw
-them) are read when scraped. Every name and label: docs/metrics.md.
+Queue time, TTFT, prefill time, inter-token latency and the relay's own cost are observed as they
+happen (so a stuck queue shows while it lasts, and cancelled requests count up to where they got);
+transfer time and bytes once per leg that moved KV; e2e, decode time and token counts when a request
+finishes. Gauges (queue length, running requests, and each worker's load and KV blocks as the router's
+status polls last saw them) are read when scraped. Every name and label: docs/metrics.md.
 """
 
 from __future__ import annotations
@@ -110,6 +110,15 @@ class RouterMetrics:
             registry=r,
         )
         self.generation_tokens = Counter("splitserve_generation_tokens", "Tokens sent to clients", registry=r)
+        self.relay_seconds = Counter(
+            "splitserve_router_relay_seconds",
+            "Time the router spent relaying workers' token messages: from a message in hand to the client's "
+            "response built (bookkeeping, detokenizing, stop strings, the response message)",
+            registry=r,
+        )
+        self.relayed_tokens = Counter(
+            "splitserve_router_relayed_tokens", "Tokens those messages carried (relay seconds per token)", registry=r
+        )
         self.request_prompt_tokens = Histogram(
             "splitserve_request_prompt_tokens", "Prompt length, finished requests", buckets=TOKENS, registry=r
         )
@@ -157,6 +166,11 @@ class RouterMetrics:
         self.generation_tokens.inc(num_tokens)
         if gap_s is not None:
             self.itl.observe(gap_s)
+
+    def relay_cost(self, num_tokens: int, seconds: float) -> None:
+        """One token message relayed: its tokens and the router's time on it."""
+        self.relayed_tokens.inc(num_tokens)
+        self.relay_seconds.inc(seconds)
 
     def kv_transfer(self, seconds: float, nbytes: int) -> None:
         self.transfer.observe(seconds)

@@ -12,7 +12,8 @@ at the edges (the servicers, and ``stream_events``).
 The loop thread is the only one that runs the model. The engine (``self.engine``, the interface of
 ``worker_common.engine_api``) is shared with handler threads and transfer callbacks under ``self.lock``,
 which it holds only while it schedules or applies results, never while the model runs. Nothing is done
-while holding the lock that could call back into code taking it.
+while holding the lock that could call back into code taking it. Every second of the loop thread is booked
+to one phase (``worker_common.loop_clock``), its waits for the lock included.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from splitserve.worker_common.config import WorkerConfig
 from splitserve.worker_common.engine_api import Engine
 from splitserve.worker_common.layout import layout_fingerprint
 from splitserve.worker_common.local_engine import LocalEngine
+from splitserve.worker_common.loop_clock import TimedLock
 from splitserve.worker_common.messages import Command, Drain, Emit, End, Event, Fail, unknown_event
 from splitserve.worker_common.metrics import WorkerMetrics
 from splitserve.worker_common.registration import Registration
@@ -77,8 +79,8 @@ class WorkerBase:
         self.cpus = format_cpu_list(usable_cpus())  # where this process runs, pinned or not
         self.threads = 0  # torch threads of the loop thread, which runs the model (set as it starts)
         self.ranks = ranks
-        self.lock = threading.RLock()
         self.metrics = WorkerMetrics(config.worker_id, config.role)
+        self.lock = TimedLock(self.metrics.loop)  # reentrant; the loop thread's waits for it are timed
         if engine is None and config.engine.backend == "vllm":
             from splitserve.worker_common.vllm_engine import VllmEngine  # imports vllm: only on this backend
 
@@ -107,7 +109,8 @@ class WorkerBase:
         self._thread: threading.Thread | None = None
         self.registration: Registration | None = None
         self.draining = False
-        self.faults = config.faults.arm(f"{config.role} worker {config.worker_id}")  # fault hooks (tests)
+        # Fault hooks (tests); their delays on the loop thread are booked to its clock's "other".
+        self.faults = config.faults.arm(f"{config.role} worker {config.worker_id}", sleep=self._fault_sleep)
         self.metrics.watch(self)
         self.metrics_server = MetricsServer(self.metrics.registry)
         self.metrics_address = ""  # "" when metrics are off
@@ -196,6 +199,10 @@ class WorkerBase:
         self._wake.set()
 
     def _loop(self) -> None:
+        # Every second of this thread from here on is booked to one phase (worker_common.loop_clock): the
+        # commands, the worker's step (stream) with the engine's schedule, run and apply inside it, the idle wait.
+        clock = self.metrics.loop
+        clock.start()
         # OpenMP's thread count is per calling thread: set it here, where the model runs (a Ray actor
         # starts with OMP_NUM_THREADS=1, and a setting made on another thread does not carry over).
         if self.config.engine.num_threads:
@@ -211,15 +218,19 @@ class WorkerBase:
         )
         while not self._stopped.is_set():
             try:
+                clock.enter("commands")
                 while True:
                     try:
                         self.handle_command(self._inbox.get_nowait())
                     except queue.Empty:
                         break
+                clock.enter("stream")  # the engine's calls in the step book schedule, run and apply themselves
                 busy = self.step()
                 if not busy:
+                    clock.enter("other")
                     self._keep_alive()
             except Exception as e:  # a bug must surface, fail the requests in flight, and not kill the loop
+                clock.enter("other")
                 if self._group_broken(e):
                     self.group_failed(f"{type(e).__name__}: {e}")
                     return
@@ -227,8 +238,14 @@ class WorkerBase:
                 self.fail_all(f"internal error in the {self.config.role} worker: {type(e).__name__}: {e}")
                 busy = False
             if not busy:
+                clock.enter("idle")
                 self._wake.wait(IDLE_WAIT_S)
                 self._wake.clear()
+
+    def _fault_sleep(self, seconds: float) -> None:
+        previous = self.metrics.loop.enter("other")
+        time.sleep(seconds)
+        self.metrics.loop.enter(previous)
 
     def _keep_alive(self) -> None:
         """Rank 0 of a tensor-parallel worker, idle: tick the other ranks before their wait for the next

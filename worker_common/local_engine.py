@@ -22,6 +22,7 @@ from splitserve.engine.scheduler.scheduler import Scheduler, SchedulerOutput
 from splitserve.engine.tp.distributed import CollectiveError, TPGroup
 from splitserve.engine.tp.step import PlanChannel
 from splitserve.worker_common.engine_api import ModelFacts, ScheduledStep, StepKind, StepResult
+from splitserve.worker_common.loop_clock import LoopClock
 from splitserve.worker_common.metrics import WorkerMetrics
 
 
@@ -67,12 +68,15 @@ class LocalStep:
 
 class LocalEngine:
     """An ``EngineCore``, the scheduler of the worker's mode (``EngineCore.make_scheduler``'s keywords) and
-    the worker's lock. ``metrics``, when given, times each step (``WorkerMetrics.step``)."""
+    the worker's lock. ``metrics``, when given, times each step (``WorkerMetrics.step``) and books the loop
+    thread's schedule, run and apply to its clock (``WorkerMetrics.loop``)."""
 
     def __init__(
         self, core: EngineCore, lock: threading.RLock, metrics: WorkerMetrics | None = None, **scheduler_mode
     ) -> None:
         self.core, self.lock, self.metrics = core, lock, metrics
+        # The worker loop's clock: schedule, run and apply are booked to their phases (worker_common.loop_clock).
+        self.clock = metrics.loop if metrics is not None else LoopClock()
         self.scheduler: Scheduler = core.make_scheduler(**scheduler_mode)
         self._model = model_facts(core)
 
@@ -126,8 +130,11 @@ class LocalEngine:
 
     def schedule(self) -> LocalStep:
         """This step's work (maybe empty, maybe with requests preempted to make room)."""
+        previous = self.clock.enter("schedule")
         with self.lock:
-            return LocalStep(self.scheduler.schedule())
+            step = LocalStep(self.scheduler.schedule())
+        self.clock.enter(previous)
+        return step
 
     def run(
         self, step: ScheduledStep, kind: StepKind | None = None, on_layer_done: Callable[[int], None] | None = None
@@ -137,12 +144,15 @@ class LocalEngine:
             raise TypeError(f"step: not a step of this engine: {type(step).__name__}")
         kind = kind or ("prefill" if step.prompt_work else "decode")
         output = step.output
+        previous = self.clock.enter("run")
         start = time.monotonic()
         sampled = self.core.runner.execute(output, on_layer_done=on_layer_done)
         if self.metrics is not None:
             self.metrics.step(kind, time.monotonic() - start, len(output.scheduled), output.num_tokens)
+        self.clock.enter("apply")
         with self.lock:
             advanced = self.scheduler.update(output, sampled)
+        self.clock.enter(previous)
         return StepResult(kind, tuple(advanced), step.preempted)
 
     def step(self, kind: StepKind | None = None, on_layer_done: Callable[[int], None] | None = None) -> StepResult:

@@ -1,5 +1,6 @@
 """A worker's own metrics, served on its own ``/metrics`` endpoint: engine steps and batch sizes, KV
-blocks, prefix-cache queries and hits, KV transfers sent or received. Every series carries the
+blocks, prefix-cache queries and hits, KV transfers sent or received, and where the loop thread's time
+goes (``worker_common.loop_clock``). Every series carries the
 worker's ``worker_id`` and ``role``, so series from many workers aggregate and join with the router's
 ``splitserve_worker_*`` gauges. Every name and label: docs/metrics.md.
 """
@@ -11,6 +12,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from splitserve.kv_transfer.handles import TransferHandle, TransferState
 from splitserve.observability.buckets import BATCH, STEP_S, TOKENS, TRANSFER_S
+from splitserve.worker_common.loop_clock import LoopClock
 
 LABELS = ["worker_id", "role"]
 
@@ -65,6 +67,8 @@ class WorkerMetrics:
             buckets=TRANSFER_S,
             registry=r,
         )
+        self.loop = LoopClock()  # the worker's loop thread starts it
+        r.register(_LoopCollector(self.loop, self.ids))
 
     def watch(self, worker) -> None:
         """Read the worker's load, KV blocks and pairs at every scrape."""
@@ -126,3 +130,24 @@ class _WorkerCollector:
         )
         preemptions.add_metric(self.ids, self.worker.engine.num_preemptions)
         yield preemptions
+
+
+class _LoopCollector:
+    """The loop thread's seconds by phase, read from its clock at scrape time (the phase in progress included)."""
+
+    def __init__(self, clock: LoopClock, ids: tuple[str, str]) -> None:
+        self.clock, self.ids = clock, list(ids)
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        family = CounterMetricFamily(
+            "splitserve_worker_loop_seconds",
+            "The worker loop thread's wall clock by phase (commands, schedule, run, apply, stream, lock_wait, "
+            "idle, other); the phases add up to the time since the loop started",
+            labels=[*LABELS, "phase"],
+        )
+        for phase, seconds in self.clock.seconds().items():
+            family.add_metric([*self.ids, phase], seconds)
+        yield family

@@ -59,6 +59,7 @@ from splitserve.engine.sampling.params import SamplingParams, TokenLogprobs
 from splitserve.engine.scheduler.request import FinishReason, Request, RequestStatus
 from splitserve.engine.tp.step import PlanChannel
 from splitserve.worker_common.engine_api import ModelFacts, StepKind, StepResult
+from splitserve.worker_common.loop_clock import LoopClock
 from splitserve.worker_common.metrics import WorkerMetrics
 
 logger = logging.getLogger(__name__)
@@ -220,6 +221,8 @@ class VllmEngine:
         if config.tensor_parallel_size > 1:
             raise ValueError("tensor_parallel_size: the vllm backend runs one process per worker here (TP 1)")
         self.config, self.lock, self.metrics, self.role = config, lock, metrics, role
+        # The worker loop's clock: schedule, run and apply are booked to their phases (worker_common.loop_clock).
+        self.clock = metrics.loop if metrics is not None else LoopClock()
         self._wake = wake or (lambda: None)
         self._model_config = ModelConfig.from_model_dir(config.model_dir)
         for key, value in vllm_environment(config, cpus).items():
@@ -401,35 +404,47 @@ class VllmEngine:
     # ---- the step -------------------------------------------------------------------------------
 
     def schedule(self) -> VllmStep:
+        previous = self.clock.enter("schedule")
         with self.lock:
-            for _ in range(2):  # a second pass schedules what the first one's connector report promoted
-                if not self._scheduler.has_requests() and not (self._link is not None and self._link.pending()):
-                    return VllmStep(None)
-                output = self._scheduler.schedule()
-                if output.total_num_scheduled_tokens > 0:
-                    break
-                # Nothing to compute, but the output carries finished requests to the model runner, and the
-                # connector's report (KV landed, blocks sent) reaches the scheduler through it.
-                self._apply(self._scheduler.update_from_output(output, self._execute(output)))
-            else:
+            step = self._schedule()
+        self.clock.enter(previous)
+        return step
+
+    def _schedule(self) -> VllmStep:
+        """``schedule``, the lock held. A pass that schedules nothing still runs the model runner (booked to
+        ``run``) and applies its output (``apply``)."""
+        for _ in range(2):  # a second pass schedules what the first one's connector report promoted
+            if not self._scheduler.has_requests() and not (self._link is not None and self._link.pending()):
                 return VllmStep(None)
-            for new in output.scheduled_new_reqs:  # admitted: what the prefix cache gave it
-                if new.req_id in self._unstarted:
-                    self._unstarted.discard(new.req_id)
-                    request = self._requests[new.req_id]
-                    if new.req_id not in self._leases:
-                        request.num_cached_tokens = new.num_computed_tokens
-            scheduled = output.num_scheduled_tokens
-            ids = [i for i in scheduled if i in self._requests]
-            vllm_requests = self._scheduler.requests
-            final = [i for i in ids if vllm_requests[i].num_computed_tokens >= vllm_requests[i].num_tokens]
-            self._in_step = True
-            return VllmStep(
-                output,
-                tuple(self._requests[i] for i in ids),
-                tuple(self._requests[i] for i in final),
-                prompt_work=any(n > 1 for n in scheduled.values()),
-            )
+            output = self._scheduler.schedule()
+            if output.total_num_scheduled_tokens > 0:
+                break
+            # Nothing to compute, but the output carries finished requests to the model runner, and the
+            # connector's report (KV landed, blocks sent) reaches the scheduler through it.
+            self.clock.enter("run")
+            model_output = self._execute(output)
+            self.clock.enter("apply")
+            self._apply(self._scheduler.update_from_output(output, model_output))
+            self.clock.enter("schedule")
+        else:
+            return VllmStep(None)
+        for new in output.scheduled_new_reqs:  # admitted: what the prefix cache gave it
+            if new.req_id in self._unstarted:
+                self._unstarted.discard(new.req_id)
+                request = self._requests[new.req_id]
+                if new.req_id not in self._leases:
+                    request.num_cached_tokens = new.num_computed_tokens
+        scheduled = output.num_scheduled_tokens
+        ids = [i for i in scheduled if i in self._requests]
+        vllm_requests = self._scheduler.requests
+        final = [i for i in ids if vllm_requests[i].num_computed_tokens >= vllm_requests[i].num_tokens]
+        self._in_step = True
+        return VllmStep(
+            output,
+            tuple(self._requests[i] for i in ids),
+            tuple(self._requests[i] for i in final),
+            prompt_work=any(n > 1 for n in scheduled.values()),
+        )
 
     def _execute(self, output: Any) -> Any:
         """Run vLLM's model on a scheduled output, as ``EngineCore.step`` does."""
@@ -449,6 +464,7 @@ class VllmEngine:
         kind = kind or ("prefill" if step.prompt_work else "decode")
         if step.is_empty:
             return StepResult(kind, ())
+        previous = self.clock.enter("run")
         start = time.monotonic()
         try:
             model_output = self._execute(step.output)
@@ -466,10 +482,12 @@ class VllmEngine:
             self.metrics.step(
                 kind, time.monotonic() - start, len(output.num_scheduled_tokens), output.total_num_scheduled_tokens
             )
+        self.clock.enter("apply")
         with self.lock:
             outputs = self._scheduler.update_from_output(step.output, model_output)
             advanced = self._apply(outputs)
         self._core.post_step(model_executed=True)
+        self.clock.enter(previous)
         return StepResult(kind, advanced)
 
     def _apply(self, outputs: dict) -> tuple[Request, ...]:

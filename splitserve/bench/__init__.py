@@ -5,7 +5,8 @@
 - ``runner``: sends them over ``grpc.aio`` and times every streamed message;
 - ``metrics``: TTFT, TPOT, ITL, E2EL, throughputs and goodput from the per-request records;
 - ``sweep`` and ``plots``: one run per request rate, SLO attainment, goodput, and its plots;
-- ``ray_clients``: one run's load sent by client actors spread over a Ray cluster, merged into one result.
+- ``ray_clients``: one run's load sent by client actors spread over a Ray cluster, merged into one result;
+- ``timeline``: where the served time went, from the router's and the workers' metrics around a run.
 """
 
 DATASETS = ("random", "chat", "code", "summarize", "shared-prefix", "mooncake")

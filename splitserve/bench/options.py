@@ -286,13 +286,16 @@ def _single(
     run: Callable[..., dict],
 ) -> int:
     from splitserve.bench.metrics import format_summary
+    from splitserve.bench.timeline import format_timeline, timed
 
     trace = args.dataset == "mooncake"
     offsets = request_offsets(args, requests)
-    result = run(requests, offsets, config, model_id, args.dataset)
+    result = timed(run)(requests, offsets, config, model_id, args.dataset)
     if trace:
         result |= {"request_rate": "trace", "time_scale": args.time_scale}
     print(format_summary(result, config.percentiles))
+    if "timeline" in result:
+        print(format_timeline(result["timeline"]))
     if args.save_result:
         path = Path(args.save_result)
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -309,9 +312,11 @@ def _sweep(
     run: Callable[..., dict],
 ) -> int:
     from splitserve.bench.sweep import parse_rates, run_sweep
+    from splitserve.bench.timeline import timed
 
     target = 0.9 if args.attainment is None else args.attainment
-    sweep = run_sweep(requests, config, parse_rates(args.rates), target, args.out_dir, model_id, args.dataset, run)
+    rates = parse_rates(args.rates)
+    sweep = run_sweep(requests, config, rates, target, args.out_dir, model_id, args.dataset, timed(run))
     for row in sweep["results"]:
         print(
             f"rate {row['request_rate']:>8g} req/s  attainment {row['slo_attainment']:6.1%}  "

@@ -24,6 +24,7 @@ from splitserve.bench.arrivals import arrival_offsets
 from splitserve.bench.datasets import BenchRequest
 from splitserve.bench.metrics import format_summary
 from splitserve.bench.runner import BenchConfig, benchmark
+from splitserve.bench.timeline import format_timeline
 
 
 def parse_rates(text: str) -> list[float]:
@@ -99,6 +100,8 @@ def run_sweep(
         result["slo_attainment"] = slo_attainment(result)
         (out / f"rate_{rate:g}.json").write_text(json.dumps(result, indent=2))
         print(format_summary(result, config.percentiles), file=sys.stderr)
+        if "timeline" in result:  # a measured run of a splitserve deployment (splitserve.bench.timeline)
+            print(format_timeline(result["timeline"]), file=sys.stderr)
         print(f"rate {rate:g} req/s: SLO attainment {result['slo_attainment']:.1%}", file=sys.stderr)
         # sweep.json keeps the summary; the per-request lists stay in rate_<R>.json.
         per_rate.append({k: v for k, v in result.items() if not isinstance(v, list)})

@@ -47,7 +47,8 @@ RESULT_KEYS = (
 
 @pytest.fixture(scope="module")
 def deployment(ray_session, serving_model):
-    deployment = start_deployment(serving_model, openai_port=0)  # openai_port: the --backend openai test
+    # openai_port: the --backend openai test; metrics_port: the table of where the time went
+    deployment = start_deployment(serving_model, openai_port=0, metrics_port=0)
     yield deployment
     deployment.stop()
 
@@ -114,6 +115,46 @@ def test_open_loop_at_a_rate(deployment, tmp_path):
     assert result["request_rate"] == 20 and result["max_concurrency"] is None
     assert result["request_goodput"] == pytest.approx(12 / result["duration"])  # generous SLOs: every request
     assert result["total_output_tokens"] == sum(result["output_lens"])
+
+
+def test_where_the_time_went(deployment, tmp_path):
+    """The router's and the workers' metrics read before and after the run: each worker's loop phases add up
+    to its wall clock over the run, and the router relayed every token the clients received."""
+    path = tmp_path / "result.json"
+    out = run_bench(
+        "--addr",
+        deployment.address,
+        "--num-prompts",
+        "8",
+        "--input-len",
+        "32",
+        "--output-len",
+        "8",
+        "--request-rate",
+        "20",
+        "--save-result",
+        str(path),
+    )
+    result = json.loads(path.read_text())
+    assert_all_served(result, 8)
+    table = out.stdout.split("=== Where the time went ===", 1)[1].splitlines()
+    assert table[1].split() == ["Worker", "loop", "(s,", "share)", "prefill-0", "decode-0"]
+    assert [line.split(":")[0].strip() for line in table[3:11]] == [
+        "run (model)",
+        *("schedule", "apply", "stream", "commands", "lock_wait", "other", "idle"),
+    ]
+    assert "Relay cost per token (us):" in out.stdout and "no timeline" not in out.stderr
+    timeline = result["timeline"]
+    assert [w["worker_id"] for w in timeline["workers"]] == ["prefill-0", "decode-0"]
+    for worker in timeline["workers"]:
+        phases = worker["phases_s"]
+        assert worker["wall_s"] >= result["duration"] * 0.9
+        assert sum(phases.values()) == pytest.approx(worker["wall_s"], rel=0.05), worker
+        assert worker["diff_s"] == pytest.approx(worker["sum_s"] - worker["wall_s"])
+        assert phases["run"] > 0 and phases["idle"] > 0 and min(phases.values()) >= 0, worker
+    router = timeline["router"]
+    assert router["relayed_tokens"] == result["total_output_tokens"] == 64
+    assert router["relay_s"] > 0 and router["relay_us_per_token"] == pytest.approx(router["relay_s"] / 64 * 1e6)
 
 
 def test_closed_loop_never_exceeds_the_concurrency(deployment, tmp_path):
@@ -186,7 +227,10 @@ def test_sweep_over_two_rates(deployment, tmp_path):
     assert "goodput: >= 40 req/s" in out.stdout
     for name in ("ttft.png", "tpot.png", "attainment.png"):
         assert (tmp_path / name).read_bytes()[:4] == b"\x89PNG"
-    assert_all_served(json.loads((tmp_path / "rate_10.json").read_text()), 6)
+    rate_10 = json.loads((tmp_path / "rate_10.json").read_text())
+    assert_all_served(rate_10, 6)
+    assert rate_10["timeline"]["router"]["relayed_tokens"] == 24  # each rate's own run: 6 requests of 4 tokens
+    assert out.stderr.count("=== Where the time went ===") == 2
 
 
 def test_requests_past_their_deadline_are_counted_as_failed(deployment, tmp_path):
@@ -227,7 +271,10 @@ def test_the_openai_backend_measures_as_the_grpc_one(deployment, tmp_path):
     )
     grpc_result, result = (json.loads((tmp_path / f"{name}.json").read_text()) for name in ("grpc", "openai"))
     assert "============ Serving Benchmark Result ============" in out.stdout
-    assert sorted(result) == sorted(grpc_result)
+    # No splitserve router to find the metrics through: a one-line note instead of the table.
+    assert "no timeline of where the time went: --backend openai" in out.stderr
+    assert "Where the time went" not in out.stdout and "timeline" in grpc_result
+    assert sorted(result) == sorted(key for key in grpc_result if key != "timeline")
     assert result["backend"] == "openai" and result["model_id"] == grpc_result["model_id"] != ""
     assert result["failed"] == 0 and result["completed"] == 6 and result["total_output_tokens"] == 36
     assert result["input_lens"] == grpc_result["input_lens"]  # the same prompts

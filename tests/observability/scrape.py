@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 import urllib.request
 
 from prometheus_client import CollectorRegistry, generate_latest
@@ -40,3 +41,26 @@ def exposable_names(*registries: CollectorRegistry) -> set[str]:
     """Every sample name these registries can expose, labelled series not yet observed included."""
     suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"), "gauge": ("",)}
     return {f.name + suffix for r in registries for f in r.collect() for suffix in suffixes[f.type]}
+
+
+def timed_worker_scrapes(address: str) -> dict[str, tuple[float, Scrape]]:
+    """Every worker's /metrics (the router at ``address`` lists them), each with the moment it was read: the
+    middle of its HTTP call, on ``time.perf_counter``."""
+    from splitserve.client.grpc_client import Client
+
+    with Client(address) as client:
+        endpoints = {w.worker_id: w.metrics_address for w in client.status().workers}
+    scrapes = {}
+    for worker_id, endpoint in endpoints.items():
+        before = time.perf_counter()
+        scrape = Scrape.http(endpoint)
+        scrapes[worker_id] = ((before + time.perf_counter()) / 2, scrape)
+    return scrapes
+
+
+def loop_phases(first: tuple[float, Scrape], last: tuple[float, Scrape]) -> tuple[float, dict[str, float]]:
+    """A worker's wall clock between two ``timed_worker_scrapes`` and its loop's seconds by phase in it."""
+    (t0, before), (t1, after) = first, last
+    name = "splitserve_worker_loop_seconds_total"
+    phases = {labels["phase"] for labels in after.label_sets(name)}
+    return t1 - t0, {p: after.value(name, phase=p) - before.value(name, phase=p) for p in phases}

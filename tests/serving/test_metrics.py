@@ -16,8 +16,9 @@ import pytest
 
 from splitserve import cli
 from splitserve.client.grpc_client import Client
+from splitserve.worker_common.loop_clock import PHASES
 from tests.observability.capture import json_log_lines
-from tests.observability.scrape import Scrape
+from tests.observability.scrape import Scrape, loop_phases, timed_worker_scrapes
 from tests.serving.conftest import start_deployment, wait_for
 
 
@@ -174,6 +175,41 @@ def test_gauges_show_queue_running_and_kv_per_worker(served):
         assert scrape.value("splitserve_worker_kv_blocks_in_use", **labels) == 0
     assert scrape.value("splitserve_worker_kv_blocks_cached", role="prefill") > 0  # the prompts above
     assert scrape.value("splitserve_worker_kv_blocks_cached", role="decode") == 0  # no prefix cache there
+
+
+def test_worker_loop_phases_add_up_to_its_wall_clock(served):
+    """Every second of each worker's loop thread is in one phase: over a run of a few requests, the phases'
+    seconds add up to the time between two scrapes, the model ran and the loop also idled."""
+    first = timed_worker_scrapes(served.address)
+    with Client(served.address) as client, ThreadPoolExecutor(3) as pool:
+        prompts = [[11 * i + j for j in range(20 + 7 * i)] for i in range(3)]
+        results = list(pool.map(lambda p: client.generate(token_ids=p, max_tokens=8, ignore_eos=True), prompts))
+    assert [r.completion_tokens for r in results] == [8, 8, 8]
+    time.sleep(0.5)  # idle, so that the window is long against a scrape's own time
+    last = timed_worker_scrapes(served.address)
+    assert set(last) == {"prefill-0", "decode-0"}
+    for worker_id in last:
+        wall, phases = loop_phases(first[worker_id], last[worker_id])
+        assert set(phases) == set(PHASES)
+        assert sum(phases.values()) == pytest.approx(wall, rel=0.05), (worker_id, wall, phases)
+        assert phases["run"] > 0 and phases["idle"] > 0, (worker_id, phases)
+        assert phases["schedule"] > 0 and phases["apply"] > 0 and phases["stream"] > 0, (worker_id, phases)
+        assert min(phases.values()) >= 0, (worker_id, phases)
+
+
+def test_router_relay_cost_counts_every_token(served):
+    before = router_metrics(served)
+    with Client(served.address) as client:
+        result = client.generate(token_ids=list(range(30, 45)), max_tokens=12, ignore_eos=True)
+    after = router_metrics(served)
+
+    def delta(name: str) -> float:
+        return after.value(name) - before.value(name)
+
+    assert result.completion_tokens == 12
+    assert delta("splitserve_router_relayed_tokens_total") == 12
+    assert delta("splitserve_generation_tokens_total") == 12
+    assert 0 < delta("splitserve_router_relay_seconds_total") < result.timing["total_ms"] / 1e3
 
 
 def test_status_table_and_json(served, capsys):

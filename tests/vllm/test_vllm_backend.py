@@ -4,16 +4,19 @@ starts in about 10 s in eager mode); real worker processes on the session's embe
 
 from __future__ import annotations
 
+import time
+
 import grpc
 import pytest
 
 from splitserve.client.grpc_client import Client, make_request
 from splitserve.v1 import splitserve_pb2 as pb
 from tests.conftest import EOS_PROMPT
+from tests.observability.scrape import loop_phases, timed_worker_scrapes
 from tests.serving.conftest import start_deployment, wait_for
 from tests.serving.crash import kill_worker
 from tests.serving.streams import stream_all
-from tests.vllm.conftest import GREEDY, PROMPTS
+from tests.vllm.conftest import GREEDY, MAX_TOKENS, PROMPTS
 
 
 @pytest.fixture(scope="module")
@@ -23,6 +26,7 @@ def deployment(ray_session, serving_model):
         mode="colocated",
         engine={"backend": "vllm", "kv_cache_bytes": 64 << 20, "max_num_batched_tokens": 256},
         colocated={"replicas": 1, "threads": 1, "max_restarts": 2},
+        metrics_port=0,  # the loop phases' test
     )
     yield deployment
     deployment.stop()
@@ -112,6 +116,21 @@ def test_cancel_mid_stream_frees_every_block(deployment):
     assert_no_blocks_in_use(deployment)
     with Client(deployment.address) as client:  # the worker goes on serving
         assert len(client.generate(token_ids=PROMPTS[0], max_tokens=3, temperature=0.0).token_ids) == 3
+
+
+def test_the_loop_phases_add_up_to_the_wall_clock(deployment):
+    """vLLM's schedule, model and update are booked to the worker loop's phases as the splitserve engine's are
+    (tests/serving/test_metrics.py): they add up to the wall clock between two scrapes."""
+    first = timed_worker_scrapes(deployment.address)
+    with Client(deployment.address) as client:
+        for prompt in PROMPTS[:2]:
+            assert len(client.generate(token_ids=prompt, **GREEDY).token_ids) == MAX_TOKENS
+    time.sleep(0.5)  # idle, so that the window is long against a scrape's own time
+    (worker_id,) = last = timed_worker_scrapes(deployment.address)
+    wall, phases = loop_phases(first[worker_id], last[worker_id])
+    assert sum(phases.values()) == pytest.approx(wall, rel=0.05), (wall, phases)
+    assert phases["run"] > 0 and phases["schedule"] > 0 and phases["apply"] > 0 and phases["idle"] > 0, phases
+    assert min(phases.values()) >= 0, phases
 
 
 def test_a_killed_vllm_worker_is_restarted_and_rejoins(deployment, vllm_offline):
