@@ -227,6 +227,7 @@ def deployment_config(args, name: str):
             "dtype": args.serve_dtype,
             "port": 0,
             "openai_port": 0,
+            "metrics_port": 0,  # where the served time went (splitserve.bench.timeline)
             "model_name": SERVED_NAME,
             **({"engine": {"kv_cache_bytes": 512 << 20}} | DEPLOYMENTS[name][1](args)),
         }
@@ -236,9 +237,13 @@ def deployment_config(args, name: str):
 SERVED_NAME = "bench-model"  # the name both splitserve and vLLM serve the checkpoint under
 
 
-def openai_workload(base_url: str, requests: list, in_flight: list[int], timeout_s: float) -> dict[int, dict]:
-    """The same requests at each concurrency through `splitserve bench --backend openai` (in process)."""
+def openai_workload(
+    base_url: str, requests: list, in_flight: list[int], timeout_s: float, timeline_addr: str | None = None
+) -> dict[int, dict]:
+    """The same requests at each concurrency through `splitserve bench --backend openai` (in process); with a
+    splitserve router's gRPC ``timeline_addr``, where the served time went too (``timeline``, printed)."""
     from splitserve.bench.runner import BenchConfig, benchmark
+    from splitserve.bench.timeline import format_timeline, timed
 
     out = {}
     for n in in_flight:
@@ -251,8 +256,10 @@ def openai_workload(base_url: str, requests: list, in_flight: list[int], timeout
             ignore_eos=True,
             request_timeout_s=timeout_s,
             progress=False,
+            timeline_addr=timeline_addr,
         )
-        result = benchmark(requests, [0.0] * len(requests), config, SERVED_NAME, "random")
+        run = timed(benchmark) if timeline_addr is not None else benchmark
+        result = run(requests, [0.0] * len(requests), config, SERVED_NAME, "random")
         out[n] = {
             k: result[k]
             for k in (
@@ -274,6 +281,9 @@ def openai_workload(base_url: str, requests: list, in_flight: list[int], timeout
             f"    {n} in flight: {result['output_throughput']:.1f} output tok/s, mean TTFT "
             f"{result['mean_ttft_ms']:.0f} ms, mean TPOT {result['mean_tpot_ms']:.0f} ms, failed {result['failed']}"
         )
+        if "timeline" in result:
+            out[n]["timeline"] = result["timeline"]
+            log(format_timeline(result["timeline"]))
     return out
 
 
@@ -398,7 +408,11 @@ def main() -> int:
                 f"tokens) on {label} over its OpenAI port ..."
             )
             served[label] = openai_workload(
-                f"http://{deployment.openai_address}", workload, args.in_flight, args.request_timeout
+                f"http://{deployment.openai_address}",
+                workload,
+                args.in_flight,
+                args.request_timeout,
+                timeline_addr=address,
             )
         finally:
             deployment.stop()

@@ -31,6 +31,9 @@ class BenchConfig:
     goodput: Mapping[str, float] = field(default_factory=dict)  # SLOs in ms: ttft, tpot, e2el
     progress: bool = True
     security: ClientSecurity = field(default_factory=ClientSecurity)  # TLS and the API key
+    # backend "openai" against a splitserve router's OpenAI port: the router's gRPC address, to read where the
+    # served time went (splitserve.bench.timeline); backend "splitserve" reads it from ``addr``.
+    timeline_addr: str | None = None
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:

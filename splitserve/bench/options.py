@@ -38,6 +38,12 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="with --backend openai: the served model name (default: the first id of GET /v1/models)",
     )
+    p.add_argument(
+        "--timeline-addr",
+        default=None,
+        help="with --backend openai against a splitserve router's OpenAI port: the router's gRPC host:port, to "
+        "print where the served time went (--backend splitserve reads it from --addr)",
+    )
     add_workload_arguments(p)
     a = p.add_argument_group("load")
     a.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most (closed loop)")
@@ -163,8 +169,8 @@ def run_bench(args: argparse.Namespace) -> int:
         raise ValueError("--dataset mooncake: a trace keeps its own arrival times; run it at several --time-scale")
     security = ClientSecurity(**client_security(args))
     openai = args.backend == "openai"
-    if openai != (args.base_url is not None) or (args.model is not None and not openai):
-        raise ValueError("--base-url, --model: only with --backend openai, which needs --base-url")
+    if openai != (args.base_url is not None) or ((args.model or args.timeline_addr) is not None and not openai):
+        raise ValueError("--base-url, --model, --timeline-addr: only with --backend openai, which needs --base-url")
     config = BenchConfig(
         addr=args.addr,
         backend=args.backend,
@@ -180,6 +186,7 @@ def run_bench(args: argparse.Namespace) -> int:
         goodput=parse_goodput(args.goodput),
         progress=not args.no_progress,
         security=security,
+        timeline_addr=args.timeline_addr,
     )
     load = _ray_load(args)
     server = _openai_server(args, security.api_key) if openai else _grpc_server(args, security)

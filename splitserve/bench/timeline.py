@@ -100,10 +100,13 @@ class Probe:
         """Read the endpoints from the router's status and take the first reading; None, with a one-line
         note on stderr, when the server does not expose them."""
         try:
-            if config.backend != "splitserve":
-                raise TimelineUnavailable(f"--backend {config.backend}: no splitserve router to ask for its metrics")
+            addr = config.addr if config.backend == "splitserve" else config.timeline_addr
+            if addr is None:
+                raise TimelineUnavailable(
+                    f"--backend {config.backend}: no splitserve router to ask for its metrics (--timeline-addr)"
+                )
             try:
-                status = asyncio.run(get_status(config.addr, security=config.security))
+                status = asyncio.run(get_status(addr, security=config.security))
             except grpc.RpcError as e:
                 raise TimelineUnavailable(f"cannot read the router's status: {e.code().name}") from None
             endpoints = Endpoints.of_status(status)

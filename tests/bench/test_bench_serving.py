@@ -285,6 +285,38 @@ def test_the_openai_backend_measures_as_the_grpc_one(deployment, tmp_path):
     assert result["max_concurrency"] == 3 and result["output_throughput"] > 0
 
 
+def test_the_openai_backend_reads_where_the_time_went_from_timeline_addr(deployment, tmp_path):
+    """Over splitserve's OpenAI port, with the router's gRPC address as --timeline-addr: the same table and key
+    as over gRPC, the router's relay counted for every token the OpenAI clients received."""
+    path = tmp_path / "openai.json"
+    out = run_bench(
+        "--backend",
+        "openai",
+        "--base-url",
+        f"http://{deployment.openai_address}",
+        "--timeline-addr",
+        deployment.address,
+        "--vocab-size",
+        "2048",
+        *("--num-prompts", "5", "--input-len", "16", "--output-len", "7", "--max-concurrency", "5"),
+        "--save-result",
+        str(path),
+    )
+    result = json.loads(path.read_text())
+    assert result["backend"] == "openai" and result["failed"] == 0 and result["completed"] == 5
+    assert "=== Where the time went ===" in out.stdout and "no timeline" not in out.stderr
+    timeline = result["timeline"]
+    assert [w["worker_id"] for w in timeline["workers"]] == ["prefill-0", "decode-0"]
+    for worker in timeline["workers"]:
+        assert sum(worker["phases_s"].values()) == pytest.approx(worker["wall_s"], rel=0.05), worker
+    assert timeline["router"]["relayed_tokens"] == result["total_output_tokens"] == 35
+
+
+def test_timeline_addr_is_for_the_openai_backend_only(deployment):
+    out = run_bench("--addr", deployment.address, "--timeline-addr", deployment.address, returncode=2)
+    assert "--timeline-addr: only with --backend openai" in out.stderr
+
+
 def test_the_openai_backend_names_a_model_the_server_lacks(deployment):
     out = run_bench(
         "--backend",
