@@ -8,6 +8,9 @@
 // and the accumulation are float32 for every input dtype (float32, bfloat16). Items run on torch's intra-op
 // threads (at::parallel_for), so torch.set_num_threads bounds them.
 //
+// Where the compiler targets AVX-512 (-march=native on such a CPU), blocks whose size and head_dim are multiples of
+// 16 take attend_rows_avx512 (below); every other shape, and every other CPU, the portable loops.
+//
 // Built by engine/attention/cpu_paged_decode.py with torch.utils.cpp_extension, once per machine (the build
 // key includes the CPU's flags: -march=native code runs only where it was built).
 
@@ -21,6 +24,9 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 #include <type_traits>
 #include <vector>
 
@@ -90,6 +96,83 @@ inline float dot_product(const float* q, const float* k, int64_t d) {
   return sum;
 }
 
+#if defined(__AVX512F__)
+// The AVX-512 path (block_size and head_dim multiples of 16): a block is taken 16 rows at a time. For each query
+// of the group, the 16 rows' dot products are 16 vector accumulators reduced into one vector at once (lane t:
+// row t), the softmax's exp is vectorized, and the value accumulation keeps each 16-wide slice of the output in a
+// register across the rows. Rows of the 16 outside [t0, t1) are read (they lie in the same block) but masked out
+// of the maximum and the sum, and never reach the values.
+constexpr int64_t TILE = 16;
+
+inline __m512 exp_nonpositive(__m512 x) {  // exp_nonpositive above, 16 lanes at once
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_add_ps(t, _mm512_set1_ps(0.5f)), _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.693147180559945309f));
+  __m512 p = _mm512_set1_ps(1.3888889e-3f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(8.3333333e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(4.1666667e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.6666667e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// One vector whose lane t is the sum of v[t]'s 16 lanes: pairs, then quads, within 128-bit lanes, then across them.
+inline __m512 sum_each(const __m512 (&v)[TILE]) {
+  __m512 w[8], x[4];
+  for (int k = 0; k < 8; ++k)
+    w[k] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * k], v[2 * k + 1]), _mm512_unpackhi_ps(v[2 * k], v[2 * k + 1]));
+  for (int k = 0; k < 4; ++k) {
+    const __m512d a = _mm512_castps_pd(w[2 * k]), b = _mm512_castps_pd(w[2 * k + 1]);
+    x[k] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  // x[k], in each 128-bit lane L: the lane-L sums of v[4k .. 4k + 3]; add the four lanes, v[4j + i] to lane 4j + i.
+  const __m512 z0 = _mm512_add_ps(_mm512_shuffle_f32x4(x[0], x[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                  _mm512_shuffle_f32x4(x[0], x[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512 z1 = _mm512_add_ps(_mm512_shuffle_f32x4(x[2], x[3], _MM_SHUFFLE(2, 0, 2, 0)),
+                                  _mm512_shuffle_f32x4(x[2], x[3], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(z0, z1, _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(z0, z1, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// Rows [t0, t1) of one block (keys, values: the block's rows as float32, all block_size of them readable) for the
+// group's queries qf [group, d] (scaled), folded into the online softmax's run_max, run_sum and acc [group, d].
+inline void attend_rows_avx512(const float* qf, const float* keys, const float* values, int64_t t0, int64_t t1,
+                               int64_t group, int64_t d, float* run_max, float* run_sum, float* acc) {
+  alignas(64) float p[TILE];
+  for (int64_t c0 = t0 / TILE * TILE; c0 < t1; c0 += TILE) {
+    const int64_t lo = std::max(t0, c0) - c0, hi = std::min(t1, c0 + TILE) - c0;
+    const __mmask16 mask = static_cast<__mmask16>(((1u << hi) - 1u) & ~((1u << lo) - 1u));
+    const float* k = keys + c0 * d;
+    const float* v = values + c0 * d;
+    for (int64_t g = 0; g < group; ++g) {
+      __m512 dots[TILE];
+      for (int t = 0; t < TILE; ++t) dots[t] = _mm512_setzero_ps();
+      for (int64_t i = 0; i < d; i += TILE) {
+        const __m512 qv = _mm512_loadu_ps(qf + g * d + i);
+        for (int t = 0; t < TILE; ++t) dots[t] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(k + t * d + i), dots[t]);
+      }
+      const __m512 scores = sum_each(dots);
+      const float new_max = std::max(run_max[g], _mm512_mask_reduce_max_ps(mask, scores));
+      const float correction = exp_nonpositive(run_max[g] - new_max);  // about 0 on the first rows
+      run_max[g] = new_max;
+      const __m512 e = _mm512_maskz_mov_ps(mask, exp_nonpositive(_mm512_sub_ps(scores, _mm512_set1_ps(new_max))));
+      run_sum[g] = run_sum[g] * correction + _mm512_reduce_add_ps(e);
+      _mm512_store_ps(p, e);
+      float* a = acc + g * d;
+      for (int64_t i = 0; i < d; i += TILE) {
+        __m512 out = _mm512_loadu_ps(a + i);
+        if (correction != 1.0f) out = _mm512_mul_ps(out, _mm512_set1_ps(correction));
+        for (int64_t t = lo; t < hi; ++t) out = _mm512_fmadd_ps(_mm512_set1_ps(p[t]), _mm512_loadu_ps(v + t * d + i), out);
+        _mm512_storeu_ps(a + i, out);
+      }
+    }
+  }
+}
+#endif
+
 template <typename scalar_t>
 void decode_rows(const scalar_t* q, const scalar_t* cache, const int64_t* tables, const int64_t* lens,
                  scalar_t* out, int64_t batch, int64_t heads, int64_t kv_heads, int64_t block_size,
@@ -97,6 +180,9 @@ void decode_rows(const scalar_t* q, const scalar_t* cache, const int64_t* tables
   const int64_t group = heads / kv_heads;
   const int64_t d = head_dim;
   const int64_t block_elems = block_size * d;
+#if defined(__AVX512F__)
+  const bool tiled = block_size % TILE == 0 && d % TILE == 0;
+#endif
   at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(group * d), acc(group * d), scores(group * block_size), run_max(group), run_sum(group);
     std::vector<float> kbuf(std::is_same_v<scalar_t, float> ? 0 : block_elems), vbuf(kbuf.size());
@@ -120,6 +206,12 @@ void decode_rows(const scalar_t* q, const scalar_t* cache, const int64_t* tables
         const int64_t id = table[blk];
         const float* keys = rows(cache + ((id * 2) * kv_heads + h) * block_elems, t0, t1, d, kbuf.data());
         const float* values = rows(cache + ((id * 2 + 1) * kv_heads + h) * block_elems, t0, t1, d, vbuf.data());
+#if defined(__AVX512F__)
+        if (tiled) {
+          attend_rows_avx512(qf.data(), keys, values, t0, t1, group, d, run_max.data(), run_sum.data(), acc.data());
+          continue;
+        }
+#endif
         for (int64_t t = t0; t < t1; ++t) {
           const float* k = keys + t * d;
           for (int64_t g = 0; g < group; ++g) {
@@ -214,4 +306,11 @@ TORCH_LIBRARY(TORCH_EXTENSION_NAME, m) {
 
 TORCH_LIBRARY_IMPL(TORCH_EXTENSION_NAME, CPU, m) { m.impl("paged_decode", &paged_decode); }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {}  // loading the module registers the operator
+// Loading the module registers the operator; ``tiled()`` says whether this build has the AVX-512 path.
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+#if defined(__AVX512F__)
+  m.def("tiled", [] { return true; });
+#else
+  m.def("tiled", [] { return false; });
+#endif
+}

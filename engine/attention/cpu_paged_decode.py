@@ -158,9 +158,17 @@ def paged_decode_cpu(
     return op(q, cache_layer, block_tables.long(), context_lens.long(), float(scale), window or 0)
 
 
-# Registered by paged_decode.py's registry on first selection (OPTIONAL_BACKEND_MODULES), for float32 only: the
-# kernel runs bfloat16 too (``paged_decode_cpu``), but measured slower than the reference's SDPA there past short
-# contexts (docs/performance.md), so the registry does not offer it for bfloat16.
+def tiled() -> bool:
+    """Whether the loaded kernel has its AVX-512 path (built on a CPU with AVX-512; False when unavailable)."""
+    module = load()
+    return module is not None and bool(module.tiled())
+
+
+# Registered by paged_decode.py's registry on first selection (OPTIONAL_BACKEND_MODULES), for float32 only. The
+# kernel runs bfloat16 too (``paged_decode_cpu``): its portable loops measured slower than the reference's SDPA
+# there past short contexts, and its AVX-512 path faster than both the reference and the gather, but greedy bf16
+# output through it drifted from transformers' past the tie rule (tests/engine/test_parity_paths.py), where the
+# gather, cut to the span and summed by SDPA as transformers does, stays within it (docs/performance.md).
 REGISTERED_DTYPES = (torch.float32,)
 BACKENDS = (("cpu", paged_decode_cpu, lambda device: is_available(device, torch.float32), REGISTERED_DTYPES),)
 

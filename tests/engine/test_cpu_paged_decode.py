@@ -96,6 +96,13 @@ def test_registry_selects_it_for_float32_on_cpu_only():
     assert registry.select("cpu", torch.float16).name == "torch"
 
 
+@needs_kernel
+def test_tiled_path_follows_the_cpu():
+    """-march=native: the AVX-512 path is built exactly where the CPU has AVX-512F."""
+    flags = cpu_paged_decode.cpu_signature()
+    assert cpu_paged_decode.tiled() == (" avx512f " in f" {flags.split('flags: ', 1)[-1].split(' | ')[0]} ")
+
+
 def test_build_failure_falls_back_with_a_logged_reason(monkeypatch, caplog):
     def broken_build():
         raise RuntimeError("no compiler here")
