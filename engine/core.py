@@ -68,8 +68,8 @@ class EngineSettings:
     # weights in float32 take <= RAM/4
     linear_fp32_weights: bool | None = None
     # Decode-only steps: "static" pads the batch to a bucket in persistent buffers (engine/runner/static_decode.py),
-    # "dynamic" runs them as every other step; "auto": static on CUDA, dynamic on CPU (measured faster
-    # there: docs/performance.md).
+    # "dynamic" runs them as every other step; "auto": static on CUDA, dynamic on CPU (static measured no
+    # faster there, with the CPU kernel on both paths: docs/performance.md).
     decode_path: str = "auto"
     # The decodes of dynamic steps: "in_place" attends them through their block tables with the preferred
     # paged_decode backend that reads the cache in place (the CPU kernel, Triton on CUDA; the gather where
