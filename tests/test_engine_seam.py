@@ -179,6 +179,8 @@ class FakeEngine:
     def take_block_events(self) -> list:
         return []
 
+    prefix_block_size = 16
+
     def check_request(self, token_ids: list[int], sampling) -> None:
         if any(not 0 <= t < VOCAB for t in token_ids):
             raise ValueError("token_ids: outside the vocabulary")

@@ -247,6 +247,11 @@ class Engine(TensorParallel, Protocol):
         """The prefix cache's block events (``kind``: "stored" | "removed", ``block_hashes``) since the last call."""
         ...
 
+    @property
+    def prefix_block_size(self) -> int:
+        """The block size of the hashes ``cached_hashes`` and the block events carry (the router's)."""
+        ...
+
     # ---- model facts and checks -----------------------------------------------------------------
 
     @property

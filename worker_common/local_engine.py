@@ -197,6 +197,10 @@ class LocalEngine:
         with self.lock:
             return self.core.blocks.take_events()
 
+    @property
+    def prefix_block_size(self) -> int:
+        return self.core.config.block_size
+
     # ---- model facts and checks -----------------------------------------------------------------
 
     @property

@@ -52,6 +52,7 @@ from pathlib import Path
 from typing import Any
 
 from splitserve.engine.core import EngineConfig
+from splitserve.engine.kv_cache.block_manager import BlockEvent
 from splitserve.engine.kv_cache.cache import KVCache, KVCacheSpec
 from splitserve.engine.model.config import ModelConfig
 from splitserve.engine.model.loader import checkpoint_files
@@ -61,6 +62,7 @@ from splitserve.engine.tp.step import PlanChannel
 from splitserve.worker_common.engine_api import ModelFacts, StepKind, StepResult
 from splitserve.worker_common.loop_clock import LoopClock
 from splitserve.worker_common.metrics import WorkerMetrics
+from splitserve.worker_common.vllm_prefix_events import VllmPrefixEvents
 
 logger = logging.getLogger(__name__)
 
@@ -169,6 +171,51 @@ def checkpoint_digest(model_dir: str) -> str:
     return "vllm-" + digest.hexdigest()[:32]
 
 
+class _StateRewind:
+    """A CPU generator as vLLM's model runner rewinds it. vLLM discards the token it samples for a request whose
+    prompt is still being prefilled (a partial chunk) and rewinds that request's generator by its Philox offset,
+    which only CUDA generators have: on a CPU generator ``get_offset`` raises, failing the step. This stands in
+    for the generator there and rewinds it by state instead, to where it was before the step sampled."""
+
+    def __init__(self, generator: Any, state: Any) -> None:
+        self.generator, self.state = generator, state
+
+    def get_offset(self) -> int:
+        return 0
+
+    def set_offset(self, offset: int) -> None:
+        if self.state is not None:
+            self.generator.set_state(self.state)
+
+
+def rewind_cpu_generators(runner: Any) -> None:
+    """Let vLLM's model runner rewind seeded CPU generators after a partial prefill chunk (``_StateRewind``): the
+    generators' states are kept before each sampling, and the runner's bookkeeping, which rewinds the discarded
+    requests' generators, sees the CPU ones through ``_StateRewind``. A seeded request then draws the same tokens
+    however its prompt was chunked, as on CUDA."""
+    sample, bookkeeping = runner._sample, runner._bookkeeping_sync
+    states: dict[int, Any] = {}
+
+    def _sample(*args: Any, **kwargs: Any) -> Any:
+        states.clear()
+        states.update({id(g): g.get_state() for g in runner.input_batch.generators.values() if g.device.type == "cpu"})
+        return sample(*args, **kwargs)
+
+    def _bookkeeping_sync(*args: Any, **kwargs: Any) -> Any:
+        batch = runner.input_batch
+        real = batch.generators
+        batch.generators = {
+            i: _StateRewind(g, states.get(id(g))) if g.device.type == "cpu" else g for i, g in real.items()
+        }
+        try:
+            return bookkeeping(*args, **kwargs)
+        finally:
+            batch.generators = real
+            states.clear()
+
+    runner._sample, runner._bookkeeping_sync = _sample, _bookkeeping_sync
+
+
 @dataclass(frozen=True)
 class VllmStep:
     """A ``ScheduledStep`` of this engine: vLLM's scheduler output and the requests it scheduled."""
@@ -272,6 +319,14 @@ class VllmEngine:
             kv_role = "kv_producer" if role == "prefill" else "kv_consumer"
             args["kv_transfer_config"] = KVTransferConfig(**CONNECTOR, kv_role=kv_role, engine_id=self._engine_id)
             args["disable_hybrid_kv_cache_manager"] = True
+        # Prefix-cache events for the router (prefill and colocated workers, which it routes by prefix): vLLM's
+        # own events, translated to the router's hashes by VllmPrefixEvents; vllm_args may set its own publisher.
+        self._prefix: VllmPrefixEvents | None = None
+        wants_events = role in ("prefill", "colocated") and config.enable_prefix_caching
+        if wants_events and "kv_events_config" not in extra:
+            from vllm.config import KVEventsConfig
+
+            args["kv_events_config"] = KVEventsConfig(enable_kv_cache_events=True, publisher="null")
         start = time.monotonic()
         try:
             self._llm = LLMEngine.from_engine_args(EngineArgs(**args))
@@ -279,6 +334,9 @@ class VllmEngine:
             torch.set_num_threads = set_num_threads
         self._core = self._llm.engine_core.engine_core  # the in-process EngineCore
         self._scheduler = self._core.scheduler
+        if wants_events:
+            self._prefix = VllmPrefixEvents(config.block_size, inner=self._scheduler.kv_event_publisher)
+            self._scheduler.kv_event_publisher = self._prefix
         vc = self._llm.vllm_config
         mc = vc.model_config
         self._model = ModelFacts(
@@ -292,8 +350,9 @@ class VllmEngine:
         )
         self._max_model_len = mc.max_model_len
         self._region: KVCache | None = None
+        runner = self._core.model_executor.driver_worker.worker.model_runner
+        rewind_cpu_generators(runner)
         if self._link is not None:
-            runner = self._core.model_executor.driver_worker.worker.model_runner
             self._region = vllm_kv_region(runner.kv_caches, self._model, mc.dtype)
         self._requests: dict[str, Request] = {}  # vLLM's request id -> ours
         self._ids: dict[str, str] = {}  # our request id -> vLLM's
@@ -618,10 +677,17 @@ class VllmEngine:
         return self._region
 
     def cached_hashes(self) -> list[int]:
-        return []  # vLLM's prefix cache hashes blocks its own way: the router routes these workers by load
+        """The router's hashes of the prompt blocks vLLM's prefix cache holds (``VllmPrefixEvents``)."""
+        with self.lock:
+            return self._prefix.cached_hashes() if self._prefix is not None else []
 
-    def take_block_events(self) -> list:
-        return []
+    def take_block_events(self) -> list[BlockEvent]:
+        with self.lock:
+            return self._prefix.take_events() if self._prefix is not None else []
+
+    @property
+    def prefix_block_size(self) -> int:
+        return self.config.block_size
 
     # ---- model facts and checks -----------------------------------------------------------------
 

@@ -47,8 +47,9 @@ def deployment_config(model_dir: str, drill: str, backend: str = "splitserve") -
         "model": str(model_dir),
         # vLLM's worker takes its KV cache at start: a small one keeps its start quick.
         "engine": {"backend": backend, **({"kv_cache_bytes": 64 << 20} if backend == "vllm" else {})},
-        # vLLM workers publish no prefix-cache events, so prefix-aware routing has only load to go by and may
-        # send every stream to one prefill worker: round robin gives the victim its share.
+        # These prompts are shorter than one of vLLM's 128-token blocks, so vLLM's prefix cache (and the events
+        # its workers publish) holds none of them; prefix-aware routing has only load to go by and may send every
+        # stream to one prefill worker: round robin gives the victim its share.
         **({"router": {"routing_policy": "round_robin"}} if backend == "vllm" else {}),
         "dtype": "float32",
         "port": 0,

@@ -4,12 +4,17 @@ starts in about 10 s in eager mode); real worker processes on the session's embe
 
 from __future__ import annotations
 
+import asyncio
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
 
 from splitserve.client.grpc_client import Client, make_request
+from splitserve.engine.kv_cache.block_hash import block_hashes
+from splitserve.rpc import workers_pb2 as wpb
+from splitserve.rpc import workers_pb2_grpc as wpb_grpc
 from splitserve.v1 import splitserve_pb2 as pb
 from tests.conftest import EOS_PROMPT
 from tests.observability.scrape import loop_phases, timed_worker_scrapes
@@ -87,6 +92,24 @@ def test_a_seed_repeats_and_sampling_varies_without_one(deployment):
     assert a != c
 
 
+def test_a_sampled_request_whose_prompt_is_chunked(deployment, caplog):
+    """A prompt longer than the step's token budget (256) is prefilled in chunks; a seeded sampled request's draws
+    at its partial chunks are rewound on CPU as vLLM rewinds CUDA generators (a CPU generator has no offset), so
+    it neither fails nor depends on how its prompt was chunked: the same seed repeats, alone or beside another."""
+    long_prompt = [3 + (13 * j) % 2000 for j in range(600)]
+    sampled = dict(max_tokens=8, temperature=1.0, seed=1234, ignore_eos=True)
+    with Client(deployment.address) as client:
+        alone = client.generate(token_ids=long_prompt, **sampled)
+        assert len(alone.token_ids) == 8 and alone.finish_reason == "length"
+        with ThreadPoolExecutor(2) as pool:  # another prompt beside it shifts its chunks
+            beside = pool.submit(client.generate, token_ids=PROMPTS[4] * 2, **sampled)
+            again = client.generate(token_ids=long_prompt, **sampled)
+            assert len(beside.result(timeout=120).token_ids) == 8
+    assert again.token_ids == alone.token_ids
+    assert "failed" not in caplog.text  # no step failed and no prefill was retried (the router logs both)
+    assert_no_blocks_in_use(deployment)
+
+
 def test_bad_input_is_refused_by_the_router_and_others_go_on(deployment):
     with Client(deployment.address) as client:
         stream = client.stream(token_ids=PROMPTS[3], max_tokens=40, temperature=0.0, ignore_eos=True)
@@ -161,3 +184,47 @@ def test_logprobs_equal_the_splitserve_engines(deployment, serving_model):
         assert [t.token_id for t in got.top] == [t for t, _ in want.top]
         assert all(abs(t.logprob - v) < 1e-4 for t, (_, v) in zip(got.top, want.top, strict=True))
     assert all(e.rank == 1 for e in served.logprobs)  # greedy: the chosen token is the top-1 entry
+
+
+VLLM_CPU_BLOCK = 128  # vLLM's KV page on CPU (the router hashes prompts at engine.block_size, 16)
+
+
+def router_view(deployment) -> dict[str, set[int]]:
+    """The router's copy of each worker's prefix cache, read on the router's loop."""
+
+    async def copy():
+        return {w.view.worker_id: set(w.view.cached_hashes) for w in deployment.router.pool.prefill}
+
+    return asyncio.run_coroutine_threadsafe(copy(), deployment.router_host.loop).result(5)
+
+
+def test_the_router_follows_vllms_prefix_cache_and_routes_by_it(deployment):
+    """vLLM's cached blocks reach the router as its own block hashes (worker_common/vllm_prefix_events.py): the
+    router's view equals the worker's snapshot and holds the prompt's full vLLM blocks. With a second worker,
+    prompts spread by load come back, each on the worker that caches it (routed by the hashes: on idle workers
+    load alone sends every repeat to the same one)."""
+    (handle,) = deployment.router.pool.prefill
+    vllm_block, router_block = VLLM_CPU_BLOCK, deployment.router.config.block_size
+    prompts = [[100 + (41 * i + 7 * j) % 1900 for j in range(vllm_block * 2 + 40)] for i in range(4)]
+    full = [block_hashes(p, router_block)[: 2 * vllm_block // router_block] for p in prompts]
+    with Client(deployment.address) as client:
+        assert client.generate(token_ids=prompts[0], max_tokens=1).token_ids
+    wait_for(lambda: set(full[0]) <= router_view(deployment)[handle.view.worker_id], 10)
+    with grpc.insecure_channel(handle.spec.address) as channel:
+        snapshot = next(iter(wpb_grpc.PrefillWorkerStub(channel).CacheEvents(wpb.CacheEventsRequest(), timeout=10)))
+    assert snapshot.kind == wpb.CacheEvent.SNAPSHOT and snapshot.block_size == router_block
+    assert set(snapshot.block_hashes) == router_view(deployment)[handle.view.worker_id]
+    assert deployment.router_host.run(deployment.scale({"colocated": 2}), 180) == {"colocated": 2}
+    try:
+        wait_for(lambda: sum(w.healthy for w in deployment.router.pool.prefill) == 2, 120, 0.5)
+        with Client(deployment.address) as client, ThreadPoolExecutor(3) as pool:
+            assert all(r.token_ids for r in pool.map(lambda p: client.generate(token_ids=p, max_tokens=1), prompts[1:]))
+        views = router_view(deployment)
+        holders = [[w for w, hashes in views.items() if set(f) <= hashes] for f in full]
+        assert all(holders) and len({h[0] for h in holders}) == 2, holders  # spread over both workers
+        with Client(deployment.address) as client:
+            for prompt in prompts:
+                assert client.generate(token_ids=[*prompt, 5], max_tokens=1).cached_tokens >= 2 * vllm_block
+    finally:
+        assert deployment.router_host.run(deployment.scale({"colocated": 1}), 180) == {"colocated": 1}
+    assert_no_blocks_in_use(deployment)

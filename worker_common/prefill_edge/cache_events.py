@@ -16,7 +16,7 @@ _KINDS = {"stored": wpb.CacheEvent.STORED, "removed": wpb.CacheEvent.REMOVED}
 
 class CacheEventFeed:
     def __init__(self, engine: Engine, lock: threading.RLock) -> None:
-        self.engine, self.lock, self.block_size = engine, lock, engine.model.block_size
+        self.engine, self.lock, self.block_size = engine, lock, engine.prefix_block_size
         self._subscribers: list[queue.Queue[Event]] = []
 
     def subscribe(self) -> tuple[queue.Queue[Event], list[int]]:
