@@ -7,6 +7,7 @@ offline ``LLM`` (in a process of its own: vllm changes torch's thread settings p
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import json
 import os
@@ -22,6 +23,15 @@ PROMPTS = [list(range(1, 30)), list(range(100, 140)), list(range(300, 320)), [7]
 MAX_TOKENS = 24
 GREEDY = dict(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
 REFERENCE_TIMEOUT_S = 300
+
+
+def router_view(deployment) -> dict[str, set[int]]:
+    """The router's copy of each prefill (or colocated) worker's prefix cache, read on the router's loop."""
+
+    async def copy():
+        return {w.view.worker_id: set(w.view.cached_hashes) for w in deployment.router.pool.prefill}
+
+    return asyncio.run_coroutine_threadsafe(copy(), deployment.router_host.loop).result(5)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -4,7 +4,6 @@ starts in about 10 s in eager mode); real worker processes on the session's embe
 
 from __future__ import annotations
 
-import asyncio
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -21,7 +20,7 @@ from tests.observability.scrape import loop_phases, timed_worker_scrapes
 from tests.serving.conftest import start_deployment, wait_for
 from tests.serving.crash import kill_worker
 from tests.serving.streams import stream_all
-from tests.vllm.conftest import GREEDY, MAX_TOKENS, PROMPTS
+from tests.vllm.conftest import GREEDY, MAX_TOKENS, PROMPTS, router_view
 
 
 @pytest.fixture(scope="module")
@@ -187,15 +186,6 @@ def test_logprobs_equal_the_splitserve_engines(deployment, serving_model):
 
 
 VLLM_CPU_BLOCK = 128  # vLLM's KV page on CPU (the router hashes prompts at engine.block_size, 16)
-
-
-def router_view(deployment) -> dict[str, set[int]]:
-    """The router's copy of each worker's prefix cache, read on the router's loop."""
-
-    async def copy():
-        return {w.view.worker_id: set(w.view.cached_hashes) for w in deployment.router.pool.prefill}
-
-    return asyncio.run_coroutine_threadsafe(copy(), deployment.router_host.loop).result(5)
 
 
 def test_the_router_follows_vllms_prefix_cache_and_routes_by_it(deployment):

@@ -14,6 +14,7 @@ import grpc
 import pytest
 
 from splitserve.client.grpc_client import Client, make_request
+from splitserve.engine.kv_cache.block_hash import block_hashes
 from tests.harness.drill import DRILLS, reference_outputs, run_drill
 from tests.serving.conftest import start_deployment, wait_for
 from tests.serving.streams import stream_all
@@ -28,7 +29,7 @@ from tests.serving.test_cancel import (
 )
 from tests.serving.test_faults import assert_drill
 from tests.threads import Background
-from tests.vllm.conftest import GREEDY, PROMPTS
+from tests.vllm.conftest import GREEDY, PROMPTS, router_view
 
 MAX_PAUSE_S = 10.0  # the splitserve engine's drills hold 5 s; a restarted vLLM worker takes longer to start
 MAX_BACK_S = 60.0
@@ -62,6 +63,10 @@ def test_greedy_1p1d_equals_vllm_offline_and_transformers(pd, vllm_offline, tran
     assert done.token_ids == vllm_offline[0]
     assert done.timing["prefill_worker"] != done.timing["decode_worker"]  # two workers, the KV moved
     assert_everything_freed(pd)
+    # The prefill worker's prefix cache reaches the router: PROMPTS[4]'s first vLLM block (128 tokens), as hashes.
+    (prefill,) = pd.router.pool.prefill
+    first_block = set(block_hashes(PROMPTS[4], pd.router.config.block_size)[: 128 // pd.router.config.block_size])
+    wait_for(lambda: first_block <= router_view(pd)[prefill.view.worker_id], 10)
 
 
 def test_logprobs_across_the_hand_off_equal_the_splitserve_engines(pd, serving_model):
