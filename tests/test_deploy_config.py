@@ -178,13 +178,23 @@ def test_from_file(tmp_path):
         ({"engine": {"vllm_args": {1: True}}}, "engine.vllm_args: must map"),
         ({"decode": {"backend": "vllm"}}, "decode.backend: prefill runs 'splitserve' and decode 'vllm'"),
         ({"engine": {"backend": "vllm"}, "prefill": {"backend": "splitserve"}}, "prefill.backend: prefill runs"),
-        ({"engine": {"backend": "vllm"}, "decode": {"tensor_parallel_size": 2}}, "decode.tensor_parallel_size: the"),
-        ({"mode": "colocated", "colocated": {"backend": "vllm", "tensor_parallel_size": 2}}, "colocated.tensor_par"),
     ],
 )
 def test_errors_name_the_field(raw, field):
     with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
         DeploymentConfig.from_dict(raw)
+
+
+def test_the_vllm_backend_takes_any_tensor_parallel_sizes():
+    config = DeploymentConfig.from_dict(
+        {"engine": {"backend": "vllm"}, "prefill": {"tensor_parallel_size": 2}, "decode": {"tensor_parallel_size": 1}}
+    )
+    assert config.engine_config("m", "prefill").tensor_parallel_size == 2
+    assert config.engine_config("m", "prefill").backend == "vllm"
+    colocated = DeploymentConfig.from_dict(
+        {"mode": "colocated", "colocated": {"backend": "vllm", "tensor_parallel_size": 2}}
+    )
+    assert colocated.engine_config("m", "colocated").tensor_parallel_size == 2
 
 
 CONFIGS = Path(__file__).resolve().parent.parent / "cluster_configs"

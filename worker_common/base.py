@@ -84,7 +84,9 @@ class WorkerBase:
         if engine is None and config.engine.backend == "vllm":
             from splitserve.worker_common.vllm_engine import VllmEngine  # imports vllm: only on this backend
 
-            engine = VllmEngine(config.engine, self.lock, self.metrics, config.cpus, role=config.role, wake=self.wake)
+            engine = VllmEngine(
+                config.engine, self.lock, self.metrics, config.cpus, role=config.role, wake=self.wake, ranks=ranks
+            )
         elif engine is None:
             engine = LocalEngine.build(
                 config.engine,

@@ -42,12 +42,13 @@ import hashlib
 import json
 import logging
 import os
+import pickle
 import struct
 import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -58,10 +59,13 @@ from splitserve.engine.model.config import ModelConfig
 from splitserve.engine.model.loader import checkpoint_files
 from splitserve.engine.sampling.params import SamplingParams, TokenLogprobs
 from splitserve.engine.scheduler.request import FinishReason, Request, RequestStatus
-from splitserve.engine.tp.step import PlanChannel
+from splitserve.engine.tp.distributed import CollectiveError
+from splitserve.engine.tp.layout import kv_head_range
+from splitserve.engine.tp.step import Foreign, PlanChannel
 from splitserve.worker_common.engine_api import ModelFacts, StepKind, StepResult
 from splitserve.worker_common.loop_clock import LoopClock
 from splitserve.worker_common.metrics import WorkerMetrics
+from splitserve.worker_common.tp.rank_link import Ranks
 from splitserve.worker_common.vllm_prefix_events import VllmPrefixEvents
 
 logger = logging.getLogger(__name__)
@@ -142,18 +146,156 @@ def token_logprobs(ids, logprobs, rank: int, k: int) -> TokenLogprobs:
 
 
 def vllm_environment(config: EngineConfig, cpus: Iterable[int] | None) -> dict[str, str]:
-    """The environment vLLM reads at import and start-up, for a worker of this config on these cores: the
-    engine core in this process, vLLM's OpenMP threads bound to the worker's cores (all of them: vLLM's
-    default keeps one for a front end this worker does not run), its CPU platform on a CPU device. Values
-    the operator set already are kept."""
+    """The environment vLLM reads at import and start-up, for a worker (or a rank of one) of this config on these
+    cores: the engine core in this process, vLLM's OpenMP threads bound to the worker's cores (all of them: vLLM's
+    default keeps one for a front end this worker does not run), its CPU platform on a CPU device. A rank of a
+    tensor-parallel worker that is not pinned takes its own share of the cores it may run on (rank r: the r-th
+    ``num_threads``), so that the ranks' threads do not pile onto the first cores. Values the operator set already
+    are kept."""
     env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
     if config.device == "cpu":
         env["VLLM_TARGET_DEVICE"] = "cpu"
-        cores = sorted(cpus) if cpus is not None else sorted(os.sched_getaffinity(0))
-        if config.num_threads:
-            cores = cores[: config.num_threads]
-        env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(str(c) for c in cores)
+        if cpus is not None:
+            cores = sorted(cpus)
+            if config.num_threads:
+                cores = cores[: config.num_threads]
+        else:
+            usable = sorted(os.sched_getaffinity(0))
+            size, rank = config.tensor_parallel_size, config.tensor_parallel_rank
+            n = config.num_threads or max(1, len(usable) // size)
+            cores = [usable[(rank * n + i) % len(usable)] for i in range(min(n, len(usable)))]
+        env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(str(c) for c in sorted(set(cores)))
     return env
+
+
+@dataclass(frozen=True)
+class VllmRanks:
+    """Where the ranks of a tensor-parallel vLLM worker meet: rank 0's rendezvous store (the one the worker's own
+    ``TPGroup`` formed on) and the group's id. vLLM's ranks form their process group there too (the external
+    launcher's ``env://``, every rank a client of that store: ``TORCHELASTIC_USE_AGENT_STORE``), and the group's
+    id names their CPU shared-memory all-reduce, so that two tensor-parallel vLLM workers on one node never share
+    one (vLLM names it after the init method, which is ``env://`` for every external launch)."""
+
+    host: str
+    port: int
+    group_id: str
+
+    def environment(self, rank: int, size: int) -> dict[str, str]:
+        return {
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(size),
+            "LOCAL_WORLD_SIZE": str(size),
+            "MASTER_ADDR": self.host,
+            "MASTER_PORT": str(self.port),
+            "TORCHELASTIC_USE_AGENT_STORE": "True",
+        }
+
+
+def ranks_executor(ranks: VllmRanks, rank: int) -> type:
+    """vLLM's external-launcher executor (one process per rank, each with its own engine) for a rank of a
+    splitserve tensor-parallel worker: rank 0 schedules, and every other rank runs the steps rank 0 sends it
+    (``VllmRank``) instead of scheduling its own."""
+    from vllm.v1.executor.uniproc_executor import ExecutorWithExternalLauncher
+
+    ident = "splitserve-" + "".join(c if c.isalnum() else "-" for c in ranks.group_id)
+
+    class SplitserveRanksExecutor(ExecutorWithExternalLauncher):
+        def _distributed_args(self) -> tuple[str, int, int]:
+            # env:// with the group's id after it: vLLM's CPU worker names the group's shared memory after the
+            # part of the init method past its last ':'; torch's env:// rendezvous reads the environment only.
+            return f"env://:{ident}", rank, rank
+
+    return SplitserveRanksExecutor
+
+
+def build_vllm(
+    config: EngineConfig, role: str, engine_id: str, cpus: Iterable[int] | None, ranks: VllmRanks | None
+) -> tuple[Any, bool]:
+    """vLLM's ``LLMEngine`` for this engine config in this role (a rank of a tensor-parallel worker with
+    ``ranks``); returns it and whether it publishes prefix-cache events."""
+    for key, value in vllm_environment(config, cpus).items():
+        os.environ.setdefault(key, value)
+    size = config.tensor_parallel_size
+    if size > 1:
+        if ranks is None:
+            raise ValueError("tensor_parallel_size: a tensor-parallel vllm worker needs its ranks' rendezvous")
+        os.environ.update(ranks.environment(config.tensor_parallel_rank, size))
+    import torch
+    from vllm.config import KVTransferConfig
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.engine.llm_engine import LLMEngine
+
+    # vLLM's CPU worker replaces torch.set_num_threads with a no-op once it binds its threads; the worker's
+    # loop thread, which runs the model, sets its own thread count (OpenMP's is per thread), so it is kept.
+    set_num_threads = torch.set_num_threads
+
+    # engine.block_size is this package's page: vLLM's attention backends take their own (CPU: multiples of
+    # 32), so vLLM picks its platform's unless vllm_args sets one; the block size in use is the model facts'.
+    extra = dict(config.vllm_args or {})
+    owned = sorted(_OWNED_ARGS & extra.keys())
+    if owned:
+        raise ValueError(f"vllm_args: {', '.join(owned)} set from the engine's own settings; set those instead")
+    args = {
+        "model": config.model_dir,
+        "dtype": config.dtype,
+        "max_num_seqs": config.max_num_seqs,
+        "max_num_batched_tokens": config.max_num_batched_tokens,
+        "enable_prefix_caching": config.enable_prefix_caching,
+        # Unset: the model's, or as long as the KV cache holds one request of (vLLM's auto-fit, -1), where
+        # vLLM would otherwise refuse to start; this engine's own cache has no such floor.
+        "max_model_len": config.max_model_len if config.max_model_len is not None else -1,
+        "tensor_parallel_size": size,
+        "distributed_executor_backend": ranks_executor(ranks, config.tensor_parallel_rank) if size > 1 else "uni",
+        "disable_log_stats": True,
+        **extra,
+    }
+    if extra.get("enforce_eager", True):  # eager unless vllm_args asks otherwise: no minutes of compiling
+        args["enforce_eager"] = True
+        args.setdefault("compilation_config", {"mode": 0})
+    if config.num_blocks is not None:
+        args["num_gpu_blocks_override"] = config.num_blocks
+    else:
+        args["kv_cache_memory_bytes"] = config.kv_cache_bytes
+    if role in ("prefill", "decode"):
+        kv_role = "kv_producer" if role == "prefill" else "kv_consumer"
+        args["kv_transfer_config"] = KVTransferConfig(**CONNECTOR, kv_role=kv_role, engine_id=engine_id)
+        args["disable_hybrid_kv_cache_manager"] = True
+    # Prefix-cache events for the router (prefill and colocated workers, which it routes by prefix): vLLM's
+    # own events, translated to the router's hashes by VllmPrefixEvents; vllm_args may set its own publisher.
+    wants_events = role in ("prefill", "colocated") and config.enable_prefix_caching
+    if wants_events and "kv_events_config" not in extra:
+        from vllm.config import KVEventsConfig
+
+        args["kv_events_config"] = KVEventsConfig(enable_kv_cache_events=True, publisher="null")
+    try:
+        llm = LLMEngine.from_engine_args(EngineArgs(**args))
+    finally:
+        torch.set_num_threads = set_num_threads
+    rewind_cpu_generators(llm.engine_core.engine_core.model_executor.driver_worker.worker.model_runner)
+    return llm, wants_events
+
+
+def model_facts_of(llm: Any, model_dir: str) -> ModelFacts:
+    vc = llm.vllm_config
+    mc = vc.model_config
+    return ModelFacts(
+        vocab_size=mc.get_vocab_size(),
+        num_layers=mc.get_num_layers(vc.parallel_config),
+        num_kv_heads=mc.get_total_num_kv_heads(),
+        head_dim=mc.get_head_size(),
+        dtype=str(mc.dtype).removeprefix("torch."),
+        weights_checksum=checkpoint_digest(model_dir),
+        block_size=vc.cache_config.block_size,
+    )
+
+
+def rank_kv_region(llm: Any, config: EngineConfig, model: ModelFacts) -> KVCache:
+    """This rank's part of vLLM's paged cache as one region: its KV heads (``kv_head_range``) of every layer."""
+    runner = llm.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
+    heads = kv_head_range(model.num_kv_heads, config.tensor_parallel_size, config.tensor_parallel_rank)
+    local = replace(model, num_kv_heads=heads.stop - heads.start)
+    return vllm_kv_region(runner.kv_caches, local, llm.vllm_config.model_config.dtype)
 
 
 def checkpoint_digest(model_dir: str) -> str:
@@ -242,11 +384,16 @@ def vllm_kv_region(kv_caches: list, model: ModelFacts, dtype) -> KVCache:
     row = first[0].numel()
     if row != 2 * model.num_kv_heads * model.block_size * model.head_dim:
         raise ValueError(f"kv_cache: vLLM's block of {row} elements is not 2 x heads x block_size x head_dim")
+    # vLLM's CPU attention keeps a block as [kv_heads, block_size, 2 * head_dim]: heads outermost, which is what
+    # moving part of a block's heads needs to know (a whole block moves as one run either way).
+    heads_outer = tuple(first.shape[1:]) == (model.num_kv_heads, model.block_size, 2 * model.head_dim)
     for i, layer in enumerate(kv_caches):
         expected = first.data_ptr() + i * num_blocks * row * first.element_size()
         if not layer.is_contiguous() or layer.shape[0] != num_blocks or layer.data_ptr() != expected:
             raise ValueError("kv_cache: vLLM's layers are not consecutive slices of one allocation")
-    spec = KVCacheSpec(len(kv_caches), model.num_kv_heads, model.head_dim, num_blocks, model.block_size, dtype)
+    spec = KVCacheSpec(
+        len(kv_caches), model.num_kv_heads, model.head_dim, num_blocks, model.block_size, dtype, heads_outer
+    )
     tensor = torch.empty(0, dtype=dtype, device=first.device)
     tensor.set_(first.untyped_storage(), first.storage_offset(), spec.shape)
     return KVCache.wrap(spec, tensor)
@@ -264,96 +411,45 @@ class VllmEngine:
         cpus: Iterable[int] | None = None,
         role: str = "colocated",
         wake: Callable[[], None] | None = None,
+        ranks: Ranks | None = None,
     ) -> None:
-        if config.tensor_parallel_size > 1:
-            raise ValueError("tensor_parallel_size: the vllm backend runs one process per worker here (TP 1)")
+        """``ranks``: this is rank 0 of a tensor-parallel worker whose other ranks run ``VllmRank``."""
         self.config, self.lock, self.metrics, self.role = config, lock, metrics, role
         # The worker loop's clock: schedule, run and apply are booked to their phases (worker_common.loop_clock).
         self.clock = metrics.loop if metrics is not None else LoopClock()
         self._wake = wake or (lambda: None)
         self._model_config = ModelConfig.from_model_dir(config.model_dir)
-        for key, value in vllm_environment(config, cpus).items():
-            os.environ.setdefault(key, value)
-        import torch
-        from vllm.config import KVTransferConfig
-        from vllm.engine.arg_utils import EngineArgs
-        from vllm.v1.engine.llm_engine import LLMEngine
-
-        # vLLM's CPU worker replaces torch.set_num_threads with a no-op once it binds its threads; the worker's
-        # loop thread, which runs the model, sets its own thread count (OpenMP's is per thread), so it is kept.
-        set_num_threads = torch.set_num_threads
-
-        # engine.block_size is this package's page: vLLM's attention backends take their own (CPU: multiples of
-        # 32), so vLLM picks its platform's unless vllm_args sets one; the block size in use is the model facts'.
-        extra = dict(config.vllm_args or {})
-        owned = sorted(_OWNED_ARGS & extra.keys())
-        if owned:
-            raise ValueError(f"vllm_args: {', '.join(owned)} set from the engine's own settings; set those instead")
-        args = {
-            "model": config.model_dir,
-            "dtype": config.dtype,
-            "max_num_seqs": config.max_num_seqs,
-            "max_num_batched_tokens": config.max_num_batched_tokens,
-            "enable_prefix_caching": config.enable_prefix_caching,
-            # Unset: the model's, or as long as the KV cache holds one request of (vLLM's auto-fit, -1), where
-            # vLLM would otherwise refuse to start; this engine's own cache has no such floor.
-            "max_model_len": config.max_model_len if config.max_model_len is not None else -1,
-            "tensor_parallel_size": 1,
-            "distributed_executor_backend": "uni",
-            "disable_log_stats": True,
-            **extra,
-        }
-        if extra.get("enforce_eager", True):  # eager unless vllm_args asks otherwise: no minutes of compiling
-            args["enforce_eager"] = True
-            args.setdefault("compilation_config", {"mode": 0})
-        if config.num_blocks is not None:
-            args["num_gpu_blocks_override"] = config.num_blocks
-        else:
-            args["kv_cache_memory_bytes"] = config.kv_cache_bytes
         self._engine_id = f"splitserve-{uuid.uuid4().hex[:12]}"
         self._link = None
         if role in ("prefill", "decode"):
             from splitserve.kv_transfer.vllm_connector import link_for
 
             self._link = link_for(self._engine_id)
-            kv_role = "kv_producer" if role == "prefill" else "kv_consumer"
-            args["kv_transfer_config"] = KVTransferConfig(**CONNECTOR, kv_role=kv_role, engine_id=self._engine_id)
-            args["disable_hybrid_kv_cache_manager"] = True
-        # Prefix-cache events for the router (prefill and colocated workers, which it routes by prefix): vLLM's
-        # own events, translated to the router's hashes by VllmPrefixEvents; vllm_args may set its own publisher.
-        self._prefix: VllmPrefixEvents | None = None
-        wants_events = role in ("prefill", "colocated") and config.enable_prefix_caching
-        if wants_events and "kv_events_config" not in extra:
-            from vllm.config import KVEventsConfig
-
-            args["kv_events_config"] = KVEventsConfig(enable_kv_cache_events=True, publisher="null")
+        # Rank 0 of a tensor-parallel worker: vLLM's ranks meet where the worker's own group did, and every step
+        # this engine schedules goes to the other ranks on the group's plan channel (``VllmRank`` runs it).
+        self._ranks = ranks
+        self._channel: PlanChannel | None = None
+        vllm_ranks = None
+        if config.tensor_parallel_size > 1:
+            if ranks is None or ranks.rendezvous is None:
+                raise ValueError("tensor_parallel_size: a tensor-parallel vllm worker needs its ranks (rank 0)")
+            vllm_ranks = VllmRanks(*ranks.rendezvous, ranks.group_id)
         start = time.monotonic()
-        try:
-            self._llm = LLMEngine.from_engine_args(EngineArgs(**args))
-        finally:
-            torch.set_num_threads = set_num_threads
+        self._llm, wants_events = build_vllm(config, role, self._engine_id, cpus, vllm_ranks)
         self._core = self._llm.engine_core.engine_core  # the in-process EngineCore
         self._scheduler = self._core.scheduler
+        if ranks is not None:
+            import torch
+
+            self._channel = PlanChannel(ranks.group, torch.device(config.device))
+        self._prefix: VllmPrefixEvents | None = None
         if wants_events:
             self._prefix = VllmPrefixEvents(config.block_size, inner=self._scheduler.kv_event_publisher)
             self._scheduler.kv_event_publisher = self._prefix
-        vc = self._llm.vllm_config
-        mc = vc.model_config
-        self._model = ModelFacts(
-            vocab_size=mc.get_vocab_size(),
-            num_layers=mc.get_num_layers(vc.parallel_config),
-            num_kv_heads=mc.get_total_num_kv_heads(),
-            head_dim=mc.get_head_size(),
-            dtype=str(mc.dtype).removeprefix("torch."),
-            weights_checksum=checkpoint_digest(config.model_dir),
-            block_size=vc.cache_config.block_size,
-        )
+        self._model = model_facts_of(self._llm, config.model_dir)
+        mc = self._llm.vllm_config.model_config
         self._max_model_len = mc.max_model_len
-        self._region: KVCache | None = None
-        runner = self._core.model_executor.driver_worker.worker.model_runner
-        rewind_cpu_generators(runner)
-        if self._link is not None:
-            self._region = vllm_kv_region(runner.kv_caches, self._model, mc.dtype)
+        self._region = rank_kv_region(self._llm, config, self._model) if self._link is not None else None
         self._requests: dict[str, Request] = {}  # vLLM's request id -> ours
         self._ids: dict[str, str] = {}  # our request id -> vLLM's
         self._unstarted: set[str] = set()  # vLLM ids not yet admitted
@@ -508,9 +604,14 @@ class VllmEngine:
     def _execute(self, output: Any) -> Any:
         """Run vLLM's model on a scheduled output, as ``EngineCore.step`` does."""
         core = self._core
-        future = core.model_executor.execute_model(output, non_block=True)
-        grammar = self._scheduler.get_grammar_bitmask(output)
-        model_output = future.result()
+        if self._channel is not None:  # every rank runs the step: its forward joins this one's collectives
+            grammar = self._scheduler.get_grammar_bitmask(output)
+            self._channel.send(Foreign(pickle.dumps((output, grammar), protocol=pickle.HIGHEST_PROTOCOL)))
+            model_output = core.model_executor.execute_model(output)
+        else:
+            future = core.model_executor.execute_model(output, non_block=True)
+            grammar = self._scheduler.get_grammar_bitmask(output)
+            model_output = future.result()
         if model_output is None:
             model_output = core.model_executor.sample_tokens(grammar)
         return model_output
@@ -712,21 +813,57 @@ class VllmEngine:
     def decode_graphs(self) -> str:
         return ""
 
-    # ---- tensor parallelism: none of ours (vLLM runs its own ranks) ------------------------------
+    # ---- tensor parallelism: vLLM's ranks, driven by this one ---------------------------------------
 
     @property
     def plan_channel(self) -> PlanChannel | None:
-        return None
+        return self._channel
 
     def keep_alive(self) -> None:
-        pass
+        channel = self._channel
+        if channel is not None and time.monotonic() - channel.last_sent > self._ranks.group.timeout_s / 4:
+            channel.tick()
 
     def group_broken(self, error: Exception) -> bool:
-        return False
+        return isinstance(error, CollectiveError) or (self._channel is not None and self._channel.broken)
 
     def close(self) -> None:
+        if self._channel is not None:
+            try:
+                self._channel.close()  # the other ranks stop following
+            except Exception as e:  # a broken group: the followers have failed already
+                logger.warning("vllm engine: could not stop the other ranks: %s", e)
         self._llm.engine_core.shutdown()
         if self._link is not None:
             from splitserve.kv_transfer.vllm_connector import drop_link
 
             drop_link(self._engine_id)
+
+
+class VllmRank:
+    """Rank r > 0 of a tensor-parallel vLLM worker (``splitserve.worker_common.tp.follower`` runs it): vLLM's
+    engine for the rank's shard, whose model runner runs the steps rank 0's scheduler made (``run``, from the
+    plan channel's ``Foreign`` messages, in order); its own scheduler is never asked. Its KV heads of vLLM's
+    paged cache are the region its KV sender or receiver moves, at rank 0's block ids (every rank's cache has
+    the same blocks: the same size, over the same number of heads)."""
+
+    def __init__(self, config: EngineConfig, role: str, ranks: VllmRanks, cpus: Iterable[int] | None = None) -> None:
+        if config.tensor_parallel_rank < 1:
+            raise ValueError("tensor_parallel_rank: rank 0 is the worker's own VllmEngine")
+        import torch
+
+        self.config, self.role = config, role
+        self._llm, _ = build_vllm(config, role, f"splitserve-{uuid.uuid4().hex[:12]}", cpus, ranks)
+        self._executor = self._llm.engine_core.engine_core.model_executor
+        self.model = model_facts_of(self._llm, config.model_dir)
+        self.kv_cache = rank_kv_region(self._llm, config, self.model)
+        self.device = torch.device(config.device)
+
+    def run(self, payload: bytes) -> None:
+        """One step rank 0 scheduled: its forward joins rank 0's collectives; what it samples is rank 0's."""
+        output, grammar = pickle.loads(payload)  # from rank 0 of this worker, over the ranks' own group
+        if self._executor.execute_model(output) is None:
+            self._executor.sample_tokens(grammar)
+
+    def close(self) -> None:
+        self._llm.engine_core.shutdown()

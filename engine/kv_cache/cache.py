@@ -30,6 +30,10 @@ class KVCacheSpec:
     num_blocks: int
     block_size: int
     dtype: torch.dtype
+    # How a block's row is laid out: False, this package's ``[2, kv_heads, block_size, head_dim]``; True, heads
+    # outermost (``[kv_heads, block_size * 2 * head_dim]``, vLLM's CPU cache, wrapped for its connector), where
+    # a head's K and V are one contiguous run (``head_rows``).
+    heads_outer: bool = False
 
     @classmethod
     def for_model(
@@ -90,6 +94,14 @@ class KVCache:
         rows with ``row_index`` and slices dimension 2 (``splitserve.kv_transfer.tp.heads``)."""
         spec = self.spec
         return self.tensor.view(-1, 2, spec.num_kv_heads, spec.block_size, spec.head_dim)
+
+    def head_rows(self) -> torch.Tensor:
+        """A heads-outer cache (``spec.heads_outer``) with one row per (layer, block) and one run per head:
+        ``[num_layers * num_blocks, kv_heads, 2 * block_size * head_dim]``, a view."""
+        spec = self.spec
+        if not spec.heads_outer:
+            raise ValueError("head_rows: this cache keeps K and V apart in a block ([2, kv_heads, ...]): use rows()")
+        return self.tensor.view(-1, spec.num_kv_heads, 2 * spec.block_size * spec.head_dim)
 
     def gather_blocks(
         self, block_ids: torch.Tensor, layers: range | None = None, out: torch.Tensor | None = None

@@ -80,7 +80,15 @@ class Notice:
     payload: bytes
 
 
-Message = StepPlan | Stop | Tick | Notice
+@dataclass(frozen=True)
+class Foreign:
+    """A step of another engine behind the workers' seam (the vllm backend: vLLM's scheduler output), run by
+    every rank's engine of that kind; this module only carries its bytes, in order with the notices."""
+
+    payload: bytes
+
+
+Message = StepPlan | Stop | Tick | Notice | Foreign
 
 _ARRAY_DIMS = {
     "input_ids": 1,
@@ -102,8 +110,9 @@ def encode(message: Message) -> bytes:
     if isinstance(message, Stop | Tick):
         kind = "stop" if isinstance(message, Stop) else "tick"
         return msgpack.packb({"version": PLAN_VERSION, "kind": kind}, use_bin_type=True)
-    if isinstance(message, Notice):
-        return msgpack.packb({"version": PLAN_VERSION, "kind": "notice", "payload": message.payload}, use_bin_type=True)
+    if isinstance(message, Notice | Foreign):
+        kind = "notice" if isinstance(message, Notice) else "foreign"
+        return msgpack.packb({"version": PLAN_VERSION, "kind": kind, "payload": message.payload}, use_bin_type=True)
     plan: dict[str, Any] = {name: _encode_array(getattr(message, name)) for name in _ARRAY_DIMS}
     plan["max_position"] = int(message.max_position)
     return msgpack.packb({"version": PLAN_VERSION, "kind": "step", "plan": plan}, use_bin_type=True)
@@ -134,10 +143,10 @@ def decode(payload: bytes) -> Message:
         return Stop()
     if kind == "tick":
         return Tick()
-    if kind == "notice":
+    if kind in ("notice", "foreign"):
         if not isinstance(message["payload"], bytes):
             raise PlanError(f"payload: expected bytes, got {type(message['payload']).__name__}")
-        return Notice(message["payload"])
+        return Notice(message["payload"]) if kind == "notice" else Foreign(message["payload"])
     return _decode_plan(message["plan"])
 
 
@@ -146,6 +155,7 @@ _MESSAGE_KEYS = {
     "stop": {"version", "kind"},
     "tick": {"version", "kind"},
     "notice": {"version", "kind", "payload"},
+    "foreign": {"version", "kind", "payload"},
 }
 
 

@@ -1,8 +1,10 @@
 """Packing and unpacking part of a rank's KV heads, for transfers between workers of different TP sizes.
 
-A rank's cache is ``[layers, blocks, 2, local_heads, block_size, head_dim]``; a transfer between ranks
-whose head ranges differ moves only the heads both hold, ``[h0, h1)`` in the cache's local numbering
-(dimension 3). When that is every local head, ``KVCache.gather_blocks``/``scatter_blocks`` do the work
+A rank's cache is ``[layers, blocks, 2, local_heads, block_size, head_dim]`` (or, ``spec.heads_outer``, vLLM's
+CPU cache: each block heads first, a head's K and V one run); a transfer between ranks whose head ranges differ
+moves only the heads both hold, ``[h0, h1)`` in the cache's local numbering, packed in the cache's own order
+(both ends have the same layout: a vLLM worker's fingerprint, with vLLM's weights checksum, pairs only with
+vLLM workers). When that is every local head, ``KVCache.gather_blocks``/``scatter_blocks`` do the work
 unchanged (one contiguous run per (layer, block)); otherwise each (layer, block) row is selected whole
 and the heads sliced out of it, which costs one more copy of the part moved.
 """
@@ -33,10 +35,13 @@ def gather_heads(
     if (h0, h1) == (0, spec.num_kv_heads):
         return cache.gather_blocks(block_ids, layers, out=out)
     rows = cache.row_index(block_ids, layers)
-    part = cache.rows().index_select(0, rows)[:, :, h0:h1]  # [rows, 2, h1 - h0, block_size, head_dim], strided
+    if spec.heads_outer:  # each head one run of the row: [rows, h1 - h0, 2 * block_size * head_dim], strided
+        part = cache.head_rows().index_select(0, rows)[:, h0:h1]
+    else:
+        part = cache.rows().index_select(0, rows)[:, :, h0:h1]  # [rows, 2, h1 - h0, block_size, head_dim], strided
     target = out.view(-1)[: part.numel()].view(part.shape)
     target.copy_(part)
-    return target.view(len(layers), len(block_ids), *part.shape[1:])
+    return target.view(len(layers), len(block_ids), 2, h1 - h0, spec.block_size, spec.head_dim)
 
 
 def scatter_heads(cache: KVCache, block_ids: torch.Tensor, data: torch.Tensor, layers: range, h0: int, h1: int) -> None:
@@ -46,4 +51,7 @@ def scatter_heads(cache: KVCache, block_ids: torch.Tensor, data: torch.Tensor, l
         cache.scatter_blocks(block_ids, data, layers)
         return
     rows = cache.row_index(block_ids, layers)
-    cache.rows()[rows, :, h0:h1] = data.reshape(rows.numel(), 2, h1 - h0, spec.block_size, spec.head_dim)
+    if spec.heads_outer:
+        cache.head_rows()[rows, h0:h1] = data.reshape(rows.numel(), h1 - h0, 2 * spec.block_size * spec.head_dim)
+    else:
+        cache.rows()[rows, :, h0:h1] = data.reshape(rows.numel(), 2, h1 - h0, spec.block_size, spec.head_dim)

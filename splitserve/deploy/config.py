@@ -241,12 +241,8 @@ class DeploymentConfig:
         return getattr(self, role).backend or self.engine.backend
 
     def _check_backends(self) -> None:
-        """A role on the vllm backend runs at tensor-parallel size 1, and prefill and decode run the same
-        backend: a splitserve prefill worker cannot feed a vLLM decode worker, nor the reverse (their KV
-        layouts differ: block sizes, vLLM's packing of a block)."""
-        for role in self.roles:
-            if self.backend(role) == "vllm" and getattr(self, role).tensor_parallel_size > 1:
-                raise ValueError(f"{role}.tensor_parallel_size: the vllm backend runs tensor parallel size 1 for now")
+        """Prefill and decode run the same backend: a splitserve prefill worker cannot feed a vLLM decode worker,
+        nor the reverse (their KV layouts differ: block sizes, vLLM's packing of a block)."""
         if self.mode == "disaggregated" and self.backend("prefill") != self.backend("decode"):
             named = [f"{r}.backend" for r in ("prefill", "decode") if getattr(self, r).backend] or ["engine.backend"]
             prefill, decode = self.backend("prefill"), self.backend("decode")

@@ -62,7 +62,8 @@ class RankActor:
             config.log_format, static={"worker_id": f"{config.worker_id}.rank{rank}", "role": config.role}
         )
         self._store = connect_store(store_host, store_port, SETUP_TIMEOUT_S)
-        self.follower = Follower(config, _join(config, self._store, group_id), group_id)
+        group = _join(config, self._store, group_id)
+        self.follower = Follower(config, group, group_id, rendezvous=(store_host, store_port))
         self.info = self.follower.start()
 
     def rank_info(self) -> RankInfo:
@@ -95,7 +96,7 @@ class FollowerRanks:
             ray.remote(RankActor).options(**rank_options[r - 1]).remote(config.for_rank(r), config.host, port, group_id)
             for r in range(1, size)
         ]
-        self.ranks = Ranks(_join(config, self._store, group_id), group_id, config.security)
+        self.ranks = Ranks(_join(config, self._store, group_id), group_id, config.security, (config.host, port))
 
     def connect(self) -> None:
         """Once rank 0's engine is built: wait for the others' (each loads its shard meanwhile), link to

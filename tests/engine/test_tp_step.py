@@ -18,7 +18,7 @@ import pytest
 
 from splitserve.engine import LLM, SamplingParams
 from splitserve.engine.core import EngineConfig, EngineCore
-from splitserve.engine.tp.step import PLAN_VERSION, Notice, PlanError, StepPlan, Stop, Tick, decode, encode
+from splitserve.engine.tp.step import PLAN_VERSION, Foreign, Notice, PlanError, StepPlan, Stop, Tick, decode, encode
 from tests.engine import tp_ranks
 from tests.engine.parity import make_prompts, torch_threads
 from tests.engine.test_model_runner_prep import make_item, make_runner
@@ -134,6 +134,11 @@ def test_malformed_plan_is_refused_by_name(edit, field):
 def test_tick_stop_and_notice_round_trip_and_are_checked():
     assert decode(encode(Tick())) == Tick() and decode(encode(Stop())) == Stop()
     assert decode(encode(Notice(b"\x00for the worker"))) == Notice(b"\x00for the worker")
+    assert decode(encode(Foreign(b"\x80a vllm step"))) == Foreign(b"\x80a vllm step")
+    assert decode(encode(Foreign(b"x"))) != Notice(b"x")
+    foreign = msgpack.packb({"version": PLAN_VERSION, "kind": "foreign", "payload": 3}, use_bin_type=True)
+    with pytest.raises(PlanError, match="^payload: expected bytes"):
+        decode(foreign)
     notice = msgpack.packb({"version": PLAN_VERSION, "kind": "notice", "payload": "text"}, use_bin_type=True)
     with pytest.raises(PlanError, match="^payload: expected bytes"):
         decode(notice)

@@ -413,3 +413,26 @@ def test_gather_and_scatter_of_part_of_the_heads():
     scatter_heads(back, src, gather_heads(one, dst, layers, 0, 1, out=torch.empty(10_000)), layers, 1, 2)
     assert torch.equal(back.tensor[1:3][:, src][:, :, :, 1], full.tensor[1:3][:, src][:, :, :, 1])
     assert not back.tensor[:, :, :, 0].any()  # head 0 never written
+
+
+def test_part_of_the_heads_of_a_heads_outer_cache():
+    """vLLM's CPU cache keeps a block heads first ([kv_heads, block_size, 2 * head_dim]): a head's K and V are
+    one run, so part of the heads moves as those runs, not as this package's [2, heads, ...] slices."""
+    from splitserve.kv_transfer.tp.heads import gather_heads, scatter_heads
+
+    def vllm_like(heads: int) -> tuple[KVCache, torch.Tensor]:
+        spec = KVCacheSpec(LAYERS, heads, HEAD_DIM, 8, BLOCK, torch.float32, heads_outer=True)
+        cache = KVCache(spec, "cpu")
+        return cache, cache.tensor.view(LAYERS, 8, heads, BLOCK, 2 * HEAD_DIM)  # vLLM's view of it
+
+    full, full_view = vllm_like(2)
+    full_view.copy_(torch.randn(full_view.shape))
+    one, one_view = vllm_like(1)
+    src, dst, layers = torch.tensor([5, 2, 7]), torch.tensor([0, 3, 1]), range(1, 3)
+    part = gather_heads(full, src, layers, 1, 2, out=torch.empty(10_000))
+    assert part.numel() == 2 * 3 * 2 * BLOCK * HEAD_DIM
+    scatter_heads(one, dst, part, layers, 0, 1)
+    assert torch.equal(one_view[1:3][:, dst], full_view[1:3][:, src][:, :, 1:2])  # head 1's K and V, whole
+    assert not one_view[0].any() and not one_view[3].any()
+    with pytest.raises(ValueError, match="head_rows"):
+        KVCache(KVCacheSpec(LAYERS, 2, HEAD_DIM, 8, BLOCK, torch.float32), "cpu").head_rows()

@@ -33,7 +33,7 @@ import torch
 from splitserve.common.errors import ServingError
 from splitserve.engine.core import EngineCore
 from splitserve.engine.tp.distributed import TPGroup
-from splitserve.engine.tp.step import Notice, PlanChannel, StepPlan, Stop, Tick
+from splitserve.engine.tp.step import Foreign, Notice, PlanChannel, StepPlan, Stop, Tick
 from splitserve.kv_transfer.handles import TransferHandle, TransferState
 from splitserve.kv_transfer.receiver import KVReceiver
 from splitserve.kv_transfer.sender import KVSender, SendHandle
@@ -66,27 +66,45 @@ STOP_GRACE_S = 0.5  # the gRPC server's grace at stop, for the calls in flight t
 
 class Follower:
     def __init__(
-        self, config: WorkerConfig, group: TPGroup, group_id: str, exit: Callable[[int], object] = os._exit
+        self,
+        config: WorkerConfig,
+        group: TPGroup,
+        group_id: str,
+        exit: Callable[[int], object] = os._exit,
+        rendezvous: tuple[str, int] | None = None,
     ) -> None:
-        """``exit``: ends the process when the group fails (tests may pass another)."""
+        """``exit``: ends the process when the group fails (tests may pass another). ``rendezvous``: (host, port)
+        of the store the group formed on, where a vllm-backend rank's vLLM engine meets the others'."""
         if config.cpus is not None:
             pin(config.cpus)
         self.config, self.group, self.group_id, self.rank = config, group, group_id, group.rank
-        self.core = EngineCore(config.engine, tp_group=group)
-        if not self.core.is_follower:
-            raise ValueError("tensor_parallel_step: a follower rank runs rank 0's plans ('plan'), not 'lockstep'")
+        self.core: EngineCore | None = None
+        self.vllm = None  # the vllm backend's rank (worker_common.vllm_engine.VllmRank)
+        if config.engine.backend == "vllm":
+            from splitserve.worker_common.vllm_engine import VllmRank, VllmRanks  # imports vllm: only on it
+
+            if rendezvous is None:
+                raise ValueError("rendezvous: a vllm-backend rank meets the others at rank 0's store")
+            self.vllm = VllmRank(config.engine, config.role, VllmRanks(*rendezvous, group_id), config.cpus)
+            kv_cache, facts, device = self.vllm.kv_cache, self.vllm.model, self.vllm.device
+        else:
+            self.core = EngineCore(config.engine, tp_group=group)
+            if not self.core.is_follower:
+                raise ValueError("tensor_parallel_step: a follower rank runs rank 0's plans ('plan'), not 'lockstep'")
+            kv_cache, facts, device = self.core.kv_cache, model_facts(self.core), self.core.device
+        self.kv_cache, self.num_kv_heads = kv_cache, facts.num_kv_heads
         self.name = f"{config.worker_id}.rank{self.rank}"
         self.faults = config.faults.arm(f"{config.role} worker {self.name}")
-        fingerprint = layout_fingerprint(config, model_facts(self.core))
+        fingerprint = layout_fingerprint(config, facts)
         self.sender: KVSender | None = None
         self.receiver: KVReceiver | None = None
         endpoint = dict(host=config.host, config=config.transfer, faults=self.faults)
         if config.role == "prefill":
             connect = lambda peer: GrpcConnection(peer.control, config.security)  # noqa: E731
-            self.sender = KVSender(self.core.kv_cache, fingerprint, self.name, connect=connect, **endpoint)
+            self.sender = KVSender(kv_cache, fingerprint, self.name, connect=connect, **endpoint)
         elif config.role == "decode":
-            self.receiver = KVReceiver(self.core.kv_cache, fingerprint, self.name, **endpoint)
-        self.channel = PlanChannel(group, self.core.device)
+            self.receiver = KVReceiver(kv_cache, fingerprint, self.name, **endpoint)
+        self.channel = PlanChannel(group, device)
         self.events: queue.Queue[wpb.RankEvent] = queue.Queue()
         self.steps = 0
         self._pending: list[SendHandle] = []  # started by the last notice, streamed by the next plan
@@ -137,6 +155,8 @@ class Follower:
         for endpoint in (self.sender, self.receiver):
             if endpoint is not None:
                 endpoint.close()
+        if self.vllm is not None:
+            self.vllm.close()
 
     # ---- the loop -------------------------------------------------------------------------------
 
@@ -154,6 +174,8 @@ class Follower:
                         self._start_sends(rank_notices.decode(payload))
                     case StepPlan() as plan:
                         self._run(plan)
+                    case Foreign(payload) if self.vllm is not None:
+                        self._run_vllm(payload)
                     case other:
                         raise TypeError(f"unknown plan channel message {other!r}")
         except Exception as e:  # the group failed (or rank 0 sent nonsense): the worker fails as a whole
@@ -178,11 +200,22 @@ class Follower:
                 self.sender.finish(handle)  # rank 0's parts carry the commit
         self.steps += 1
 
+    def _run_vllm(self, payload: bytes) -> None:
+        """A step of rank 0's vLLM scheduler: the KV of the requests whose sends the last notice started is
+        computed in it, every layer (vLLM's per-layer hooks are not used), and sent after it."""
+        sends, self._pending = self._pending, []
+        self.vllm.run(payload)
+        for handle in sends:
+            self.sender.layers_ready(handle, self.kv_cache.spec.num_layers)
+            if not handle.terminal:
+                self.sender.finish(handle)
+        self.steps += 1
+
     def _start_sends(self, notice: rank_notices.StartSends) -> None:
         if self.sender is None:
             raise TypeError(f"{self.name}: a {self.config.role} rank sends no KV")
         d, p = len(notice.destinations), self.group.size
-        for pair in sends_for(self.core.model_config.num_kv_heads, p, self.rank, d):
+        for pair in sends_for(self.num_kv_heads, p, self.rank, d):
             part = rank_transfer_id(notice.request_id, pair.receiver_rank, d)
             with self._lock:
                 released = self._released.pop(part, None) is not None
@@ -207,7 +240,7 @@ class Follower:
         """A decode rank: expect a part into rank 0's block ids (gRPC thread). Raises ServingError."""
         if self.receiver is None:
             raise ServingError("FAILED_PRECONDITION", f"{self.name}: a {self.config.role} rank receives no KV")
-        if not block_ids or max(block_ids) >= self.core.kv_cache.spec.num_blocks:
+        if not block_ids or max(block_ids) >= self.kv_cache.spec.num_blocks:
             raise ServingError("INVALID_ARGUMENT", f"block_ids: not blocks of this rank's cache: {block_ids[:8]}")
         try:
             handle = self.receiver.expect(part, block_ids, timeout_s or None)

@@ -142,8 +142,11 @@ class Ranks:
     """Rank 0's view of its worker's ranks: the group, and (once ``connect``ed) a link to every other rank,
     in rank order. The ranks build their shards at the same time; rank 0 connects once they have."""
 
-    def __init__(self, group: TPGroup, group_id: str, security: InternalSecurity) -> None:
-        self.group, self.group_id, self.security = group, group_id, security
+    def __init__(
+        self, group: TPGroup, group_id: str, security: InternalSecurity, rendezvous: tuple[str, int] | None = None
+    ) -> None:
+        """``rendezvous``: (host, port) of the store the group formed on (the vllm backend's ranks meet there too)."""
+        self.group, self.group_id, self.security, self.rendezvous = group, group_id, security, rendezvous
         self.on_lost: Callable[[str], None] = lambda reason: log.error("%s", reason)
         self.links: list[FollowerLink] = []
 
