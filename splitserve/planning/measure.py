@@ -610,9 +610,7 @@ def measure_profile(
     if backend == "vllm":
         from splitserve.planning.measure_vllm import VllmMeasurer
 
-        if tensor_parallel_size > 1:
-            raise ValueError("--tp: the vllm backend runs tensor parallel size 1 for now")
-        measurer = VllmMeasurer(**args)
+        measurer = VllmMeasurer(**args, tensor_parallel_size=tensor_parallel_size)
         close, block_size = measurer.close, measurer.block_size
     elif tensor_parallel_size > 1:
         measurer, close, _store = _measure_tp(args, tensor_parallel_size)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import statistics
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import SimpleNamespace
 from typing import Any
 
@@ -37,6 +37,7 @@ class VllmMeasurer:
     device: str = "cpu"
     threads: int | None = None
     vllm_args: dict | None = None
+    tensor_parallel_size: int = 1  # > 1: ranks 1.. spawned here, each a vLLM engine following rank 0's steps
 
     def __post_init__(self) -> None:
         import torch
@@ -70,7 +71,12 @@ class VllmMeasurer:
             enable_prefix_caching=True,
             max_model_len=max(g.prefill_tokens) + max(g.prefill_contexts) + max(g.decode_contexts) + 64,
         )
-        self.engine = VllmEngine(config, threading.RLock())
+        self._ranks: list = []
+        ranks = None
+        if self.tensor_parallel_size > 1:
+            config = replace(config, tensor_parallel_size=self.tensor_parallel_size)
+            ranks, self._ranks, self._errors = _spawn_ranks(config)
+        self.engine = VllmEngine(config, threading.RLock(), ranks=ranks)
         self.torch = torch
         self.block_size = self.engine.model.block_size
         self._ids = 0
@@ -186,4 +192,61 @@ class VllmMeasurer:
         return ModelShape.of(self.model_config, name)
 
     def close(self) -> None:
-        self.engine.close()
+        self.engine.close()  # Stop: the other ranks return
+        for process in self._ranks:
+            process.join(30)
+            if process.is_alive():
+                process.kill()
+        if self._ranks and not self._errors.empty():
+            raise RuntimeError(self._errors.get())
+
+
+def _spawn_ranks(config: Any) -> tuple[Any, list, Any]:
+    """Ranks 1.. of a tensor-parallel vLLM engine, spawned and joining rank 0's group (this process): rank 0's
+    ``Ranks``, the processes, and the queue their errors come back on."""
+    import uuid
+
+    import torch
+    import torch.multiprocessing as mp
+
+    from splitserve.engine.tp.distributed import TPGroup, bind_store
+    from splitserve.planning.measure import HOST, TP_GROUP_TIMEOUT_S, TP_SETUP_TIMEOUT_S
+    from splitserve.worker_common.tp.rank_link import Ranks
+
+    size, group_id = config.tensor_parallel_size, f"profile-{uuid.uuid4().hex[:12]}"
+    store, port = bind_store(HOST, 0, TP_SETUP_TIMEOUT_S)
+    ctx = mp.get_context("spawn")
+    errors = ctx.Queue()
+    procs = [ctx.Process(target=_rank_main, args=(config, port, group_id, r, errors)) for r in range(1, size)]
+    for process in procs:
+        process.start()
+    group = TPGroup.join(
+        "gloo", store, "tp/", 0, size, HOST, TP_GROUP_TIMEOUT_S, TP_SETUP_TIMEOUT_S, torch.device("cpu")
+    )
+    ranks = Ranks(group, group_id, None, (HOST, port))
+    ranks.store = store  # kept alive with the group: the ranks' rendezvous
+    return ranks, procs, errors
+
+
+def _rank_main(config: Any, port: int, group_id: str, rank: int, errors: Any) -> None:
+    """A spawned rank: join the group, build its vLLM engine as rank 0 builds its own, run rank 0's steps until
+    Stop."""
+    try:
+        import torch
+
+        from splitserve.engine.tp.distributed import TPGroup, connect_store
+        from splitserve.engine.tp.step import Foreign, PlanChannel, Stop
+        from splitserve.planning.measure import HOST, TP_GROUP_TIMEOUT_S, TP_SETUP_TIMEOUT_S
+        from splitserve.worker_common.vllm_engine import VllmRank, VllmRanks
+
+        store = connect_store(HOST, port, TP_SETUP_TIMEOUT_S)
+        group = TPGroup.join("gloo", store, "tp/", rank, config.tensor_parallel_size, HOST, TP_GROUP_TIMEOUT_S,
+                             TP_SETUP_TIMEOUT_S, torch.device("cpu"))  # fmt: skip
+        engine = VllmRank(replace(config, tensor_parallel_rank=rank), "colocated", VllmRanks(HOST, port, group_id))
+        channel = PlanChannel(group, engine.device)
+        while not isinstance(message := channel.receive(), Stop):
+            if isinstance(message, Foreign):
+                engine.run(message.payload)
+        engine.close()
+    except BaseException as e:  # reported to rank 0, which fails the profile
+        errors.put(f"rank {rank}: {type(e).__name__}: {e}")

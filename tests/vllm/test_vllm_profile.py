@@ -46,3 +46,19 @@ def test_profile_simulate_and_plan_a_vllm_worker(tmp_path, serving_model):
     assert plan.returncode == 0, plan.stderr[-2000:]
     rows = json.loads(plan.stdout)
     assert rows and {row["mode"] for row in rows} == {"disaggregated", "colocated"}
+
+
+def test_profile_a_tensor_parallel_vllm_worker(tmp_path, serving_model):
+    """``--tp 2``: rank 0's vLLM engine schedules and times the steps while rank 1 (spawned, a vLLM engine for
+    its shard) runs each of them; the profile says TP 2 and the steps are measured."""
+    out = tmp_path / "vllm-tp2.json"
+    done = run(
+        "profile", "--backend", "vllm", "--model", str(serving_model), "--quick", "--threads", "1", "--tp", "2",
+        "--no-transfer", "--out", str(out),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "TP 2, vllm engine" in done.stdout
+    profile = json.loads(out.read_text())
+    assert profile["tensor_parallel_size"] == 2 and profile["notes"]["backend"] == "vllm"
+    assert profile["parts"]["steps"] == "measured" and profile["transfer"] is None
+    assert profile["step_coefficients"]["decodes"] > 0
