@@ -23,13 +23,16 @@ tells vLLM's scheduler about it:
 
 Both vLLM instances of the connector (the scheduler's and the worker's) live in the worker's one process (the
 engine core in-process, the single-process executor), so they share one ``ConnectorLink`` per engine, found by
-the kv-transfer config's ``engine_id``. vLLM's per-layer hooks are left empty: the whole prompt's KV is
-computed in one step before the sender is told its layers are ready.
+the kv-transfer config's ``engine_id``. vLLM calls ``save_kv_layer`` after each attention layer of the forward
+has written its KV: the link tells the worker's KV sender, which streams the prompt's finished layers to the decode
+worker while the later ones compute (``ConnectorLink.watch_layers``); loads need no per-layer hook (the KV has
+landed before the request is scheduled).
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -53,6 +56,24 @@ class ConnectorLink:
         self._held: dict[str, list[int]] = {}  # prefill: finished requests whose blocks the sender still reads
         self._received: set[str] = set()  # to report through get_finished
         self._sent: set[str] = set()
+        self._on_layer: Callable[[int], None] | None = None  # prefill: this step's layer hook (the forward's thread)
+        self._layers_saved = 0
+
+    # ---- the forward's layers (prefill) ---------------------------------------------------------
+
+    def watch_layers(self, on_layer: Callable[[int], None] | None) -> None:
+        """Call ``on_layer(n)`` as the next forward's attention layers have written their KV (n layers so
+        far), from the forward's thread; None stops watching. The KV sender streams those layers meanwhile."""
+        self._on_layer, self._layers_saved = on_layer, 0
+
+    def layer_saved(self) -> None:
+        if self._on_layer is not None:
+            self._layers_saved += 1
+            self._on_layer(self._layers_saved)
+
+    @property
+    def layers_saved(self) -> int:
+        return self._layers_saved
 
     # ---- decode ---------------------------------------------------------------------------------
 
@@ -186,7 +207,7 @@ class SplitserveConnector(KVConnectorBase_V1):
         pass
 
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
-        pass  # the worker's KVSender reads the blocks once the step has computed every layer
+        self.link.layer_saved()  # this layer's KV is in the cache: the worker's KVSender may send it now
 
     def wait_for_save(self) -> None:
         pass

@@ -626,16 +626,22 @@ class VllmEngine:
             return StepResult(kind, ())
         previous = self.clock.enter("run")
         start = time.monotonic()
+        watched = on_layer_done is not None and self._link is not None
+        if watched:  # the connector's save_kv_layer: each layer's KV goes out as the forward goes on
+            self._link.watch_layers(on_layer_done)
         try:
             model_output = self._execute(step.output)
         finally:
+            saved = self._link.layers_saved if watched else 0
+            if watched:
+                self._link.watch_layers(None)
             with self.lock:
                 self._in_step = False
                 aborts, self._aborts = self._aborts, []
                 if aborts:
                     self._core.abort_requests(aborts)
-        if on_layer_done is not None:  # the step computed every layer's KV: the sender queues it group by group
-            for layers in range(1, self._model.num_layers + 1):
+        if on_layer_done is not None and saved < self._model.num_layers:  # layers vLLM did not report: all done
+            for layers in range(saved + 1, self._model.num_layers + 1):
                 on_layer_done(layers)
         if self.metrics is not None:
             output = step.output
@@ -853,17 +859,38 @@ class VllmRank:
         import torch
 
         self.config, self.role = config, role
-        self._llm, _ = build_vllm(config, role, f"splitserve-{uuid.uuid4().hex[:12]}", cpus, ranks)
+        engine_id = f"splitserve-{uuid.uuid4().hex[:12]}"
+        self._link = None
+        if role in ("prefill", "decode"):
+            from splitserve.kv_transfer.vllm_connector import link_for
+
+            self._link = link_for(engine_id)
+        self._llm, _ = build_vllm(config, role, engine_id, cpus, ranks)
         self._executor = self._llm.engine_core.engine_core.model_executor
         self.model = model_facts_of(self._llm, config.model_dir)
         self.kv_cache = rank_kv_region(self._llm, config, self.model)
         self.device = torch.device(config.device)
 
-    def run(self, payload: bytes) -> None:
-        """One step rank 0 scheduled: its forward joins rank 0's collectives; what it samples is rank 0's."""
+    def run(self, payload: bytes, on_layer_done: Callable[[int], None] | None = None) -> int:
+        """One step rank 0 scheduled: its forward joins rank 0's collectives; what it samples is rank 0's.
+        ``on_layer_done(n)``: as the forward's layers write their KV (the sends it streams). Returns the layers
+        reported so."""
         output, grammar = pickle.loads(payload)  # from rank 0 of this worker, over the ranks' own group
-        if self._executor.execute_model(output) is None:
-            self._executor.sample_tokens(grammar)
+        watched = on_layer_done is not None and self._link is not None
+        if watched:
+            self._link.watch_layers(on_layer_done)
+        try:
+            if self._executor.execute_model(output) is None:
+                self._executor.sample_tokens(grammar)
+        finally:
+            saved = self._link.layers_saved if watched else 0
+            if watched:
+                self._link.watch_layers(None)
+        return saved
 
     def close(self) -> None:
         self._llm.engine_core.shutdown()
+        if self._link is not None:
+            from splitserve.kv_transfer.vllm_connector import drop_link
+
+            drop_link(self._llm.vllm_config.kv_transfer_config.engine_id)

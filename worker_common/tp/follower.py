@@ -202,11 +202,17 @@ class Follower:
 
     def _run_vllm(self, payload: bytes) -> None:
         """A step of rank 0's vLLM scheduler: the KV of the requests whose sends the last notice started is
-        computed in it, every layer (vLLM's per-layer hooks are not used), and sent after it."""
+        computed in it, and each layer is sent as the forward writes it (the connector's ``save_kv_layer``)."""
         sends, self._pending = self._pending, []
-        self.vllm.run(payload)
+
+        def layers_ready(num_layers: int) -> None:
+            for handle in sends:
+                self.sender.layers_ready(handle, num_layers)
+
+        saved = self.vllm.run(payload, layers_ready if sends else None)
         for handle in sends:
-            self.sender.layers_ready(handle, self.kv_cache.spec.num_layers)
+            if saved < self.kv_cache.spec.num_layers:
+                self.sender.layers_ready(handle, self.kv_cache.spec.num_layers)
             if not handle.terminal:
                 self.sender.finish(handle)
         self.steps += 1
