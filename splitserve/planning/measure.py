@@ -39,6 +39,7 @@ from splitserve.deploy.profile import (
     fit_steps,
     fit_transfer,
 )
+from splitserve.planning.ranks import HOST, TP_GROUP_TIMEOUT_S, TP_SETUP_TIMEOUT_S
 
 
 @dataclass(frozen=True)
@@ -517,10 +518,6 @@ def _bench(address: str, concurrency: int):
 
 
 # ---- a tensor-parallel engine: rank 0 measures, the other ranks follow its plans -------------------
-
-HOST = "127.0.0.1"
-TP_SETUP_TIMEOUT_S = 120.0
-TP_GROUP_TIMEOUT_S = 60.0
 
 
 def _follower_main(measurer: dict, port: int, rank: int, size: int, errors) -> None:

@@ -210,7 +210,7 @@ def _spawn_ranks(config: Any) -> tuple[Any, list, Any]:
     import torch.multiprocessing as mp
 
     from splitserve.engine.tp.distributed import TPGroup, bind_store
-    from splitserve.planning.measure import HOST, TP_GROUP_TIMEOUT_S, TP_SETUP_TIMEOUT_S
+    from splitserve.planning.ranks import HOST, TP_GROUP_TIMEOUT_S, TP_SETUP_TIMEOUT_S
     from splitserve.worker_common.tp.rank_link import Ranks
 
     size, group_id = config.tensor_parallel_size, f"profile-{uuid.uuid4().hex[:12]}"
@@ -236,7 +236,7 @@ def _rank_main(config: Any, port: int, group_id: str, rank: int, errors: Any) ->
 
         from splitserve.engine.tp.distributed import TPGroup, connect_store
         from splitserve.engine.tp.step import Foreign, PlanChannel, Stop
-        from splitserve.planning.measure import HOST, TP_GROUP_TIMEOUT_S, TP_SETUP_TIMEOUT_S
+        from splitserve.planning.ranks import HOST, TP_GROUP_TIMEOUT_S, TP_SETUP_TIMEOUT_S
         from splitserve.worker_common.vllm_engine import VllmRank, VllmRanks
 
         store = connect_store(HOST, port, TP_SETUP_TIMEOUT_S)
