@@ -32,6 +32,12 @@ blocks seen as one region); vLLM's scheduler learns of it through splitserve's K
   token's KV and samples on. ``free`` of a lease that never ran aborts it and reports the load over, so vLLM
   frees its blocks at once.
 
+A tensor-parallel worker runs one vLLM engine per rank (``build_vllm`` with ``VllmRanks``: vLLM's external-launcher
+executor, its process group formed on the worker's own rendezvous store). Rank 0 is this class: its scheduler
+makes every step, and ``_execute`` sends the step to the other ranks on the plan channel (``Foreign``) before its
+own forward; each other rank is a ``VllmRank``, whose model runner runs that step (docs/kv_transfer.md,
+"Tensor-parallel vLLM workers").
+
 vllm is imported only here and by the connector, and only when a worker builds this engine: ``import
 splitserve`` and the router never import it.
 """
