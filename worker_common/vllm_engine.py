@@ -48,7 +48,6 @@ import hashlib
 import json
 import logging
 import os
-import pickle
 import struct
 import threading
 import time
@@ -213,6 +212,91 @@ def ranks_executor(ranks: VllmRanks, rank: int) -> type:
             return f"env://:{ident}", rank, rank
 
     return SplitserveRanksExecutor
+
+
+# ---- a step on the plan channel: vLLM's scheduler output as msgpack, never pickled ----------------------------
+
+_TUPLE, _SET, _SAMPLING = "__tuple__", "__set__", "__sampling_params__"
+# Fields of vLLM's scheduler output that carry objects of features a tensor-parallel vLLM worker here does not
+# run (multimodal inputs, LoRA, pooling, prompt embeddings, encoder caches): a step that uses one is refused.
+_UNSUPPORTED_STEP = ("mm_features", "pooling_params", "lora_request", "prompt_embeds")
+
+
+def _plain(value: Any, where: str) -> Any:
+    """``value`` as msgpack's types, tuples and sets tagged; vLLM's ``SamplingParams`` as msgspec's bytes of it."""
+    if value is None or isinstance(value, bool | int | float | str | bytes):
+        return value
+    if isinstance(value, list):
+        return [_plain(v, where) for v in value]
+    if isinstance(value, tuple):
+        return {_TUPLE: [_plain(v, where) for v in value]}
+    if isinstance(value, set | frozenset):
+        return {_SET: [_plain(v, where) for v in sorted(value)]}
+    if isinstance(value, dict):
+        return {str(k): _plain(v, where) for k, v in value.items()}
+    if type(value).__name__ == "SamplingParams":
+        import msgspec
+
+        return {_SAMPLING: msgspec.msgpack.encode(value)}
+    raise ValueError(f"{where}: a {type(value).__name__} cannot go to the other ranks (not supported with TP > 1)")
+
+
+def _unplain(value: Any) -> Any:
+    if isinstance(value, list):
+        return [_unplain(v) for v in value]
+    if isinstance(value, dict):
+        if len(value) == 1 and _TUPLE in value:
+            return tuple(_unplain(v) for v in value[_TUPLE])
+        if len(value) == 1 and _SET in value:
+            return {_unplain(v) for v in value[_SET]}
+        if len(value) == 1 and _SAMPLING in value:
+            import msgspec
+            from vllm import SamplingParams
+
+            return msgspec.msgpack.decode(value[_SAMPLING], type=SamplingParams)
+        return {k: _unplain(v) for k, v in value.items()}
+    return value
+
+
+def _fields(obj: Any, where: str, skip: tuple[str, ...] = ()) -> dict[str, Any]:
+    import dataclasses
+
+    out = {}
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if f.name in skip:
+            continue
+        if f.name in _UNSUPPORTED_STEP and value:
+            raise ValueError(f"{where}.{f.name}: not supported on a tensor-parallel vllm worker")
+        out[f.name] = _plain(value, f"{where}.{f.name}")
+    return out
+
+
+def encode_step(output: Any, grammar: Any) -> bytes:
+    """One step of rank 0's scheduler for the other ranks: its scheduler output as msgpack (plain values, the
+    requests' ``SamplingParams`` by msgspec). The KV connector's metadata stays behind (each rank builds its own)."""
+    import msgpack
+
+    if grammar is not None:
+        raise ValueError("grammar: structured output is not supported on a tensor-parallel vllm worker")
+    body = _fields(output, "step", skip=("scheduled_new_reqs", "scheduled_cached_reqs", "kv_connector_metadata"))
+    body["scheduled_new_reqs"] = [_fields(r, "step.new_request") for r in output.scheduled_new_reqs]
+    body["scheduled_cached_reqs"] = _fields(output.scheduled_cached_reqs, "step.cached_requests")
+    return msgpack.packb(body, use_bin_type=True)
+
+
+def decode_step(payload: bytes, connector_metadata: Any = None) -> Any:
+    """``encode_step``'s scheduler output, with this rank's KV connector metadata."""
+    import msgpack
+    from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+
+    body = msgpack.unpackb(payload, raw=False, strict_map_key=True)
+    if not isinstance(body, dict):
+        raise ValueError("payload: not a scheduler output")
+    body = {k: _unplain(v) for k, v in body.items()}
+    body["scheduled_new_reqs"] = [NewRequestData(**r) for r in body["scheduled_new_reqs"]]
+    body["scheduled_cached_reqs"] = CachedRequestData(**body["scheduled_cached_reqs"])
+    return SchedulerOutput(**body, kv_connector_metadata=connector_metadata)
 
 
 def build_vllm(
@@ -612,7 +696,7 @@ class VllmEngine:
         core = self._core
         if self._channel is not None:  # every rank runs the step: its forward joins this one's collectives
             grammar = self._scheduler.get_grammar_bitmask(output)
-            self._channel.send(Foreign(pickle.dumps((output, grammar), protocol=pickle.HIGHEST_PROTOCOL)))
+            self._channel.send(Foreign(encode_step(output, grammar)))
             model_output = core.model_executor.execute_model(output)
         else:
             future = core.model_executor.execute_model(output, non_block=True)
@@ -881,13 +965,18 @@ class VllmRank:
         """One step rank 0 scheduled: its forward joins rank 0's collectives; what it samples is rank 0's.
         ``on_layer_done(n)``: as the forward's layers write their KV (the sends it streams). Returns the layers
         reported so."""
-        output, grammar = pickle.loads(payload)  # from rank 0 of this worker, over the ranks' own group
+        metadata = None
+        if self._link is not None:
+            from splitserve.kv_transfer.vllm_connector import SplitserveMetadata
+
+            metadata = SplitserveMetadata()
+        output = decode_step(payload, metadata)
         watched = on_layer_done is not None and self._link is not None
         if watched:
             self._link.watch_layers(on_layer_done)
         try:
             if self._executor.execute_model(output) is None:
-                self._executor.sample_tokens(grammar)
+                self._executor.sample_tokens(None)
         finally:
             saved = self._link.layers_saved if watched else 0
             if watched:
