@@ -39,7 +39,7 @@ from splitserve.deploy.profile import (
     fit_steps,
     fit_transfer,
 )
-from splitserve.planning.ranks import HOST, TP_GROUP_TIMEOUT_S, TP_SETUP_TIMEOUT_S
+from splitserve.planning.ranks import HOST, TP_GROUP_TIMEOUT_S, TP_SETUP_TIMEOUT_S, end_followers, spawn_followers
 
 
 @dataclass(frozen=True)
@@ -550,16 +550,12 @@ def _follower_main(measurer: dict, port: int, rank: int, size: int, errors) -> N
 def _measure_tp(measurer_args: dict, size: int):
     """Rank 0's ``Measurer`` of a TP-``size`` engine, with ranks 1.. spawned and following; and a closer."""
     import torch
-    import torch.multiprocessing as mp
 
-    from splitserve.engine.tp.distributed import TPGroup, bind_store
+    from splitserve.engine.tp.distributed import TPGroup
 
-    store, port = bind_store(HOST, 0, TP_SETUP_TIMEOUT_S)
-    ctx = mp.get_context("spawn")
-    errors = ctx.Queue()
-    procs = [ctx.Process(target=_follower_main, args=(measurer_args, port, r, size, errors)) for r in range(1, size)]
-    for process in procs:
-        process.start()
+    store, _, procs, errors = spawn_followers(
+        size, _follower_main, lambda port, rank, errors: (measurer_args, port, rank, size, errors)
+    )
     device = torch.device(measurer_args["device"])
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
@@ -569,12 +565,7 @@ def _measure_tp(measurer_args: dict, size: int):
 
     def close() -> None:
         measurer.core.close()  # Stop: the followers return
-        for process in procs:
-            process.join(30)
-            if process.is_alive():
-                process.kill()
-        if not errors.empty():
-            raise RuntimeError(errors.get())
+        end_followers(procs, errors)
 
     return measurer, close, store
 

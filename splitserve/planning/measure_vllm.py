@@ -193,12 +193,10 @@ class VllmMeasurer:
 
     def close(self) -> None:
         self.engine.close()  # Stop: the other ranks return
-        for process in self._ranks:
-            process.join(30)
-            if process.is_alive():
-                process.kill()
-        if self._ranks and not self._errors.empty():
-            raise RuntimeError(self._errors.get())
+        if self._ranks:
+            from splitserve.planning.ranks import end_followers
+
+            end_followers(self._ranks, self._errors)
 
 
 def _spawn_ranks(config: Any) -> tuple[Any, list, Any]:
@@ -207,19 +205,15 @@ def _spawn_ranks(config: Any) -> tuple[Any, list, Any]:
     import uuid
 
     import torch
-    import torch.multiprocessing as mp
 
-    from splitserve.engine.tp.distributed import TPGroup, bind_store
-    from splitserve.planning.ranks import HOST, TP_GROUP_TIMEOUT_S, TP_SETUP_TIMEOUT_S
+    from splitserve.engine.tp.distributed import TPGroup
+    from splitserve.planning.ranks import HOST, TP_GROUP_TIMEOUT_S, TP_SETUP_TIMEOUT_S, spawn_followers
     from splitserve.worker_common.tp.rank_link import Ranks
 
     size, group_id = config.tensor_parallel_size, f"profile-{uuid.uuid4().hex[:12]}"
-    store, port = bind_store(HOST, 0, TP_SETUP_TIMEOUT_S)
-    ctx = mp.get_context("spawn")
-    errors = ctx.Queue()
-    procs = [ctx.Process(target=_rank_main, args=(config, port, group_id, r, errors)) for r in range(1, size)]
-    for process in procs:
-        process.start()
+    store, port, procs, errors = spawn_followers(
+        size, _rank_main, lambda port, rank, errors: (config, port, group_id, rank, errors)
+    )
     group = TPGroup.join(
         "gloo", store, "tp/", 0, size, HOST, TP_GROUP_TIMEOUT_S, TP_SETUP_TIMEOUT_S, torch.device("cpu")
     )

@@ -45,18 +45,11 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-@pytest.fixture(scope="session")
-def vllm_offline(serving_model):
-    """vLLM's offline LLM on the serving checkpoint, greedy on PROMPTS, in a process of its own."""
+def run_in_own_process(module: str, *args: str):
+    """``python -m module args`` (vllm changes torch's thread settings process-wide, so it runs apart from the
+    tests): the JSON its last line prints."""
     done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "tests.vllm.offline_reference",
-            str(serving_model),
-            str(MAX_TOKENS),
-            json.dumps(PROMPTS),
-        ],
+        [sys.executable, "-m", module, *args],
         capture_output=True,
         text=True,
         timeout=REFERENCE_TIMEOUT_S,
@@ -65,6 +58,12 @@ def vllm_offline(serving_model):
     )
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="session")
+def vllm_offline(serving_model):
+    """vLLM's offline LLM on the serving checkpoint, greedy on PROMPTS, in a process of its own."""
+    return run_in_own_process("tests.vllm.offline_reference", str(serving_model), str(MAX_TOKENS), json.dumps(PROMPTS))
 
 
 @pytest.fixture(scope="session")

@@ -10,11 +10,6 @@ One slowed deployment for the module, as tests/serving/test_cancel.py's: every p
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import grpc
 import pytest
 
@@ -34,7 +29,7 @@ from tests.serving.test_cancel import (
 )
 from tests.serving.test_faults import assert_drill
 from tests.threads import Background
-from tests.vllm.conftest import GREEDY, PROMPTS, REFERENCE_TIMEOUT_S, ROOT, router_view
+from tests.vllm.conftest import GREEDY, PROMPTS, router_view, run_in_own_process
 
 MAX_PAUSE_S = 10.0  # the splitserve engine's drills hold 5 s; a restarted vLLM worker takes longer to start
 MAX_BACK_S = 60.0
@@ -175,16 +170,7 @@ def test_a_vllm_prefill_streams_each_layer_as_the_forward_writes_it(serving_mode
     """The connector's ``save_kv_layer`` hands the KV sender each layer while the forward goes on: every
     ``on_layer_done(n)`` of the prompt's step comes when vLLM has reported n layers saved (not after the step,
     when the engine would report the layers it did not see)."""
-    done = subprocess.run(
-        [sys.executable, "-m", "tests.vllm.layer_stream_probe", str(serving_model)],
-        capture_output=True,
-        text=True,
-        timeout=REFERENCE_TIMEOUT_S,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-        cwd=ROOT,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    probe = json.loads(done.stdout.strip().splitlines()[-1])
+    probe = run_in_own_process("tests.vllm.layer_stream_probe", str(serving_model))
     layers = probe["layers"]
     assert probe["tokens"] == 1  # the prefill's first token, then the hand-off
     assert probe["calls"] == [[n, n] for n in range(1, layers + 1)]

@@ -23,14 +23,19 @@ from tests.serving.streams import stream_all
 from tests.vllm.conftest import GREEDY, PROMPTS
 
 
-@pytest.fixture(scope="module")
-def p2_d1(ray_session, serving_model):
-    deployment = start_deployment(
+def start_vllm(serving_model, prefill_tp: int, decode_tp: int):
+    """1P+1D on the vllm backend at these TP sizes, one thread per rank."""
+    return start_deployment(
         serving_model,
         engine={"backend": "vllm", "kv_cache_bytes": 64 << 20, "tensor_parallel_timeout_s": 10.0},
-        prefill={"tensor_parallel_size": 2, "threads": 1},
-        decode={"threads": 1},
+        prefill={"tensor_parallel_size": prefill_tp, "threads": 1},
+        decode={"tensor_parallel_size": decode_tp, "threads": 1},
     )
+
+
+@pytest.fixture(scope="module")
+def p2_d1(ray_session, serving_model):
+    deployment = start_vllm(serving_model, 2, 1)
     yield deployment
     deployment.stop()
 
@@ -77,12 +82,7 @@ def test_a_killed_rank_fails_its_worker_which_comes_back_as_a_new_group(p2_d1, v
 @pytest.fixture(scope="module")
 def p1_d2(ray_session, serving_model, p2_d1):
     p2_d1.stop()  # one deployment at a time on two cores
-    deployment = start_deployment(
-        serving_model,
-        engine={"backend": "vllm", "kv_cache_bytes": 64 << 20, "tensor_parallel_timeout_s": 10.0},
-        prefill={"threads": 1},
-        decode={"tensor_parallel_size": 2, "threads": 1},
-    )
+    deployment = start_vllm(serving_model, 1, 2)
     yield deployment
     deployment.stop()
 
