@@ -59,6 +59,12 @@ class EngineSettings:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     prefill_chunk_size: int | None = None  # default: max_num_batched_tokens
+    # The longest prompt plus output a request may have; default: the model's max_position_embeddings (the vllm
+    # backend: the model's, or as long as the KV cache holds one request of).
+    max_model_len: int | None = None
+    # Reuse the KV of cached prompt prefixes (prefill and colocated workers; a decode worker's requests arrive
+    # with their KV, so it never has one).
+    enable_prefix_caching: bool = True
     # Which kernel the linear layers run (CPU; CUDA always runs cuBLAS): auto (timed per weight shape at load,
     # cached: engine/model/linear_tuner.py) | plain (F.linear) | packed (oneDNN prepacked) | split (both, by rows)
     # | and for bf16 weights computed in float32: upcast (bf16 kept) | fp32 (a float32 copy) | fp32-packed
@@ -95,7 +101,7 @@ class EngineSettings:
             isinstance(self.vllm_args, dict) and all(isinstance(k, str) for k in self.vllm_args)
         ):
             raise ValueError(f"vllm_args: must map vLLM EngineArgs names to values, got {self.vllm_args!r}")
-        check_ranges(self, ("block_size", "num_blocks", "kv_cache_bytes"), min=1)
+        check_ranges(self, ("block_size", "num_blocks", "kv_cache_bytes", "max_model_len"), min=1)
         check_range(self, "tensor_parallel_timeout_s", above=0)
         check_choice(self, "linear_kernel", LINEAR_KERNELS)
 
@@ -103,13 +109,11 @@ class EngineSettings:
 @dataclass(frozen=True)
 class EngineConfig(EngineSettings):
     """Everything an ``EngineCore`` is built from: the settings, and what each process adds (the model,
-    its dtype and device, threads, prefix caching)."""
+    its dtype and device, threads)."""
 
     model_dir: str = field(kw_only=True)
     dtype: str = "auto"  # bfloat16 | float16 | float32 | auto (the checkpoint's)
     device: str = "cpu"  # cpu | cuda | cuda:N
-    enable_prefix_caching: bool = True
-    max_model_len: int | None = None  # default: the model's max_position_embeddings
     num_threads: int | None = None  # torch intra-op threads (CPU); None leaves torch's default
     pack_weights: bool = True  # False: linear_kernel plain (the older switch, kept for compatibility)
     # This process is rank tensor_parallel_rank of a tensor-parallel engine of tensor_parallel_size ranks

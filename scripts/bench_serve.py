@@ -20,7 +20,8 @@ output tokens at each of --in-flight (8 and 32) requests in flight, greedy, EOS 
 client (`splitserve bench --backend openai`, in process) against every splitserve deployment of
 --deployments (each serving its OpenAI port) and against vLLM's CPU build (`vllm serve` of the peer venv,
 `make peer`; `--peer PYTHON` names another, `--no-peer` skips it) on the same checkpoint, dtype and
-cores, one server at a time: output tok/s, mean TTFT and mean TPOT, and ours as ratios to vLLM's.
+cores, one server at a time: output tok/s, mean TTFT and mean TPOT, and ours as ratios to vLLM's. Every
+deployment runs with the peer's engine settings: its max_model_len and no prefix cache.
 `--json` prints one JSON object as the last line.
 
 The engines of a deployment (its workers and the offline engine) take --serve-dtype (default: --dtype;
@@ -229,9 +230,22 @@ def deployment_config(args, name: str):
             "openai_port": 0,
             "metrics_port": 0,  # where the served time went (splitserve.bench.timeline)
             "model_name": SERVED_NAME,
-            **({"engine": {"kv_cache_bytes": 512 << 20}} | DEPLOYMENTS[name][1](args)),
+            **_with_peer_engine(DEPLOYMENTS[name][1](args)),
         }
     )
+
+
+# The engine settings `vllm serve` runs with here (vllm_workload): every deployment takes them, so that the
+# peer's workload compares servers, not settings.
+PEER_MAX_MODEL_LEN = 2048
+
+
+def _with_peer_engine(deployment: dict) -> dict:
+    """A deployment's settings with the peer's engine settings: its max_model_len, and no prefix cache (the
+    peer runs with --no-enable-prefix-caching)."""
+    engine = {"kv_cache_bytes": 512 << 20} | deployment.get("engine", {})
+    engine |= {"max_model_len": PEER_MAX_MODEL_LEN, "enable_prefix_caching": False}
+    return deployment | {"engine": engine}
 
 
 SERVED_NAME = "bench-model"  # the name both splitserve and vLLM serve the checkpoint under
@@ -503,6 +517,7 @@ def vllm_workload(args, python, cpus: list[int], workload: list) -> dict:
         cpus,
         SERVED_NAME,
         max_num_seqs=max(args.in_flight),
+        max_model_len=PEER_MAX_MODEL_LEN,
         log_path=ROOT / "results" / "peer_vllm_serve.log",
     )
     with server:

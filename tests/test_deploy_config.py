@@ -271,6 +271,21 @@ def test_linear_kernel_settings_reach_every_worker():
         assert (config.linear_kernel, config.linear_split_allowed) == ("split", False)
 
 
+def test_max_model_len_and_the_prefix_cache_reach_every_worker_and_decode_never_caches():
+    from splitserve.deploy.deployment import Deployment
+
+    def engines(engine: dict) -> dict:
+        deployment = Deployment(DeploymentConfig.from_dict({"model": "m", "engine": engine}))
+        return {role: deployment.fleet.worker_config(role, f"{role}-0").engine for role in ("prefill", "decode")}
+
+    default = engines({})
+    assert [(c.max_model_len, c.enable_prefix_caching) for c in default.values()] == [(None, True), (None, False)]
+    off = engines({"max_model_len": 2048, "enable_prefix_caching": False})
+    assert [(c.max_model_len, c.enable_prefix_caching) for c in off.values()] == [(2048, False), (2048, False)]
+    with pytest.raises(ConfigError, match="engine.max_model_len"):
+        DeploymentConfig.from_dict({"model": "m", "engine": {"max_model_len": 0}})
+
+
 def test_scale_past_the_cpu_sets_is_refused_naming_the_field():
     import asyncio
 

@@ -326,12 +326,13 @@ class DeploymentConfig:
                 **_values(self.engine),
                 "num_blocks": role_config.num_blocks or self.engine.num_blocks,
                 "backend": self.backend(role),
+                # decode requests arrive with their KV: nothing to reuse
+                "enable_prefix_caching": self.engine.enable_prefix_caching and role != "decode",
             },
             model_dir=model_dir,
             dtype=self.dtype,
             device=self.device,
             num_threads=role_config.worker_threads(slot),
-            enable_prefix_caching=role != "decode",  # decode requests arrive with their KV: nothing to reuse
             tensor_parallel_size=role_config.tensor_parallel_size,
             # Rank 0 schedules and sends each step's plan: the other ranks own no requests.
             tensor_parallel_step="plan" if role_config.tensor_parallel_size > 1 else "lockstep",
