@@ -4,7 +4,9 @@
 The worker keeps everything it has on the splitserve backend: its gRPC service, status, metrics, health,
 drain, cancel and the router contract. Only the engine changes: vLLM's ``EngineCore`` (its scheduler, KV
 cache manager, model runner and sampler) runs in the worker's own process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``,
-the single-process executor), on the worker's cores, with no HTTP server and no placement group of its own.
+the single-process executor), on the worker's cores, with no HTTP server and no placement group of its own;
+a colocated CPU worker's model runner and sampler run in a process of their own, as under `vllm serve`
+(``model_process``).
 
 One step, as the worker takes it, maps onto vLLM's own step (``EngineCore.step``):
 
@@ -102,6 +104,7 @@ _OWNED_ARGS = frozenset(
         "kv_cache_memory_bytes",
         "num_gpu_blocks_override",
         "kv_transfer_config",
+        "worker_extension_cls",
     }
 )
 
@@ -326,6 +329,7 @@ def build_vllm(
     owned = sorted(_OWNED_ARGS & extra.keys())
     if owned:
         raise ValueError(f"vllm_args: {', '.join(owned)} set from the engine's own settings; set those instead")
+    executor = model_process(config, role)
     args = {
         "model": config.model_dir,
         "dtype": config.dtype,
@@ -336,7 +340,7 @@ def build_vllm(
         # vLLM would otherwise refuse to start; this engine's own cache has no such floor.
         "max_model_len": config.max_model_len if config.max_model_len is not None else -1,
         "tensor_parallel_size": size,
-        "distributed_executor_backend": ranks_executor(ranks, config.tensor_parallel_rank) if size > 1 else "uni",
+        "distributed_executor_backend": ranks_executor(ranks, config.tensor_parallel_rank) if size > 1 else executor,
         "disable_log_stats": True,
         **extra,
     }
@@ -358,12 +362,42 @@ def build_vllm(
         from vllm.config import KVEventsConfig
 
         args["kv_events_config"] = KVEventsConfig(enable_kv_cache_events=True, publisher="null")
+    if executor == "mp":
+        args["worker_extension_cls"] = f"{__name__}.{ModelProcessExtension.__qualname__}"
+    # The model process spawned for "mp" takes vLLM's own OpenMP setting (spin, then sleep: libgomp's default),
+    # as under `vllm serve`, not the PASSIVE one the fleet gives worker processes, which share cores.
+    wait_policy = os.environ.pop("OMP_WAIT_POLICY", None) if executor == "mp" else None
     try:
         llm = LLMEngine.from_engine_args(EngineArgs(**args))
     finally:
         torch.set_num_threads = set_num_threads
-    rewind_cpu_generators(llm.engine_core.engine_core.model_executor.driver_worker.worker.model_runner)
+        if wait_policy is not None:
+            os.environ["OMP_WAIT_POLICY"] = wait_policy
+    if executor == "mp":
+        llm.collective_rpc("splitserve_rewind_cpu_generators")
+    else:
+        rewind_cpu_generators(llm.engine_core.engine_core.model_executor.driver_worker.worker.model_runner)
     return llm, wants_events
+
+
+def model_process(config: EngineConfig, role: str) -> str:
+    """vLLM's executor for a worker of one rank: "mp" (vLLM's model runner in a process of its own, which vLLM
+    spawns and ends, as `vllm serve` runs it on CPU) for a colocated CPU worker, else "uni" (in this process).
+
+    On CPU the model's OpenMP threads take both of a worker's cores at every operator, so any other runnable thread
+    of the worker's process (gRPC's, Ray's, the router contract's Python threads holding the GIL) stalls the whole
+    forward; vLLM's CPU platform refuses its single-process executor for that reason. A prefill or decode worker
+    keeps "uni": splitserve's KV connector reads and writes vLLM's KV cache in this process, where its pair
+    groups are (docs/engine.md, "Where vLLM's model runs")."""
+    return "mp" if config.device == "cpu" and role == "colocated" else "uni"
+
+
+class ModelProcessExtension:
+    """Methods vLLM mixes into its worker in the model process (``worker_extension_cls``), called there through
+    ``collective_rpc`` by name."""
+
+    def splitserve_rewind_cpu_generators(self) -> None:
+        rewind_cpu_generators(self.model_runner)
 
 
 def model_facts_of(llm: Any, model_dir: str) -> ModelFacts:
