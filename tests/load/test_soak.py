@@ -129,11 +129,12 @@ def test_short_soak_loses_no_request_leaks_no_block_and_holds_its_memory(serving
         timeout=240,
     )
     verdict = json.loads((out / "soak.json").read_text())
+    # What failed first and shortest (a CI log may keep only the message's first few hundred characters).
+    failed = [name for name, ok in verdict.get("checks", {}).items() if not ok]
     assert done.returncode == 0 and verdict["passed"], (
-        verdict.get("checks"),
-        verdict.get("unclassified"),
-        verdict["greedy"]["mismatches"],
-        done.stderr[-2000:],
+        f"unclassified: {verdict.get('unclassified', [])[:5]}; failed checks: {failed}; "
+        f"greedy mismatches: {verdict['greedy']['mismatches'][:5]}; kill: {verdict.get('kill')}; "
+        f"stderr: {done.stderr[-1500:]}"
     )
     outcomes = verdict["outcomes"]
     assert outcomes["unclassified"] == 0 and verdict["unclassified"] == [], verdict["unclassified"]
