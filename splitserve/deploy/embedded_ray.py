@@ -31,6 +31,12 @@ def use_loopback_ray() -> None:
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 
+# Ray starts idle worker processes ahead of tasks (one per CPU); splitserve runs actors only, each in a process
+# of its own environment (runtime_env), which those never serve. Measured 2026-12-05 while a colocated worker
+# served: two idle workers at about 0.01 core each, on the cores the model's threads use.
+NO_PRESTARTED_WORKERS = {"enable_worker_prestart": False, "prestart_worker_first_driver": False}
+
+
 class EmbeddedRay:
     def __init__(self) -> None:
         self.temp_dir: str | None = None  # Ray's _temp_dir; removed by stop and abort
@@ -53,6 +59,7 @@ class EmbeddedRay:
             log_to_driver=False,
             _node_ip_address="127.0.0.1",
             num_cpus=os.cpu_count(),
+            _system_config=NO_PRESTARTED_WORKERS,
         )
         self.record()
         log.info("embedded Ray in %s (removed when serve stops)", self.temp_dir)
