@@ -93,6 +93,6 @@ class Endpoint:
             now = time.monotonic()
             for handle in list(self._transfers.values()):
                 if not handle.terminal and now > handle.deadline:
-                    message = f"transfer deadline of {handle.deadline - handle.created:.1f}s passed"
+                    message = handle.deadline_message()
                     if handle.fail(message):
                         self._on_deadline(handle, message)

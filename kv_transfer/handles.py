@@ -47,11 +47,17 @@ _NEXT: dict[TransferState, frozenset[TransferState]] = {
 
 
 class TransferHandle:
-    def __init__(self, transfer_id: str, block_ids: tuple[int, ...], timeout_s: float) -> None:
+    def __init__(
+        self, transfer_id: str, block_ids: tuple[int, ...], timeout_s: float, start_timeout_s: float | None = None
+    ) -> None:
+        """``timeout_s``: the whole transfer's deadline, from now; with ``start_timeout_s``, from ``begin``
+        (the peer's first message), and until then the deadline is ``start_timeout_s`` from now."""
         self.transfer_id = transfer_id
         self.block_ids = block_ids
         self.created = time.monotonic()
-        self.deadline = self.created + timeout_s
+        self.timeout_s = timeout_s
+        self.begun_at: float | None = None if start_timeout_s is not None else self.created
+        self.deadline = self.created + (timeout_s if start_timeout_s is None else start_timeout_s)
         self.lock = threading.RLock()
         self._state = TransferState.WAITING
         self._error = ""
@@ -94,6 +100,19 @@ class TransferHandle:
         if self.started_at is None or self.finished_at is None:
             return None
         return self.finished_at - self.started_at
+
+    def begin(self) -> None:
+        """The peer's first message for this transfer arrived: the whole transfer's deadline runs from now (once;
+        a handle given no start timeout runs it from its creation)."""
+        with self.lock:
+            if self.begun_at is None:
+                self.begun_at = time.monotonic()
+                self.deadline = self.begun_at + self.timeout_s
+
+    def deadline_message(self) -> str:
+        if self.begun_at is None:
+            return f"no KV came within the transfer start deadline of {self.deadline - self.created:.1f}s"
+        return f"transfer deadline of {self.deadline - self.begun_at:.1f}s passed"
 
     def start(self) -> bool:
         """The first payload was posted (sender) or landed (receiver): WAITING to TRANSFERRING, noting when.

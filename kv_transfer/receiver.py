@@ -72,8 +72,15 @@ log = logging.getLogger("splitserve.kv_transfer")
 class ReceiveHandle(TransferHandle):
     """One expected transfer into leased blocks; DONE once every (layer, block, head) has landed."""
 
-    def __init__(self, transfer_id: str, block_ids: tuple[int, ...], timeout_s: float, device: torch.device) -> None:
-        super().__init__(transfer_id, block_ids, timeout_s)
+    def __init__(
+        self,
+        transfer_id: str,
+        block_ids: tuple[int, ...],
+        timeout_s: float,
+        device: torch.device,
+        start_timeout_s: float | None = None,
+    ) -> None:
+        super().__init__(transfer_id, block_ids, timeout_s, start_timeout_s)
         self.dest = torch.tensor(block_ids, dtype=torch.long, device=device)
         self.num_blocks: int | None = None  # set by the first descriptor
         self.landed: bytearray | None = None  # one flag per (layer, block, head of this rank), in that order
@@ -128,11 +135,18 @@ class KVReceiver(Endpoint):
     # ---- the decode worker's side ---------------------------------------------------------------
 
     def expect(self, transfer_id: str, block_ids: Sequence[int], timeout_s: float | None = None) -> ReceiveHandle:
-        """Accept a transfer into these leased blocks (in the sender's block order)."""
+        """Accept a transfer into these leased blocks (in the sender's block order). Without ``timeout_s`` it
+        waits up to the config's ``transfer_start_timeout_s`` for the sender's first message and then up to its
+        ``transfer_timeout_s`` for the whole transfer; with one, the transfer ends within it from now."""
         if not block_ids:
             raise ValueError("block_ids: at least one destination block is needed")
+        cfg = self.config
         handle = ReceiveHandle(
-            transfer_id, tuple(block_ids), timeout_s or self.config.transfer_timeout_s, self.cache.device
+            transfer_id,
+            tuple(block_ids),
+            timeout_s or cfg.transfer_timeout_s,
+            self.cache.device,
+            start_timeout_s=None if timeout_s else cfg.transfer_start_timeout_s,
         )
         with self._lock:
             if transfer_id in self._transfers:
@@ -227,6 +241,7 @@ class KVReceiver(Endpoint):
         pair.next_seq += 1
         handle = self._transfers.get(desc.transfer_id)
         if handle is not None:
+            handle.begin()
             with handle.lock:
                 if pair not in handle.pairs:  # from now on, this pair breaking fails the transfer
                     if handle.pairs and handle.terminal and handle.state is not TransferState.DONE:

@@ -5,6 +5,7 @@ fake NCCL-like group, and a real gloo pair on the test device (the GPU check run
 from __future__ import annotations
 
 import random
+import time
 
 import msgpack
 import pytest
@@ -228,6 +229,33 @@ def test_transfer_deadline_and_unknown_transfer_are_reported():
     sender.finish(sh)
     assert sh.wait(5) is TransferState.FAILED and "no lease" in sh.error
     run_transfers(sender, receiver, peer, [9])  # the pair is still fine
+    sender.close()
+    receiver.close()
+
+
+def test_a_receivers_whole_deadline_runs_from_the_senders_first_message():
+    """An expect given no timeout (a decode worker's lease) waits up to transfer_start_timeout_s for the sender to
+    begin, and the whole transfer's deadline then runs from the first message: a prompt that queued on its prefill
+    worker for longer than a whole transfer may take still lands; a sender that never begins fails at the start
+    deadline, saying so."""
+    config = TransferConfig(
+        max_message_bytes=2048,
+        whole_request_bytes=0,
+        layer_group_size=2,
+        op_timeout_s=2.0,
+        transfer_timeout_s=0.5,
+        transfer_start_timeout_s=3.0,
+    )
+    sender, receiver, peer = make_endpoints("cpu", config)
+    queued = receiver.expect("queued", [1, 2, 3])
+    never = receiver.expect("never", [4, 5])
+    time.sleep(1.0)  # twice the whole deadline, before the sender begins
+    assert queued.state is TransferState.WAITING and never.state is TransferState.WAITING
+    sh = sender.start("queued", peer, [7, 8, 9], 12)
+    sender.finish(sh)
+    assert sh.wait(5) is TransferState.DONE and queued.wait(5) is TransferState.DONE, (sh.error, queued.error)
+    assert never.wait(4) is TransferState.FAILED
+    assert "no KV came within the transfer start deadline of 3.0s" in never.error
     sender.close()
     receiver.close()
 

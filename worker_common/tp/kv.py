@@ -142,11 +142,10 @@ class TPReceiver:
     def expect(self, request_id: str, block_ids: Sequence[int], timeout_s: float | None = None) -> Handoff:
         """Expect every rank's part; raises ValueError (an id still here) or ServingError (a rank failed)."""
         d = self.ranks.size
-        timeout_s = timeout_s or self.receiver.config.transfer_timeout_s
         parts: list[TransferHandle] = [self.receiver.expect(rank_transfer_id(request_id, 0, d), block_ids, timeout_s)]
         try:
             for link in self.ranks.links:
-                parts.append(link.expect(rank_transfer_id(request_id, link.rank, d), block_ids, timeout_s))
+                parts.append(link.expect(rank_transfer_id(request_id, link.rank, d), block_ids, timeout_s or 0.0))
         except ServingError:
             for part in parts:
                 self._end_part(part, "another rank could not expect its part")
