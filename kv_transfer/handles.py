@@ -103,7 +103,10 @@ class TransferHandle:
 
     def begin(self) -> None:
         """The peer's first message for this transfer arrived: the whole transfer's deadline runs from now (once;
-        a handle given no start timeout runs it from its creation)."""
+        a handle given no start timeout runs it from its creation). Every message calls it: after the first, it
+        returns without the lock."""
+        if self.begun_at is not None:
+            return
         with self.lock:
             if self.begun_at is None:
                 self.begun_at = time.monotonic()

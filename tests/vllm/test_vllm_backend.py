@@ -4,7 +4,6 @@ starts in about 10 s in eager mode); real worker processes on the session's embe
 
 from __future__ import annotations
 
-import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -13,6 +12,7 @@ import grpc
 import pytest
 
 from splitserve.client.grpc_client import Client, make_request
+from splitserve.deploy import processes
 from splitserve.engine.kv_cache.block_hash import block_hashes
 from splitserve.rpc import workers_pb2 as wpb
 from splitserve.rpc import workers_pb2_grpc as wpb_grpc
@@ -157,33 +157,18 @@ def test_the_loop_phases_add_up_to_the_wall_clock(deployment):
     assert min(phases.values()) >= 0, phases
 
 
-def state_and_parent(pid: int) -> tuple[str, int] | None:
-    """A process's state letter and parent from /proc; None when it is gone."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    state, parent = stat[stat.rindex(")") + 2 :].split()[:2]
-    return state, int(parent)
-
-
-def alive(pid: int) -> bool:
-    found = state_and_parent(pid)
-    return found is not None and found[0] not in "ZX"  # a zombie has ended: only its parent's wait is left
-
-
-def children(pid: int) -> list[int]:
-    """The live processes whose parent is ``pid``."""
-    found = [(int(e), state_and_parent(int(e))) for e in os.listdir("/proc") if e.isdigit()]
-    return [p for p, sp in found if sp is not None and sp[0] not in "ZX" and sp[1] == pid]
-
-
-def model_process(deployment, worker_id: str) -> int:
+def model_process(deployment, worker_id: str) -> processes.Process:
     """The colocated CPU worker's model process: vLLM's model runner in a process of its own, as `vllm serve`
-    runs it (worker_common/vllm_engine.py, model_process), a child of the worker's process."""
-    pids = [p for p in children(deployment.worker_pid(worker_id)) if "VLLM" in Path(f"/proc/{p}/cmdline").read_text()]
-    assert len(pids) == 1, pids
-    return pids[0]
+    runs it (worker_common/vllm_engine.py, model_process), below the worker's process."""
+    found = []
+    for p in processes.descendants([processes.process(deployment.worker_pid(worker_id))]):
+        try:
+            if processes.is_running(p) and "VLLM" in Path(f"/proc/{p.pid}/cmdline").read_text():
+                found.append(p)
+        except OSError:  # gone since the scan
+            pass
+    assert len(found) == 1, found
+    return found[0]
 
 
 def test_a_killed_vllm_worker_is_restarted_and_rejoins(deployment, vllm_offline):
@@ -191,7 +176,7 @@ def test_a_killed_vllm_worker_is_restarted_and_rejoins(deployment, vllm_offline)
     (worker,) = status(deployment)
     old_model = model_process(deployment, worker.worker_id)
     kill_worker(deployment, worker.worker_id)
-    wait_for(lambda: not alive(old_model), 30, 0.2)
+    wait_for(lambda: not processes.is_running(old_model), 30, 0.2)
     wait_for(lambda: [w for w in status(deployment) if w.address != worker.address], 120, 0.5)
     with Client(deployment.address) as client:
         again = client.generate(token_ids=PROMPTS[0], **GREEDY)
