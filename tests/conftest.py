@@ -116,6 +116,12 @@ def pytest_configure(config: pytest.Config) -> None:
         os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    # scripts/gpu_check.sh sets this: a run its deadline cuts off still shows each failure it met, as it met it.
+    if report.failed and os.environ.get("SPLITSERVE_REPORT_FAILURES_AT_ONCE") == "1":
+        print(f"\n--- FAILED {report.nodeid} ({report.when})\n{report.longreprtext}\n", flush=True)
+
+
 @pytest.fixture(scope="session")
 def device(request: pytest.FixtureRequest) -> str:
     return request.config.getoption("--device")

@@ -11,7 +11,8 @@ It is compiled with ``torch.utils.cpp_extension`` on first use (``make setup`` b
 so the build key holds the CPU's model and flags, torch's version and the source's hash. When it cannot be
 built or loaded (no compiler, no ninja, ``SPLITSERVE_CPU_PAGED_DECODE=0``) the reason is logged once and the
 backend reports itself unavailable, so ``select_backend`` falls back to the reference and the dynamic decode
-path keeps its gather.
+path keeps its gather. Processes building the same key at once take turns (``file_lock``, at most
+``BUILD_WAIT_S``); a build killed midway leaves nothing that blocks the next.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ from types import ModuleType
 
 import torch
 
+from splitserve.common.file_lock import file_lock
+
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_paged_decode.cpp")
@@ -38,6 +41,9 @@ CFLAGS = ["-O3", "-march=native", "-fopenmp"] + (
     ["-mprefer-vector-width=512"] if platform.machine() in ("x86_64", "AMD64") else []
 )
 LDFLAGS = ["-fopenmp"]
+# How long a load waits for another process's build of the same key (one takes about a minute on 2 cores);
+# past it the load fails with the reason and decode attention keeps the reference.
+BUILD_WAIT_S = float(os.environ.get("SPLITSERVE_EXTENSION_BUILD_WAIT_S", "600"))
 
 _lock = threading.Lock()
 _module: ModuleType | None = None
@@ -91,15 +97,23 @@ def _build() -> ModuleType:
     _ninja_on_path()
     key = build_key()
     directory = cache_root() / key
-    directory.mkdir(parents=True, exist_ok=True)
-    return cpp_extension.load(
-        name=f"splitserve_cpu_paged_decode_{key}",
-        sources=[str(SOURCE)],
-        extra_cflags=CFLAGS,
-        extra_ldflags=LDFLAGS,
-        build_directory=str(directory),
-        verbose=False,
-    )
+    # torch's builder takes a lock that is a file's existence ("lock" in the build folder) and waits for it
+    # with no deadline, so a build killed midway left every later load waiting forever. Builds here take
+    # an flock first (released when its holder dies, waited on for at most BUILD_WAIT_S): whoever holds it
+    # is the only splitserve build of this key, so a "lock" file found then was left by a build that died.
+    with file_lock(directory / "splitserve-build.lock", BUILD_WAIT_S, "the cpu paged decode kernel's build"):
+        baton = directory / "lock"
+        if baton.exists():
+            log.warning("removing %s, left by a build of the cpu paged decode kernel that did not finish", baton)
+            baton.unlink(missing_ok=True)
+        return cpp_extension.load(
+            name=f"splitserve_cpu_paged_decode_{key}",
+            sources=[str(SOURCE)],
+            extra_cflags=CFLAGS,
+            extra_ldflags=LDFLAGS,
+            build_directory=str(directory),
+            verbose=False,
+        )
 
 
 def load() -> ModuleType | None:

@@ -29,7 +29,6 @@ compiling at load).
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import logging
@@ -45,6 +44,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from splitserve.common.file_lock import file_lock
 from splitserve.common.validate import check_choice
 from splitserve.engine.hardware import cpu_isa, describe_machine, native_bf16
 from splitserve.engine.model.transformer import FP32_COMPUTE_PATHS, CausalLM, Linear, can_pack, onednn_runs
@@ -66,6 +66,8 @@ REP_BUDGET_S = 0.03  # per candidate and row count, after one warm-up call
 MIN_REPS, MAX_REPS = 3, 9
 SPIKE, RETRIES = 1.5, 2
 CACHE_VERSION = 1
+# How long an engine waits for another on this machine to finish timing its kernels (cache_lock).
+CACHE_LOCK_WAIT_S = 600.0
 
 # (path, rows, fn) -> seconds of one call of fn; injectable so tests can fake the clock.
 Timer = Callable[[str, int, Callable[[], object]], float]
@@ -452,13 +454,8 @@ def cache_lock(path: Path | None) -> Iterator[None]:
     if path is None:
         yield
         return
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path.with_name(path.name + ".lock"), "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
+    with file_lock(path.with_name(path.name + ".lock"), CACHE_LOCK_WAIT_S, "the linear-kernel cache"):
+        yield
 
 
 def auto_dtype_comparison(model: CausalLM, policy: KernelPolicy, timer: Timer = wall_clock) -> Fp32Comparison:

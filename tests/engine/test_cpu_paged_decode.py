@@ -10,6 +10,7 @@ import torch
 
 from splitserve.engine.attention import cpu_paged_decode
 from splitserve.engine.attention.paged_decode import BackendRegistry, paged_decode_torch
+from tests.common.test_file_lock import start_holder
 
 needs_kernel = pytest.mark.skipif(
     cpu_paged_decode.load() is None, reason=f"cpu paged decode kernel not built: {cpu_paged_decode.failure()}"
@@ -139,3 +140,40 @@ def test_build_key_follows_the_cpu(monkeypatch):
     other = cpu_paged_decode.build_key()
     monkeypatch.setattr(cpu_paged_decode, "cpu_signature", lambda: "flags: sse2 avx2 avx512f")
     assert len({key, other, cpu_paged_decode.build_key()}) == 3
+
+
+def test_a_build_killed_midway_leaves_nothing_that_blocks_the_next(monkeypatch, tmp_path):
+    """torch's builder waits with no deadline while its "lock" file exists, and a killed build leaves it:
+    a build that holds splitserve's flock removes that file before it calls the builder."""
+    from torch.utils import cpp_extension
+
+    monkeypatch.setenv("SPLITSERVE_EXTENSION_CACHE", str(tmp_path))
+    directory = cpu_paged_decode.cache_root() / cpu_paged_decode.build_key()
+    directory.mkdir(parents=True)
+    (directory / "lock").write_text("")  # what a killed build leaves
+    seen = {}
+
+    def builder(**kwargs):
+        seen["baton"] = (directory / "lock").exists()
+        seen["build_directory"] = kwargs["build_directory"]
+        return "module"
+
+    monkeypatch.setattr(cpp_extension, "load", builder)
+    assert cpu_paged_decode._build() == "module"
+    assert seen == {"baton": False, "build_directory": str(directory)}
+
+
+def test_a_build_held_by_another_process_past_the_deadline_falls_back(monkeypatch, tmp_path, caplog):
+    monkeypatch.setenv("SPLITSERVE_EXTENSION_CACHE", str(tmp_path))
+    monkeypatch.setattr(cpu_paged_decode, "BUILD_WAIT_S", 0.3)
+    holder = start_holder(cpu_paged_decode.cache_root() / cpu_paged_decode.build_key() / "splitserve-build.lock")
+    cpu_paged_decode.reset()
+    try:
+        with caplog.at_level(logging.WARNING, logger=cpu_paged_decode.__name__):
+            assert cpu_paged_decode.load() is None
+        assert "another process has held" in cpu_paged_decode.failure()
+        assert any("falls back to the torch reference" in r.getMessage() for r in caplog.records)
+    finally:
+        holder.kill()
+        holder.wait(10)
+        cpu_paged_decode.reset()
