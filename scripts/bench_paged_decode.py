@@ -10,11 +10,13 @@ and the CPU kernel that reads the cache in place (engine/attention/cpu_paged_dec
 Each row's blocks are scattered at random over a cache of --cache-blocks blocks, as a busy cache holds
 them. Shapes default to qwen2.5-0.5b's attention (14 query heads, 2 KV heads, head_dim 64); the time is
 the median of --iters calls after a warm-up, and x24 is one decode step's attention over 24 layers.
+With --cold, 128 MB are read before each timed call, so the call finds the cache's blocks in memory,
+not in the CPU's caches, as it does in a step (where a layer's weights pass through them in between).
 The CPU's model and its avx2/avx512f/avx512_bf16 flags are printed first: figures from different
 machines do not compare.
 
     python scripts/bench_paged_decode.py [--context 128 512 2048] [--batch 1 16] [--dtype float32]
-                                         [--threads 2] [--json]
+                                         [--threads 2] [--cold] [--json]
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from splitserve.engine.attention.paged_decode import paged_decode_torch
 from splitserve.engine.kv_cache.cache import context_rows
 
 FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
+COLD_BYTES = 128 << 20  # --cold: written between calls, more than any CPU cache here
 
 
 def cpu_description() -> str:
@@ -42,10 +45,12 @@ def cpu_description() -> str:
     return f"{fields.get('model name', sig)} ({torch.get_num_threads()} threads; {have})"
 
 
-def timed(fn, iters: int) -> float:
+def timed(fn, iters: int, flush=None) -> float:
     fn()
     samples = []
     for _ in range(iters):
+        if flush is not None:
+            flush()
         t0 = time.perf_counter()
         fn()
         samples.append(time.perf_counter() - t0)
@@ -71,13 +76,20 @@ def case(args, batch: int, context: int, dtype: torch.dtype, kernel) -> dict:
     )
     meta.decode_span(None, q.device)
     ref = paged_decode_torch(q, cache, tables, lens, scale, None)
-    row = {"batch": batch, "context": context, "dtype": str(dtype).removeprefix("torch.")}
-    row["gather_ms"] = timed(lambda: _decode(q, cache, meta, scale, None), args.iters)
-    row["torch_ms"] = timed(lambda: paged_decode_torch(q, cache, tables, lens, scale, None), args.iters)
+    row = {"batch": batch, "context": context, "dtype": str(dtype).removeprefix("torch."), "cold": args.cold}
+    flush = None
+    if args.cold:  # a layer's weights pass through the caches between two layers' attention: so does this
+        scratch = torch.ones(COLD_BYTES // 4, dtype=torch.float32)
+
+        def flush():  # read, not written: the caches end up holding clean lines, as after a layer's weights
+            scratch.sum()
+
+    row["gather_ms"] = timed(lambda: _decode(q, cache, meta, scale, None), args.iters, flush)
+    row["torch_ms"] = timed(lambda: paged_decode_torch(q, cache, tables, lens, scale, None), args.iters, flush)
     if kernel is not None:
         out = kernel(q, cache, tables, lens, scale, None)
         row["cpu_max_err"] = float((out.float() - ref.float()).abs().max())
-        row["cpu_ms"] = timed(lambda: kernel(q, cache, tables, lens, scale, None), args.iters)
+        row["cpu_ms"] = timed(lambda: kernel(q, cache, tables, lens, scale, None), args.iters, flush)
     return row
 
 
@@ -93,6 +105,7 @@ def main() -> None:
     p.add_argument("--cache-blocks", type=int, default=4096)
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--cold", action="store_true", help="evict the caches before each timed call (as in a model step)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
     if args.threads:

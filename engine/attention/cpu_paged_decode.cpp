@@ -78,6 +78,18 @@ inline const float* rows(const c10::BFloat16* block, int64_t t0, int64_t t1, int
   return buf;
 }
 
+// A row's blocks lie anywhere in the cache, each in pages of its own, so the hardware prefetcher does not follow
+// from one to the next, and the kernel would wait on memory at the start of every block. The block PREFETCH_BLOCKS
+// ahead is asked for while this one is scored, its cache lines spread over the block's work (part ``i`` of
+// ``parts`` asks for its share of the lines), not in one burst that the CPU's miss queues would drop.
+constexpr int64_t PREFETCH_BLOCKS = 2;
+
+inline void prefetch_part(const char* p, int64_t bytes, int64_t i, int64_t parts) {
+  if (p == nullptr) return;
+  const int64_t lines = (bytes + 63) / 64, per = (lines + parts - 1) / parts;
+  for (int64_t l = i * per; l < std::min(lines, (i + 1) * per); ++l) __builtin_prefetch(p + l * 64, 0, 3);
+}
+
 // q . k over d elements: LANES independent partial sums (one vector register's worth), summed by halves.
 constexpr int64_t LANES = 16;
 
@@ -140,14 +152,19 @@ inline __m512 sum_each(const __m512 (&v)[TILE]) {
 // Rows [t0, t1) of one block (keys, values: the block's rows as float32, all block_size of them readable) for the
 // group's queries qf [group, d] (scaled), folded into the online softmax's run_max, run_sum and acc [group, d].
 inline void attend_rows_avx512(const float* qf, const float* keys, const float* values, int64_t t0, int64_t t1,
-                               int64_t group, int64_t d, float* run_max, float* run_sum, float* acc) {
+                               int64_t group, int64_t d, float* run_max, float* run_sum, float* acc,
+                               const char* pk, const char* pv, int64_t block_bytes) {
   alignas(64) float p[TILE];
+  const int64_t parts = group * ((t1 - 1) / TILE - t0 / TILE + 1);  // one share of the prefetch per query and tile
+  int64_t part = 0;
   for (int64_t c0 = t0 / TILE * TILE; c0 < t1; c0 += TILE) {
     const int64_t lo = std::max(t0, c0) - c0, hi = std::min(t1, c0 + TILE) - c0;
     const __mmask16 mask = static_cast<__mmask16>(((1u << hi) - 1u) & ~((1u << lo) - 1u));
     const float* k = keys + c0 * d;
     const float* v = values + c0 * d;
-    for (int64_t g = 0; g < group; ++g) {
+    for (int64_t g = 0; g < group; ++g, ++part) {
+      prefetch_part(pk, block_bytes, part, parts);
+      prefetch_part(pv, block_bytes, part, parts);
       __m512 dots[TILE];
       for (int t = 0; t < TILE; ++t) dots[t] = _mm512_setzero_ps();
       for (int64_t i = 0; i < d; i += TILE) {
@@ -204,11 +221,17 @@ void decode_rows(const scalar_t* q, const scalar_t* cache, const int64_t* tables
         const int64_t t0 = std::max<int64_t>(start - blk * block_size, 0);
         const int64_t t1 = std::min<int64_t>(len - blk * block_size, block_size);
         const int64_t id = table[blk];
+        // The block PREFETCH_BLOCKS ahead of this one in the row's table, asked for while this one is scored.
+        const int64_t ahead = blk + PREFETCH_BLOCKS <= (len - 1) / block_size ? table[blk + PREFETCH_BLOCKS] : -1;
+        const char* pk = ahead < 0 ? nullptr : reinterpret_cast<const char*>(cache + ((ahead * 2) * kv_heads + h) * block_elems);
+        const char* pv = ahead < 0 ? nullptr : reinterpret_cast<const char*>(cache + ((ahead * 2 + 1) * kv_heads + h) * block_elems);
+        const int64_t block_bytes = block_elems * static_cast<int64_t>(sizeof(scalar_t));
         const float* keys = rows(cache + ((id * 2) * kv_heads + h) * block_elems, t0, t1, d, kbuf.data());
         const float* values = rows(cache + ((id * 2 + 1) * kv_heads + h) * block_elems, t0, t1, d, vbuf.data());
 #if defined(__AVX512F__)
         if (tiled) {
-          attend_rows_avx512(qf.data(), keys, values, t0, t1, group, d, run_max.data(), run_sum.data(), acc.data());
+          attend_rows_avx512(qf.data(), keys, values, t0, t1, group, d, run_max.data(), run_sum.data(), acc.data(), pk,
+                             pv, block_bytes);
           continue;
         }
 #endif
@@ -220,6 +243,8 @@ void decode_rows(const scalar_t* q, const scalar_t* cache, const int64_t* tables
           }
         }
         for (int64_t g = 0; g < group; ++g) {
+          prefetch_part(pk, block_bytes, g, group);
+          prefetch_part(pv, block_bytes, g, group);
           float* s = scores.data() + g * block_size;
           float block_max = -std::numeric_limits<float>::infinity();
           for (int64_t t = t0; t < t1; ++t) block_max = std::max(block_max, s[t]);
