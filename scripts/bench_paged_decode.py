@@ -34,7 +34,7 @@ from splitserve.engine.attention.paged_decode import paged_decode_torch
 from splitserve.engine.kv_cache.cache import context_rows
 
 FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
-COLD_BYTES = 128 << 20  # --cold: written between calls, more than any CPU cache here
+COLD_BYTES = 128 << 20  # --cold: read between calls, more than any CPU cache here
 
 
 def cpu_description() -> str:

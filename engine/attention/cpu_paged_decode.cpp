@@ -197,6 +197,7 @@ void decode_rows(const scalar_t* q, const scalar_t* cache, const int64_t* tables
   const int64_t group = heads / kv_heads;
   const int64_t d = head_dim;
   const int64_t block_elems = block_size * d;
+  const int64_t block_bytes = block_elems * static_cast<int64_t>(sizeof(scalar_t));
 #if defined(__AVX512F__)
   const bool tiled = block_size % TILE == 0 && d % TILE == 0;
 #endif
@@ -217,17 +218,18 @@ void decode_rows(const scalar_t* q, const scalar_t* cache, const int64_t* tables
       std::fill(run_max.begin(), run_max.end(), -std::numeric_limits<float>::infinity());
       std::fill(run_sum.begin(), run_sum.end(), 0.0f);
       const int64_t* table = tables + b * max_blocks;
+      // Block ``id``'s keys (kv 0) or values (kv 1) of this item's KV head: block_size x d contiguous elements.
+      const auto head_run = [&](int64_t id, int64_t kv) { return cache + ((id * 2 + kv) * kv_heads + h) * block_elems; };
       for (int64_t blk = start / block_size; blk <= (len - 1) / block_size; ++blk) {
         const int64_t t0 = std::max<int64_t>(start - blk * block_size, 0);
         const int64_t t1 = std::min<int64_t>(len - blk * block_size, block_size);
         const int64_t id = table[blk];
         // The block PREFETCH_BLOCKS ahead of this one in the row's table, asked for while this one is scored.
-        const int64_t ahead = blk + PREFETCH_BLOCKS <= (len - 1) / block_size ? table[blk + PREFETCH_BLOCKS] : -1;
-        const char* pk = ahead < 0 ? nullptr : reinterpret_cast<const char*>(cache + ((ahead * 2) * kv_heads + h) * block_elems);
-        const char* pv = ahead < 0 ? nullptr : reinterpret_cast<const char*>(cache + ((ahead * 2 + 1) * kv_heads + h) * block_elems);
-        const int64_t block_bytes = block_elems * static_cast<int64_t>(sizeof(scalar_t));
-        const float* keys = rows(cache + ((id * 2) * kv_heads + h) * block_elems, t0, t1, d, kbuf.data());
-        const float* values = rows(cache + ((id * 2 + 1) * kv_heads + h) * block_elems, t0, t1, d, vbuf.data());
+        const bool ahead = blk + PREFETCH_BLOCKS <= (len - 1) / block_size;
+        const char* pk = ahead ? reinterpret_cast<const char*>(head_run(table[blk + PREFETCH_BLOCKS], 0)) : nullptr;
+        const char* pv = ahead ? reinterpret_cast<const char*>(head_run(table[blk + PREFETCH_BLOCKS], 1)) : nullptr;
+        const float* keys = rows(head_run(id, 0), t0, t1, d, kbuf.data());
+        const float* values = rows(head_run(id, 1), t0, t1, d, vbuf.data());
 #if defined(__AVX512F__)
         if (tiled) {
           attend_rows_avx512(qf.data(), keys, values, t0, t1, group, d, run_max.data(), run_sum.data(), acc.data(), pk,
