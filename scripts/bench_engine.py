@@ -20,7 +20,9 @@ written with `splitserve make-model` when missing), with fixed prompt lengths an
 - the peer, vLLM's CPU build (`make peer` builds .peer; `--peer PYTHON` names another, `--no-peer` skips
   it): its offline `LLM` on the same checkpoint, dtype and cores (scripts/peer_vllm.py, in its own
   process before our engine loads, so the two never hold memory or cores at once), the same prompts,
-  and our figures as ratios to its own: prefill at batch 1 and 8, decode at each --decode-batches.
+  and our figures as ratios to its own: prefill at batch 1 and 8, decode at each --decode-batches (its
+  pure-decode steps timed one by one through vLLM's `LLMEngine.step()`, as ours are; the older
+  T(N) - T(1) figure is printed beside it and not used: it was biased low by prefill noise).
 
 Both engines are loaded side by side and measured interleaved (best of --repeats for prefill, best of
 two for decode), so drift in this noisy machine's speed hits both alike.
@@ -283,7 +285,11 @@ def main() -> int:
         else:
             log(
                 f"vLLM ready in {vllm['load_s']:.0f} s; prefill {vllm['prefill_tok_s']}, decode "
-                + ", ".join(f"batch {b}: {d['tok_s']:.1f} tok/s" for b, d in vllm["decode"].items())
+                + ", ".join(
+                    f"batch {b}: {d['tok_s']:.1f} tok/s ({d['ms_per_step']:.1f} ms a step timed by step; "
+                    f"{d.get('ms_per_step_t_diff', float('nan')):.1f} by T(N) - T(1), not used)"
+                    for b, d in vllm["decode"].items()
+                )
             )
         result["vllm"] = vllm
 
@@ -386,10 +392,12 @@ def main() -> int:
     vllm = result.get("vllm")
     if vllm and "error" not in vllm:
         result["ratios_vs_vllm"] = vllm_ratios(ours, vllm)
+        # Issue 29's targets: decode >= 1.0x at every measured batch (1 and 16 at 512 tokens of context), prefill
+        # >= 1.0x at batch 1 and 8.
+        decode_ratios = [v for k, v in result["ratios_vs_vllm"].items() if k.startswith("decode_batch")]
         result["targets_vs_vllm"] = {
-            "decode batch 1 and 32 >= 1.2x vLLM": all(
-                result["ratios_vs_vllm"].get(f"decode_batch{b}_vs_vllm", 0) >= 1.2 for b in (1, 32)
-            ),
+            f"decode >= 1.0x vLLM (batch {', '.join(str(b) for b in ours['decode'])})": bool(decode_ratios)
+            and min(decode_ratios) >= 1.0,
             "prefill >= 1.0x vLLM (batch 1 and 8)": all(
                 result["ratios_vs_vllm"].get(f"prefill_batch{b}_vs_vllm", 0) >= 1.0 for b in (1, 8)
             ),
