@@ -12,6 +12,13 @@ without it (tests, and measuring those decisions): ``describe_machine`` reports 
 decides from the flags (``native_bf16``, ``onednn_bf16_isa``), not what the CPU or torch's own
 dispatch does.
 
+To measure as on a CPU with fewer ISA extensions, the libraries' own caps do change what runs:
+``ONEDNN_MAX_CPU_ISA`` (oneDNN's kernels, and torch's "oneDNN bf16" answer that follows from them),
+``ATEN_CPU_CAPABILITY`` (torch's vectorized kernels) and ``MKL_ENABLE_INSTRUCTIONS`` (MKL's).
+``describe_machine`` reports those that are set (``isa_limits``) and the header names them, so a figure
+measured under them never passes for one of the CPU itself (docs/performance.md, "An AVX2-only CPU,
+emulated").
+
 Torch-light on purpose: nothing here imports gRPC, Ray, the router or ``splitserve``, transformers'
 version is read from its installed metadata (never imported), and torch is only asked about when the
 caller says so (``probe_torch``), so torch-free tools can describe the machine too.
@@ -48,6 +55,13 @@ ISA_FLAGS = (
 
 CPUINFO = Path("/proc/cpuinfo")
 ISA_OVERRIDE_ENV = "SPLITSERVE_CPU_ISA"
+# The libraries' own ISA caps, read when they start: set, they make this CPU compute as a lesser one would.
+ISA_LIMIT_ENVS = ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS")
+
+
+def isa_limits() -> dict[str, str]:
+    """The ``ISA_LIMIT_ENVS`` that are set in this process's environment, with their values."""
+    return {name: os.environ[name] for name in ISA_LIMIT_ENVS if os.environ.get(name)}
 
 
 def isa_override() -> str | None:
@@ -153,6 +167,7 @@ def describe_machine(
     if override is not None:
         info["isa"] = parse_isa_list(override)
     info["native_bf16"] = native_bf16(info["isa"])
+    info["isa_limits"] = isa_limits()
     info["cpu_model"] = info["cpu_model"] or platform.processor() or platform.machine() or None
     info["logical_cores"] = os.cpu_count()
     info["usable_cores"] = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
@@ -206,6 +221,9 @@ def header_lines(
             f" (cpu capability {m['torch_cpu_capability']}, oneDNN bf16 {_yes_no(m['onednn_bf16'])}"
             f"{', cuda ' + m['cuda'] if m.get('cuda') else ''})"
         )
+    if m.get("isa_limits"):
+        limits = ", ".join(f"{k}={v}" for k, v in m["isa_limits"].items())
+        torch_part += f" (libraries capped: {limits})"
     versions = f"{torch_part}, transformers {m.get('transformers') or 'not installed'}, python {m['python']}"
     run = [f"device {device or 'cpu'}"]
     if m.get("gpu"):

@@ -160,6 +160,22 @@ def test_isa_override_replaces_the_flags_and_the_header_says_so(monkeypatch):
         hardware.cpu_isa()
 
 
+def test_library_isa_caps_are_reported_and_named_in_the_header(monkeypatch):
+    """ONEDNN_MAX_CPU_ISA and the like make this CPU compute as a lesser one: a figure says so."""
+    for name in hardware.ISA_LIMIT_ENVS:
+        monkeypatch.delenv(name, raising=False)
+    m = hardware.describe_machine(probe_torch=False, cpuinfo_text=AVX512_CPUINFO)
+    assert m["isa_limits"] == {}
+    assert "libraries capped" not in hardware.header_lines(machine=m)
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
+    m = hardware.describe_machine(probe_torch=False, cpuinfo_text=AVX512_CPUINFO)
+    assert m["isa_limits"] == {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
+    assert json.loads(json.dumps(m))["isa_limits"] == m["isa_limits"]
+    assert "(libraries capped: ONEDNN_MAX_CPU_ISA=AVX2, ATEN_CPU_CAPABILITY=avx2)" in hardware.header_lines(machine=m)
+    assert m["isa"]["avx512_bf16"], "the CPU's own flags stay as read"
+
+
 def test_native_bf16_and_onednn_bf16_from_the_flags():
     avx2 = hardware.parse_cpuinfo(AVX2_CPUINFO)["isa"]
     avx512 = hardware.parse_cpuinfo(AVX512_CPUINFO)["isa"]
@@ -168,3 +184,36 @@ def test_native_bf16_and_onednn_bf16_from_the_flags():
     assert [hardware.onednn_bf16_isa(i) for i in (avx2, avx512, amx)] == [False, True, True]
     assert hardware.onednn_bf16_isa(hardware.parse_isa_list("avx2,avx_ne_convert"))
     assert not hardware.native_bf16(hardware.parse_isa_list("avx2,avx_ne_convert"))
+
+
+def test_as_avx2_caps_torch_and_onednn_and_the_header_names_it():
+    """scripts/as_avx2.sh: torch's kernels run at AVX2, oneDNN refuses bf16 (as on an AVX2-only CPU), our own
+    flags say AVX2 only, and the printed header names every cap."""
+    code = (
+        "import json, torch; from engine import hardware; m = hardware.describe_machine(); "
+        "print(json.dumps({'cap': m['torch_cpu_capability'], 'onednn_bf16': m['onednn_bf16'], "
+        "'native_bf16': m['native_bf16'], 'limits': m['isa_limits'], 'header': hardware.header_lines(machine=m)}))"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in hardware.ISA_LIMIT_ENVS + (hardware.ISA_OVERRIDE_ENV,)}
+    env["PYTHONPATH"] = str(ROOT)
+    out = subprocess.run(
+        [str(ROOT / "scripts" / "as_avx2.sh"), sys.executable, "-c", code],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    reply = json.loads(out.stdout.strip().splitlines()[-1])
+    assert reply["cap"] == "AVX2"
+    assert reply["onednn_bf16"] is False
+    assert reply["native_bf16"] is False
+    assert reply["limits"] == {
+        "ONEDNN_MAX_CPU_ISA": "AVX2",
+        "ATEN_CPU_CAPABILITY": "avx2",
+        "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+    }
+    assert "libraries capped: ONEDNN_MAX_CPU_ISA=AVX2" in reply["header"]
+    assert "flags from SPLITSERVE_CPU_ISA='avx2,fma'" in reply["header"]
+    bare = subprocess.run([str(ROOT / "scripts" / "as_avx2.sh")], capture_output=True, text=True, timeout=30)
+    assert bare.returncode == 2 and "usage" in bare.stderr
