@@ -7,14 +7,20 @@ for each distinct (out, in, dtype, bias) of the model's linear layers (the tied 
 
 1. time the candidates at rows ``ROW_GRID`` (decode batches to prefill chunks; the LM head only up to the
    engine's ``max_num_seqs``, as it only sees sampled rows), interleaved, best of a few reps, at the
-   engine's thread count: "plain" (``F.linear``) and "packed" (oneDNN prepacked) where oneDNN runs the dtype;
+   engine's thread count, each call with the weight out of the CPU's caches (``COLD_BYTES`` read first, as
+   the rest of a model's step evicts it): "plain" (``F.linear``) and "packed" (oneDNN prepacked) where
+   oneDNN runs the dtype;
    for a bf16 (or fp16) weight also the paths that compute in float32 (``FP32_COMPUTE_PATHS``): "upcast"
    (bf16 kept, upcast per call) and, where memory allows a float32 copy (``fp32_allowed``), "fp32"
    (``F.linear`` on it) and "fp32-packed" (oneDNN on it): on a CPU without native bf16 every bf16 product
    is emulated, and these can be the fastest;
 2. score each path by ``sum_m ROW_WEIGHTS[m] * t_path(m) / t_best(m)`` (decode rows weigh most), and
    "split" (plain up to a row threshold, packed above) by the same sum over the measured times of the
-   two; split is taken only where memory allows it and it beats both by ``SPLIT_GAIN``;
+   two; split is taken only where memory allows it and it beats every single path by ``SPLIT_GAIN``. A
+   bf16 weight with float32 copies allowed may also split "plain" against "fp32-packed" ("split-fp32"):
+   on a CPU without native bf16, ``F.linear``'s emulated bf16 product of one row streams the weight at
+   memory speed while a few rows already lose 2-4x to float32 (the AVX2 emulation in
+   docs/performance.md);
 3. keep the times in a JSON cache keyed by machine (CPU model, ISA flags, torch version, threads) and shape,
    so a second load times nothing; one log line per shape says what was chosen and why.
 
@@ -47,11 +53,20 @@ import torch.nn.functional as F
 from splitserve.common.file_lock import file_lock
 from splitserve.common.validate import check_choice
 from splitserve.engine.hardware import cpu_isa, describe_machine, native_bf16
-from splitserve.engine.model.transformer import FP32_COMPUTE_PATHS, CausalLM, Linear, can_pack, onednn_runs
+from splitserve.engine.model.transformer import (
+    FP32_COMPUTE_PATHS,
+    SPLIT_FP32,
+    CausalLM,
+    Linear,
+    can_pack,
+    onednn_runs,
+)
 
 logger = logging.getLogger(__name__)
 
-LINEAR_KERNELS = ("auto", "plain", "packed", "split", *FP32_COMPUTE_PATHS)
+LINEAR_KERNELS = ("auto", "plain", "packed", "split", *FP32_COMPUTE_PATHS, SPLIT_FP32)
+# The single paths that "split" and "split-fp32" run above their threshold ("plain" below it).
+SPLIT_ABOVE = {"split": "packed", SPLIT_FP32: "fp32-packed"}
 # The paths that keep the weight in its own dtype (no float32 copy): what a bf16 model stores.
 BF16_STORAGE_PATHS = ("plain", "packed", "split", "upcast")
 FP32_WEIGHT_PATHS = ("fp32", "fp32-packed")
@@ -65,12 +80,22 @@ SPLIT_RAM_FRACTION = 0.25  # auto: split allowed when all linear weights take at
 REP_BUDGET_S = 0.03  # per candidate and row count, after one warm-up call
 MIN_REPS, MAX_REPS = 3, 9
 SPIKE, RETRIES = 1.5, 2
-CACHE_VERSION = 1
+# 2: timed with the weights out of the CPU's caches (COLD_BYTES); version 1's warm times are not reused.
+CACHE_VERSION = 2
+# The version of compare_fp32's rule, in the key of the --dtype auto decisions it caches: a decision taken
+# by an older rule is not reused (2: split-fp32 layers count as bf16 storage). The timings stay valid.
+AUTO_RULE = 2
 # How long an engine waits for another on this machine to finish timing its kernels (cache_lock).
 CACHE_LOCK_WAIT_S = 600.0
 
 # (path, rows, fn) -> seconds of one call of fn; injectable so tests can fake the clock.
 Timer = Callable[[str, int, Callable[[], object]], float]
+# Read before every timed call on the real clock, so that the weight comes from memory as in a model's
+# step, where each layer's weight was pushed out of the caches by the rest of the model's since its last
+# use. Timed warm, a weight that fits in the last-level cache looked up to 3x faster than it runs in the
+# model: 896x896 and 1152x896 in float32 at 0.07-0.11 ms a row against 0.24-0.32 ms in a decode step
+# (AMD EPYC, 2 threads, AVX2 emulation, 2026-12-05), which made the tuner keep float32 copies that lose.
+COLD_BYTES = 64 << 20
 
 
 def wall_clock(path: str, rows: int, fn: Callable[[], object]) -> float:
@@ -119,7 +144,7 @@ class ShapeKey:
 
 @dataclass(frozen=True)
 class Choice:
-    path: str  # plain | packed | split | upcast | fp32 | fp32-packed
+    path: str  # plain | packed | split | upcast | fp32 | fp32-packed | split-fp32
     split_rows: int = 0
     source: str = "measured"  # measured | cached | forced | untimed
     times_ms: dict[str, dict[int, float]] | None = None  # path -> rows -> best ms
@@ -168,31 +193,46 @@ def kernel_fn(path: str, weight: torch.Tensor, bias: torch.Tensor | None) -> Cal
     return lambda x: linear_pointwise(x.float(), packed32, b32, "none", [], "").to(x.dtype)
 
 
+def cache_evictor(nbytes: int = COLD_BYTES) -> Callable[[], object]:
+    """A call that reads ``nbytes`` of fresh memory, pushing what was cached out of the CPU's caches."""
+    scratch = torch.ones(max(1, nbytes // 4))
+    return scratch.sum
+
+
 def measure(
     weight: torch.Tensor,
     bias: torch.Tensor | None,
     rows: tuple[int, ...],
     timer: Timer = wall_clock,
     paths: tuple[str, ...] | None = None,
+    evict: Callable[[], object] | None = None,
 ) -> dict[str, dict[int, float]]:
     """Best ms per candidate path (default: ``candidates(weight, False)``) and row count, the candidates
-    interleaved so that noise from other processes falls on all of them alike."""
+    interleaved so that noise from other processes falls on all of them alike; ``evict`` runs before every
+    timed call (default: on the real clock and a CPU weight, ``cache_evictor()``)."""
     if weight.shape[0] * weight.shape[1] > TIMED_MAX_WEIGHTS:
         keep = max(1, TIMED_MAX_WEIGHTS // weight.shape[1])
         weight, bias = weight[:keep], None if bias is None else bias[:keep]
     weight = weight.detach()
     kernels = {path: kernel_fn(path, weight, bias) for path in paths or candidates(weight, False)}
     times: dict[str, dict[int, float]] = {path: {} for path in kernels}
+    if evict is None and timer is wall_clock and weight.device.type == "cpu":
+        evict = cache_evictor()
+
+    def timed(path: str, m: int, fn: Callable[[], object]) -> float:
+        if evict is not None:
+            evict()  # the weight leaves the caches
+        return timer(path, m, fn)
 
     def time_rows(m: int, paths: list[str], warm_up: bool) -> None:
         x = torch.randn(m, weight.shape[1], dtype=weight.dtype, device=weight.device)
         calls = {path: (lambda k=kernels[path]: k(x)) for path in paths}
-        first = {path: timer(path, m, fn) for path, fn in calls.items()} if warm_up else {}
+        first = {path: timed(path, m, fn) for path, fn in calls.items()} if warm_up else {}
         longest = max(first.values(), default=0.0) or min(times[p][m] for p in paths) / 1e3
         reps = int(min(MAX_REPS, max(MIN_REPS, REP_BUDGET_S / max(longest, 1e-9))))
         for _ in range(reps):
             for path, fn in calls.items():
-                ms = timer(path, m, fn) * 1e3
+                ms = timed(path, m, fn) * 1e3
                 times[path][m] = min(times[path].get(m, float("inf")), ms)
 
     with torch.inference_mode():
@@ -223,18 +263,36 @@ def score(times: dict[str, dict[int, float]], rows: tuple[int, ...], path_at: Ca
 
 def decide(times: dict[str, dict[int, float]], allow_split: bool) -> tuple[str, int]:
     """(path, split_rows) from measured times: the best-scoring single path, or a split of plain up to
-    a grid row count and packed above it where that scores ``SPLIT_GAIN`` better than both."""
+    a grid row count and packed (``split``) or fp32-packed (``split-fp32``, when those were timed: a bf16
+    weight with float32 copies allowed) above it, where that scores ``SPLIT_GAIN`` better than every single
+    path."""
     rows = tuple(sorted(next(iter(times.values()))))
     singles = {path: score(times, rows, lambda m, p=path: p) for path in times}
     path = min(singles, key=singles.get)
     # A split needs a row count on each side of its threshold: one timed row count (an LM head timed for
     # max_num_seqs below the second grid row) chooses a single path.
-    if allow_split and {"plain", "packed"} <= times.keys() and len(rows) > 1:
-        splits = {t: score(times, rows, lambda m, t=t: "plain" if m <= t else "packed") for t in rows[:-1]}
-        threshold = min(splits, key=splits.get)
-        if splits[threshold] < singles[path] * (1 - SPLIT_GAIN):
-            return "split", threshold
+    if not allow_split or len(rows) < 2:
+        return path, 0
+    splits = {
+        (kind, t): score(times, rows, lambda m, t=t, above=above: "plain" if m <= t else above)
+        for kind, above in SPLIT_ABOVE.items()
+        if {"plain", above} <= times.keys()
+        for t in rows[:-1]
+    }
+    if splits:
+        best = min(splits, key=splits.get)
+        if splits[best] < singles[path] * (1 - SPLIT_GAIN):
+            return best
     return path, 0
+
+
+def split_times(choice: Choice) -> dict[int, float] | None:
+    """A split choice's time at each timed row count (plain's up to its threshold, the other path's above)."""
+    if choice.path not in SPLIT_ABOVE or not choice.times_ms:
+        return None
+    above = SPLIT_ABOVE[choice.path]
+    plain, other = choice.times_ms["plain"], choice.times_ms[above]
+    return {m: plain[m] if m <= choice.split_rows else other[m] for m in plain}
 
 
 class KernelCache:
@@ -314,6 +372,11 @@ def forced_path(mode: str, weight: torch.Tensor) -> str:
     "plain" and "fp32-packed" as "packed"; a path oneDNN cannot run here falls back to "plain"."""
     if weight.dtype == torch.float32 and mode in FP32_COMPUTE_PATHS:
         mode = "packed" if mode == "fp32-packed" else "plain"
+    if mode == SPLIT_FP32:
+        if weight.dtype == torch.float32:
+            mode = "split"
+        else:
+            return mode if onednn_runs(torch.float32, weight.device) else "plain"
     if mode in ("packed", "split"):
         return mode if can_pack(weight) else "plain"
     if mode == "fp32-packed":
@@ -343,7 +406,7 @@ def choose_kernels(
             continue
         if forced != "auto":
             path = forced_path(forced, weight)
-            choices[key] = Choice(path, FORCED_SPLIT_ROWS if path == "split" else 0, "forced")
+            choices[key] = Choice(path, FORCED_SPLIT_ROWS if path in SPLIT_ABOVE else 0, "forced")
             continue
         paths = candidates(weight, allow_fp32, fp32_compute)
         if weight.numel() < UNTIMED_BELOW or len(paths) == 1:
@@ -376,7 +439,7 @@ def choose_kernels(
 
 def describe(choice: Choice) -> str:
     """``packed (measured; plain 1:0.07 4:0.18 ms, packed 1:0.06 4:0.06 ms)`` for one log line."""
-    path = f"split at {choice.split_rows} rows" if choice.path == "split" else choice.path
+    path = f"{choice.path} at {choice.split_rows} rows" if choice.path in SPLIT_ABOVE else choice.path
     if not choice.times_ms:
         return f"{path} ({choice.source})"
     per_path = ", ".join(
@@ -431,9 +494,12 @@ def compare_fp32(model: CausalLM, policy: KernelPolicy, timer: Timer = wall_cloc
         if not times or "fp32" not in times:
             continue
         shapes += 1
+        # A bf16 model keeps split-fp32 layers where the tuner chose them: bf16 storage, float32 above the split.
+        split = split_times(choice) if choice.path == SPLIT_FP32 else None
         for m in next(iter(times.values())):
             weight = ROW_WEIGHTS.get(m, 1.0) * counts[key]
-            bf16 += weight * min(t[m] for p, t in times.items() if p in BF16_STORAGE_PATHS)
+            bf16_best = min(t[m] for p, t in times.items() if p in BF16_STORAGE_PATHS)
+            bf16 += weight * (bf16_best if split is None else min(bf16_best, split[m]))
             fp32 += weight * min(t[m] for p, t in times.items() if p in FP32_WEIGHT_PATHS)
     return Fp32Comparison(bf16, fp32, shapes)
 
@@ -442,7 +508,7 @@ def summarize(choices: dict[ShapeKey, Choice]) -> str:
     """Every shape's chosen path on one line, for ``splitserve status``: ``1152x896 bfloat16 +bias packed, ...``."""
 
     def one(choice: Choice) -> str:
-        return f"split at {choice.split_rows} rows" if choice.path == "split" else choice.path
+        return f"{choice.path} at {choice.split_rows} rows" if choice.path in SPLIT_ABOVE else choice.path
 
     return ", ".join(f"{key} {one(choice)}" for key, choice in choices.items())
 
@@ -467,7 +533,7 @@ def auto_dtype_comparison(model: CausalLM, policy: KernelPolicy, timer: Timer = 
     path = policy.resolved_cache_path()
     shapes = Counter(str(shape_key(w, b is not None)) for w, b in linear_weights(model).values())
     digest = hashlib.blake2b(json.dumps(sorted(shapes.items())).encode(), digest_size=6).hexdigest()
-    key = f"{machine_key(torch.get_num_threads())} | dtype auto | {digest}"
+    key = f"{machine_key(torch.get_num_threads())} | dtype auto rule {AUTO_RULE} | {digest}"
     with cache_lock(path):
         saved = KernelCache(path).decisions.get(key)
         if saved is not None:

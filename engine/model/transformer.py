@@ -44,7 +44,9 @@ def onednn_runs(dtype: torch.dtype, device: torch.device | str = "cpu") -> bool:
 
 # The paths of a bf16 (or fp16) layer that compute in float32 and round the output back to the layer's dtype.
 FP32_COMPUTE_PATHS = ("upcast", "fp32", "fp32-packed")
-LINEAR_PATHS = ("plain", "packed", "split", *FP32_COMPUTE_PATHS)
+# A bf16 (or fp16) layer that runs "plain" up to split_rows rows and "fp32-packed" above them.
+SPLIT_FP32 = "split-fp32"
+LINEAR_PATHS = ("plain", "packed", "split", *FP32_COMPUTE_PATHS, SPLIT_FP32)
 
 
 def can_pack(weight: torch.Tensor) -> bool:
@@ -69,7 +71,10 @@ class Linear(nn.Module):
 
     - "upcast": the weight kept in bf16, upcast to float32 at every call (the weight's memory);
     - "fp32": the weight kept in float32 (its bf16 values exactly), ``F.linear`` (twice the bf16 memory);
-    - "fp32-packed": that float32 weight in oneDNN's layout, the bf16 one dropped (twice the bf16 memory).
+    - "fp32-packed": that float32 weight in oneDNN's layout, the bf16 one dropped (twice the bf16 memory);
+    - "split-fp32": inputs of at most ``split_rows`` rows "plain" on the bf16 weight, larger ones "fp32-packed"
+      (both kept: three times the bf16 memory), for CPUs whose emulated bf16 product streams one row as fast
+      as the memory allows but loses to float32 from a few rows on.
 
     ``splitserve.engine.model.linear_tuner`` picks the path per weight shape by timing them at load.
     """
@@ -104,16 +109,19 @@ class Linear(nn.Module):
         """Switch this layer, still plain, to ``path``; oneDNN must run its dtype for "packed" and "split",
         float32 for "fp32-packed"; the ``FP32_COMPUTE_PATHS`` need a bf16 or fp16 weight."""
         assert self.path == "plain" and path in LINEAR_PATHS, (self.path, path)
-        if path in FP32_COMPUTE_PATHS:
+        if path in FP32_COMPUTE_PATHS or path == SPLIT_FP32:
             weight = self.weight.detach()
             assert weight.dtype != torch.float32, f"{path}: the weight is float32 already"
             self.fp32_path = path
             self.bias32 = None if self.bias is None else self.bias.detach().float()
             if path == "fp32":
                 self.weight = nn.Parameter(weight.float(), requires_grad=False)
-            elif path == "fp32-packed":
+            elif path in ("fp32-packed", SPLIT_FP32):
                 self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.float())
-                self.weight = None
+                if path == SPLIT_FP32:
+                    self.split_rows = split_rows
+                else:
+                    self.weight = None
             return
         if path != "plain":
             self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach())
@@ -123,6 +131,8 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fp32_path is not None:
+            if self.fp32_path == SPLIT_FP32 and x.numel() <= self.split_rows * x.shape[-1]:
+                return F.linear(x, self.weight, self.bias)
             x32 = x.float()
             if self.packed is not None:
                 y = torch.ops.mkldnn._linear_pointwise(x32.contiguous(), self.packed, self.bias32, "none", [], "")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+from dataclasses import replace
 
 import pytest
 import torch
@@ -30,9 +31,10 @@ from splitserve.engine.model.linear_tuner import (
     candidates,
     choose_kernels,
     compare_fp32,
+    decide,
     summarize,
 )
-from splitserve.engine.model.transformer import FP32_COMPUTE_PATHS, CausalLM, Linear, onednn_runs
+from splitserve.engine.model.transformer import FP32_COMPUTE_PATHS, SPLIT_FP32, CausalLM, Linear, onednn_runs
 from tests.conftest import PACKABLE_ARCH_CONFIGS, PACKABLE_INIT
 from tests.engine.parity import (
     assert_greedy_parity,
@@ -87,18 +89,23 @@ def bf16_dir(tmp_path_factory, test_tokenizer):
         return write_random_checkpoint(root / "qwen2", cfg, dtype="bfloat16", seed=7, tokenizer=test_tokenizer)
 
 
+def bf16_layer(seed: int) -> tuple[Linear, torch.Tensor, torch.Tensor]:
+    """A plain 512 -> 768 bf16 layer with a bias, random, and copies of its weight and bias."""
+    torch.manual_seed(seed)
+    layer = Linear(512, 768, bias=True).requires_grad_(False)
+    layer.weight.normal_(0, 0.05)
+    layer.bias.normal_()
+    layer = layer.to(torch.bfloat16)
+    return layer, layer.weight.clone(), layer.bias.clone()
+
+
 @pytest.mark.parametrize("path", FP32_COMPUTE_PATHS)
 def test_fp32_compute_paths_round_the_float32_product_once(path):
     """upcast, fp32 and fp32-packed give the float32 product of the bf16 values, rounded to bf16 once; fp32
     keeps a float32 weight, fp32-packed only oneDNN's copy of it, upcast the bf16 weight."""
     if path == "fp32-packed" and not onednn_runs(torch.float32):
         pytest.skip("oneDNN is not available in this torch")
-    torch.manual_seed(2)
-    layer = Linear(512, 768, bias=True).requires_grad_(False)
-    layer.weight.normal_(0, 0.05)
-    layer.bias.normal_()
-    layer = layer.to(torch.bfloat16)
-    weight, bias = layer.weight.clone(), layer.bias.clone()
+    layer, weight, bias = bf16_layer(seed=2)
     layer.use(path)
     assert layer.path == path
     if path == "upcast":
@@ -116,6 +123,98 @@ def test_fp32_compute_paths_round_the_float32_product_once(path):
             torch.testing.assert_close(out, expected, atol=1e-6, rtol=2**-7)
         else:
             assert torch.equal(out, expected)
+
+
+@needs_onednn
+def test_split_fp32_runs_plain_bf16_up_to_its_rows_and_fp32_packed_above():
+    """split-fp32 keeps the bf16 weight and oneDNN's float32 copy: inputs of at most split_rows rows give
+    exactly F.linear in bf16, larger ones the float32 product rounded once (one bf16 step, as fp32-packed)."""
+    layer, weight, bias = bf16_layer(seed=3)
+    layer.use(SPLIT_FP32, 4)
+    assert layer.path == SPLIT_FP32 and layer.split_rows == 4
+    assert layer.weight.dtype == torch.bfloat16 and layer.packed is not None
+    for rows in (1, 4, 5, 64):
+        x = torch.randn(rows, 512).to(torch.bfloat16)
+        out = layer(x)
+        assert out.dtype == torch.bfloat16
+        if rows <= 4:
+            assert torch.equal(out, F.linear(x, weight, bias)), rows
+        else:
+            expected = F.linear(x.float(), weight.float(), bias.float()).to(torch.bfloat16)
+            torch.testing.assert_close(out, expected, atol=1e-6, rtol=2**-7)
+    x3 = torch.randn(2, 2, 512).to(torch.bfloat16)  # rows are counted over the leading dims
+    torch.testing.assert_close(layer(x3), F.linear(x3.float(), weight.float(), bias.float()).to(torch.bfloat16))
+
+
+def split_clock(small: str, large: str, threshold: int):
+    """A fake clock on which ``small`` is fastest up to ``threshold`` rows and ``large`` above them."""
+
+    def timer(path, rows, fn):
+        winner = small if rows <= threshold else large
+        return (1e-6 if path == winner else 4e-6) * rows
+
+    return timer
+
+
+@needs_onednn
+def test_the_tuner_splits_plain_bf16_against_fp32_packed(tmp_path):
+    """The emulated bf16 product of one row at memory speed, float32 from a few rows on: "split-fp32" at the
+    crossing, logged and shown in the summary; not offered without float32 copies or without splits."""
+    policy = KernelPolicy(
+        cache_path=str(tmp_path / "k.json"), allow_fp32_weights=True, allow_split=True, fp32_compute=True
+    )
+    model = bf16_model()
+    choices = apply_kernels(model, policy, split_clock("plain", "fp32-packed", 4))
+    timed = [c for c in choices.values() if c.source == "measured"]
+    assert timed and all((c.path, c.split_rows) == (SPLIT_FP32, 4) for c in timed), choices
+    assert SPLIT_FP32 in set(linear_paths(model).values())
+    assert f"{SPLIT_FP32} at 4 rows" in summarize(choices)
+    x = torch.randn(16, model.config.hidden_size).to(torch.bfloat16)
+    assert model.layers[0].mlp(x).dtype == torch.bfloat16
+    no_split = replace(policy, cache_path=str(tmp_path / "k2.json"), allow_split=False)
+    assert SPLIT_FP32 not in summarize(choose_kernels(bf16_model(), no_split, split_clock("plain", "fp32-packed", 4)))
+    no_fp32 = replace(policy, cache_path=str(tmp_path / "k3.json"), allow_fp32_weights=False)
+    assert SPLIT_FP32 not in summarize(choose_kernels(bf16_model(), no_fp32, split_clock("plain", "fp32-packed", 4)))
+
+
+def test_decide_takes_a_split_only_when_it_beats_every_single_path():
+    rows = (1, 4, 16, 64, 256)
+    times = {
+        "plain": {1: 1.0, 4: 4.0, 16: 64.0, 64: 256.0, 256: 1024.0},
+        "fp32-packed": {1: 3.0, 4: 5.0, 16: 16.0, 64: 64.0, 256: 256.0},
+        "upcast": {m: 10.0 * m for m in rows},
+    }
+    assert decide(times, allow_split=True) == (SPLIT_FP32, 4)
+    assert decide(times, allow_split=False)[0] == "fp32-packed"
+    times["upcast"] = {m: 0.5 * m for m in rows}  # a single path as fast as the split everywhere
+    assert decide(times, allow_split=True) == ("upcast", 0)
+
+
+@needs_onednn
+def test_compare_fp32_counts_split_fp32_as_bf16_storage(tmp_path):
+    """A bf16 model whose layers split plain (1 row) against fp32-packed is at least as fast as the float32
+    model at every row count, so ``--dtype auto`` keeps bf16 (with those layers) where the tuner split."""
+    policy = KernelPolicy(cache_path=str(tmp_path / "k.json"), allow_split=True)
+    compared = compare_fp32(bf16_model(), policy, split_clock("plain", "fp32-packed", 1))
+    assert compared.shapes >= 4 and not compared.fp32_faster and compared.bf16_ms < compared.fp32_ms
+    unsplit = compare_fp32(
+        bf16_model(),
+        replace(policy, cache_path=str(tmp_path / "k2.json"), allow_split=False),
+        split_clock("plain", "fp32-packed", 1),
+    )
+    assert unsplit.fp32_faster  # without the split, the float32 model wins from 4 rows on
+
+
+@needs_onednn
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])  # tied and untied LM head
+def test_forced_split_fp32_reaches_every_layer_and_means_split_on_float32(arch):
+    model = bf16_model(arch)
+    choices = apply_kernels(model, KernelPolicy(SPLIT_FP32))
+    assert set(linear_paths(model).values()) == {SPLIT_FP32}
+    assert all(c.source == "forced" and c.split_rows == 8 for c in choices.values())
+    fp32_model = bf16_model(arch).float()
+    apply_kernels(fp32_model, KernelPolicy(SPLIT_FP32))
+    assert set(linear_paths(fp32_model).values()) <= {"split", "plain"}
 
 
 def test_bf16_candidates_follow_onednn_and_the_fp32_permission(monkeypatch):

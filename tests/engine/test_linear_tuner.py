@@ -9,8 +9,10 @@ import torch
 import torch.nn.functional as F
 
 from splitserve.engine.core import EngineConfig
+from splitserve.engine.model import linear_tuner
 from splitserve.engine.model.config import ModelConfig
 from splitserve.engine.model.linear_tuner import (
+    CACHE_VERSION,
     FORCED_SPLIT_ROWS,
     KernelPolicy,
     ShapeKey,
@@ -87,7 +89,7 @@ def test_cache_round_trips_and_is_keyed_by_machine_and_threads(tmp_path):
     policy = KernelPolicy(cache_path=str(tmp_path / "kernels.json"))
     model, calls = make_model(), []
     first = choose_kernels(model, policy, make_timer({"plain": 2.0, "packed": 1.0}, calls), machine="cpu A threads 1")
-    assert calls and json.loads((tmp_path / "kernels.json").read_text())["version"] == 1
+    assert calls and json.loads((tmp_path / "kernels.json").read_text())["version"] == CACHE_VERSION
     calls.clear()
     again = choose_kernels(model, policy, make_timer({"plain": 2.0, "packed": 1.0}, calls), machine="cpu A threads 1")
     assert not calls, "a second load with the same machine key must time nothing"
@@ -172,3 +174,28 @@ def test_timings_that_stay_spiky_are_used_but_not_cached(tmp_path):
     timed = [c for c in choices.values() if c.times_ms]
     assert timed and all(c.path == "packed" and "not cached" in c.source for c in timed)
     assert not (tmp_path / "kernels.json").exists()
+
+
+def test_every_timed_call_finds_the_weight_out_of_the_caches(monkeypatch):
+    """Each call the tuner times follows an eviction (as in a model's step, where the rest of the model's
+    weights pushed this one out), on the real clock by default."""
+    events = []
+
+    def timer(path, rows, fn):
+        events.append(("time", path, rows))
+        return 1e-6 * rows
+
+    weight = torch.zeros(1024, 512)
+    measure(weight, None, (1, 4), timer, ("plain",), evict=lambda: events.append(("evict",)))
+    assert events and len(events) % 2 == 0
+    assert all(e == ("evict",) for e in events[0::2]) and all(e[0] == "time" for e in events[1::2])
+
+    made = []
+    monkeypatch.setattr(linear_tuner, "cache_evictor", lambda: made.append(1) or (lambda: None))
+    measure(weight, None, (1,), linear_tuner.wall_clock, ("plain",))
+    assert made == [1]  # the real clock evicts
+    measure(weight, None, (1,), timer, ("plain",))
+    assert made == [1]  # a fake clock needs no eviction
+    monkeypatch.undo()
+    reads = linear_tuner.cache_evictor(1 << 20)
+    assert float(reads()) == (1 << 20) // 4

@@ -6,7 +6,8 @@ packing floor, so the prepacked oneDNN path is the one compared. The paths are t
 offers (``available_paths``), each forced with ``linear_kernel``: on CPU "packed" (oneDNN, where it runs
 the dtype), "split" (both layouts: up to ``FORCED_SPLIT_ROWS`` rows plain, so these decodes run plain and
 the prefills packed) and "plain" (``F.linear``), and in bf16 the float32-compute paths "upcast", "fp32"
-and "fp32-packed"; on CUDA "cublas". Each test first asserts that every
+and "fp32-packed", and "split-fp32" (up to ``FORCED_SPLIT_ROWS`` rows "plain" in bf16, more "fp32-packed");
+on CUDA "cublas". Each test first asserts that every
 linear layer, the LM head included, really runs the path its id names; the default ("auto", timed at
 load) must pick one of them for every layer.
 
@@ -18,7 +19,8 @@ load) must pick one of them for every layer.
   32 tokens on 16 prompts of 64, where a difference is accepted only at a near-tie, a gap of at most two bf16
   steps at the top logit's magnitude. The float32-compute paths are held to transformers-bf16 whose linear
   layers compute as theirs do (``fp32_linears``: bf16 inputs and weights, float32 products by the same
-  kernel, outputs rounded to bf16), everything else transformers' own, and run one prompt at a time as
+  kernel, outputs rounded to bf16; for "split-fp32" so only above ``FORCED_SPLIT_ROWS`` rows), everything
+  else transformers' own, and run one prompt at a time as
   transformers does (a float32 GEMM sums a 16-row batch in another order than one row): on a CPU with native
   bf16 products (AVX512_BF16's dot-product instructions) transformers' own linears sum in another order
   than any float32 GEMM, and greedy runs drifted apart past the tie rule (flips at a gap of 3 bf16 steps,
@@ -32,7 +34,7 @@ import torch
 
 from splitserve.engine import LLM, SamplingParams
 from splitserve.engine.model.linear_tuner import FORCED_SPLIT_ROWS
-from splitserve.engine.model.transformer import FP32_COMPUTE_PATHS, LINEAR_PATHS
+from splitserve.engine.model.transformer import FP32_COMPUTE_PATHS, LINEAR_PATHS, SPLIT_FP32
 from tests.conftest import PACKABLE_ARCH_CONFIGS
 from tests.engine.parity import (
     assert_greedy_parity,
@@ -76,7 +78,7 @@ def available_paths(device: str, dtype: torch.dtype) -> list[str]:
     )
     paths = ["packed", "split", "plain"] if packs else ["plain"]
     if dtype == torch.bfloat16:
-        paths += ["upcast", "fp32"] + (["fp32-packed"] if onednn else [])
+        paths += ["upcast", "fp32"] + (["fp32-packed", SPLIT_FP32] if onednn else [])
     return paths
 
 
@@ -110,7 +112,7 @@ class References:
 
     def model(self, arch: str, dtype: str):
         """``dtype``: "fp32", "bf16", or bf16 with ``fp32_linears``: "bf16-fp32-linears" (``F.linear``),
-        "bf16-fp32-packed-linears" (oneDNN)."""
+        "bf16-fp32-packed-linears" (oneDNN), "bf16-split-fp32-linears" (oneDNN above FORCED_SPLIT_ROWS rows)."""
         from transformers import AutoModelForCausalLM
 
         if (arch, dtype) not in self._models:
@@ -118,7 +120,8 @@ class References:
             name = dtype.split("-")[0]
             model = AutoModelForCausalLM.from_pretrained(self.model_dirs[arch], dtype=DTYPES[name])
             if dtype != name:
-                fp32_linears(model, packed="packed" in dtype)
+                split = FORCED_SPLIT_ROWS if "split" in dtype else None
+                fp32_linears(model, packed="packed" in dtype or split is not None, split_rows=split)
             self._models[arch, dtype] = model.to(device).eval()
         return self._models[arch, dtype]
 
@@ -137,11 +140,12 @@ class References:
         return model(torch.tensor([prompt], device=model.device)).logits[0].float().cpu()
 
 
-def fp32_linears(model: torch.nn.Module, packed: bool) -> None:
+def fp32_linears(model: torch.nn.Module, packed: bool, split_rows: int | None = None) -> None:
     """Every ``nn.Linear`` of ``model`` (the LM head included) computes as the engine's float32-compute paths
     do: its bf16 input and weight (and bias) taken to float32, one float32 product, the output rounded back;
     the product by ``F.linear`` ("upcast", "fp32") or, ``packed``, by oneDNN on a prepacked weight
-    ("fp32-packed"): the two sum in different orders."""
+    ("fp32-packed"): the two sum in different orders. With ``split_rows`` ("split-fp32"), inputs of at most
+    that many rows keep the layer's own bf16 product."""
     for module in model.modules():
         if isinstance(module, torch.nn.Linear):
             weight = module.weight.detach().float()
@@ -149,7 +153,9 @@ def fp32_linears(model: torch.nn.Module, packed: bool) -> None:
             if packed:
                 packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight)
 
-                def forward(x: torch.Tensor, w=packed_weight, b=bias) -> torch.Tensor:
+                def forward(x: torch.Tensor, w=packed_weight, b=bias, own=module.forward) -> torch.Tensor:
+                    if split_rows is not None and x.numel() <= split_rows * x.shape[-1]:
+                        return own(x)
                     y = torch.ops.mkldnn._linear_pointwise(x.float().contiguous(), w, b, "none", [], "")
                     return y.to(x.dtype)
             else:
@@ -184,7 +190,7 @@ def assert_runs_path(llm: LLM, path: str) -> None:
     wrong = {name: p for name, p in paths.items() if p != expected}
     assert not wrong, f"path {path!r}: these layers run another kernel: {wrong}"
     assert all(p.device.type == llm.device.type for p in llm.model.parameters())
-    if path == "split":
+    if path in ("split", SPLIT_FP32):
         assert all(m.split_rows == FORCED_SPLIT_ROWS for m in llm.model.modules() if hasattr(m, "split_rows"))
 
 
@@ -253,13 +259,16 @@ def test_bf16_greedy_matches_transformers_bf16(arch, bf16_path, engines, referen
     assert_runs_path(llm, bf16_path)
     prompts = make_prompts(4, BF16_GREEDY_LENGTHS)
     params = SamplingParams(max_tokens=BF16_NEW_TOKENS, temperature=0.0, ignore_eos=True)
-    if bf16_path in FP32_COMPUTE_PATHS:  # one at a time, as transformers runs them (see the module docstring)
+    fp32_compute = bf16_path in FP32_COMPUTE_PATHS or bf16_path == SPLIT_FP32
+    if fp32_compute:  # one at a time, as transformers runs them (see the module docstring)
         outputs = [llm.generate([prompt], params)[0] for prompt in prompts]
     else:
         outputs = llm.generate(prompts, params)
     reference = "bf16"
-    if bf16_path in FP32_COMPUTE_PATHS:
-        reference = "bf16-fp32-packed-linears" if bf16_path == "fp32-packed" else "bf16-fp32-linears"
+    if fp32_compute:
+        reference = {"fp32-packed": "bf16-fp32-packed-linears", SPLIT_FP32: "bf16-split-fp32-linears"}.get(
+            bf16_path, "bf16-fp32-linears"
+        )
     refs = references.greedy(arch, reference, prompts, BF16_NEW_TOKENS)
     before_tie = [first_tie(gaps, BF16_TIE_STEPS) for _, gaps in refs]
     print(f"\n{arch}/{bf16_path}: transformers-bf16 steps before the first near-tie: {before_tie}")
