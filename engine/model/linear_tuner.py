@@ -297,7 +297,7 @@ def split_times(choice: Choice) -> dict[int, float] | None:
 
 class KernelCache:
     """The measured times in a JSON file: {"version", "entries": {"<machine> | <shape>": {"times_ms": ...}},
-    "decisions": {"<machine> | dtype auto | <model>": Fp32Comparison's fields}}.
+    "decisions": {"<machine> | dtype auto rule <AUTO_RULE> | <model>": Fp32Comparison's fields}}.
     Written whole through a temporary file and a rename, so a reader never sees half a file; two engines
     saving at once can lose one's new entries, which are then timed again at its next load."""
 
@@ -487,6 +487,7 @@ def compare_fp32(model: CausalLM, policy: KernelPolicy, timer: Timer = wall_cloc
     auto``'s float32 on a CPU without native bf16 (``splitserve.engine.model.loader.build_model``)."""
     choices = choose_kernels(model, replace(policy, mode="auto", allow_fp32_weights=True, fp32_compute=True), timer)
     counts = Counter(shape_key(w, b is not None) for w, b in linear_weights(model).values())
+    split_fp32_ok = fp32_allowed(policy, model) and split_allowed(policy, model)
     bf16 = fp32 = 0.0
     shapes = 0
     for key, choice in choices.items():
@@ -494,8 +495,9 @@ def compare_fp32(model: CausalLM, policy: KernelPolicy, timer: Timer = wall_cloc
         if not times or "fp32" not in times:
             continue
         shapes += 1
-        # A bf16 model keeps split-fp32 layers where the tuner chose them: bf16 storage, float32 above the split.
-        split = split_times(choice) if choice.path == SPLIT_FP32 else None
+        # A bf16 model keeps split-fp32 layers where the tuner chose them (bf16 storage, float32 above the split),
+        # if the engine's own policy lets it keep float32 copies: the comparison itself times them regardless.
+        split = split_times(choice) if choice.path == SPLIT_FP32 and split_fp32_ok else None
         for m in next(iter(times.values())):
             weight = ROW_WEIGHTS.get(m, 1.0) * counts[key]
             bf16_best = min(t[m] for p, t in times.items() if p in BF16_STORAGE_PATHS)

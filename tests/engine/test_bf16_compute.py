@@ -203,6 +203,12 @@ def test_compare_fp32_counts_split_fp32_as_bf16_storage(tmp_path):
         split_clock("plain", "fp32-packed", 1),
     )
     assert unsplit.fp32_faster  # without the split, the float32 model wins from 4 rows on
+    no_copies = compare_fp32(
+        bf16_model(),
+        replace(policy, cache_path=str(tmp_path / "k3.json"), allow_fp32_weights=False),
+        split_clock("plain", "fp32-packed", 1),
+    )
+    assert no_copies.fp32_faster  # the engine could not keep the split's float32 copies: not counted
 
 
 @needs_onednn
