@@ -30,18 +30,14 @@ sys.path.insert(0, str(ROOT))
 from splitserve.engine.hardware import print_header  # noqa: E402
 from splitserve.engine.model.config import ModelConfig  # noqa: E402
 from splitserve.engine.model.linear_tuner import (  # noqa: E402
-    BF16_STORAGE_PATHS,
-    FP32_WEIGHT_PATHS,
     ROW_GRID,
-    ROW_WEIGHTS,
     SPLIT_ABOVE,
     Choice,
     candidates,
     decide,
     measure,
-    split_times,
+    weighted_both_ways,
 )
-from splitserve.engine.model.transformer import SPLIT_FP32  # noqa: E402
 
 
 def shapes_of(cfg: ModelConfig) -> Counter:
@@ -77,12 +73,10 @@ def main() -> int:
         rows = tuple(m for m in ROW_GRID if out != cfg.vocab_size or m <= 64)
         times = measure(weight, b, rows, paths=paths)
         path, split_rows = decide(times, allow_split=True)
-        # As compare_fp32: a split-fp32 layer keeps the bf16 weight, so its times count on the bf16 side.
-        split = split_times(Choice(path, split_rows, "measured", times)) if path == SPLIT_FP32 else None
-        for m in rows:
-            bf16_best = min(times[p][m] for p in times if p in BF16_STORAGE_PATHS)
-            totals["bf16"] += ROW_WEIGHTS[m] * count * (bf16_best if split is None else min(bf16_best, split[m]))
-            totals["fp32"] += ROW_WEIGHTS[m] * count * min(times[p][m] for p in times if p in FP32_WEIGHT_PATHS)
+        # Summed as compare_fp32 sums them (a split-fp32 layer keeps the bf16 weight: the bf16 side).
+        shape_bf16, shape_fp32 = weighted_both_ways(Choice(path, split_rows, "measured", times), count)
+        totals["bf16"] += shape_bf16
+        totals["fp32"] += shape_fp32
         choice = f"{path} at {split_rows} rows" if path in SPLIT_ABOVE else path
         result["shapes"].append(
             {"shape": [out, inp], "bias": bias, "count": count, "times_ms": times, "choice": choice}

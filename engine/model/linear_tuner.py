@@ -497,13 +497,24 @@ def compare_fp32(model: CausalLM, policy: KernelPolicy, timer: Timer = wall_cloc
         shapes += 1
         # A bf16 model keeps split-fp32 layers where the tuner chose them (bf16 storage, float32 above the split),
         # if the engine's own policy lets it keep float32 copies: the comparison itself times them regardless.
-        split = split_times(choice) if choice.path == SPLIT_FP32 and split_fp32_ok else None
-        for m in next(iter(times.values())):
-            weight = ROW_WEIGHTS.get(m, 1.0) * counts[key]
-            bf16_best = min(t[m] for p, t in times.items() if p in BF16_STORAGE_PATHS)
-            bf16 += weight * (bf16_best if split is None else min(bf16_best, split[m]))
-            fp32 += weight * min(t[m] for p, t in times.items() if p in FP32_WEIGHT_PATHS)
+        shape_bf16, shape_fp32 = weighted_both_ways(choice, counts[key], split_fp32_ok)
+        bf16, fp32 = bf16 + shape_bf16, fp32 + shape_fp32
     return Fp32Comparison(bf16, fp32, shapes)
+
+
+def weighted_both_ways(choice: Choice, layers: int, split_fp32_ok: bool = True) -> tuple[float, float]:
+    """One timed shape's (bf16-storage, float32-weight) ms, each the fastest path of its kind at every row
+    count weighted by ``ROW_WEIGHTS`` and the shape's number of layers; a ``split-fp32`` choice counts on the
+    bf16 side where ``split_fp32_ok``."""
+    times = choice.times_ms
+    split = split_times(choice) if choice.path == SPLIT_FP32 and split_fp32_ok else None
+    bf16 = fp32 = 0.0
+    for m in next(iter(times.values())):
+        weight = ROW_WEIGHTS.get(m, 1.0) * layers
+        bf16_best = min(t[m] for p, t in times.items() if p in BF16_STORAGE_PATHS)
+        bf16 += weight * (bf16_best if split is None else min(bf16_best, split[m]))
+        fp32 += weight * min(t[m] for p, t in times.items() if p in FP32_WEIGHT_PATHS)
+    return bf16, fp32
 
 
 def summarize(choices: dict[ShapeKey, Choice]) -> str:
