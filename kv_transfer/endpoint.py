@@ -7,6 +7,7 @@ import threading
 import time
 
 from splitserve.common.faults import NO_FAULTS, FaultHooks
+from splitserve.engine.threads import serial_torch
 from splitserve.kv_transfer.config import Role, TransferConfig
 from splitserve.kv_transfer.handles import TransferHandle
 
@@ -39,6 +40,7 @@ class Endpoint:
 
         def run() -> None:
             try:
+                serial_torch()  # the model's thread keeps the cores' OpenMP team (engine.threads)
                 target(*args)
             finally:
                 with self._lock:

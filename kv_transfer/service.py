@@ -15,6 +15,7 @@ from concurrent import futures
 import grpc
 
 from splitserve.common.errors import ServingError
+from splitserve.engine.threads import serial_torch
 from splitserve.kv_transfer.control import (
     Ack,
     AckStatus,
@@ -195,7 +196,9 @@ def serve(
     when ``security`` says so); returns (server, port)."""
     security = security or InternalSecurity()
     server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=receiver.config.max_pairs + UNARY_CALL_THREADS),
+        futures.ThreadPoolExecutor(
+            max_workers=receiver.config.max_pairs + UNARY_CALL_THREADS, initializer=serial_torch
+        ),
         options=SERVER_OPTIONS,
         interceptors=server_interceptors(security.policy(), aio=False),
     )

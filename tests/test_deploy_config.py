@@ -38,6 +38,17 @@ def test_cpus_set_threads_and_ray_cpus_unless_given():
         DeploymentConfig().with_overrides(decode_cpus="0|1", num_decode=3)
 
 
+def test_omp_wait_policy_sets_the_workers_environment_only_when_asked():
+    config = DeploymentConfig.from_dict(
+        {"prefill": {"cpus": [0], "omp_wait_policy": "passive"}, "decode": {"omp_wait_policy": "active"}}
+    )
+    assert config.prefill.worker_env(0) == {"OMP_WAIT_POLICY": "PASSIVE", "OMP_NUM_THREADS": "1"}
+    assert config.decode.worker_env(0) == {"OMP_WAIT_POLICY": "ACTIVE"}
+    assert DeploymentConfig().colocated.worker_env(0) == {}  # default: libgomp's own wait, no variable set
+    with pytest.raises(ConfigError, match=r"decode\.omp_wait_policy: must be one of default, passive, active"):
+        DeploymentConfig.from_dict({"decode": {"omp_wait_policy": "spin"}})
+
+
 def test_kill_points_go_to_their_worker_only():
     config = DeploymentConfig.from_dict(
         {

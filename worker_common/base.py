@@ -9,11 +9,13 @@ Threads and who owns what::
 Commands and events are the dataclasses of ``worker_common.messages``; protobuf is made and read only
 at the edges (the servicers, and ``stream_events``).
 
-The loop thread is the only one that runs the model. The engine (``self.engine``, the interface of
-``worker_common.engine_api``) is shared with handler threads and transfer callbacks under ``self.lock``,
-which it holds only while it schedules or applies results, never while the model runs. Nothing is done
-while holding the lock that could call back into code taking it. Every second of the loop thread is booked
-to one phase (``worker_common.loop_clock``), its waits for the lock included.
+The loop thread is the only one that runs the model, and the one that built the engine
+(``worker_common.model_thread``); the others run their torch work on one OpenMP thread. The engine
+(``self.engine``, the interface of ``worker_common.engine_api``) is shared with handler threads and
+transfer callbacks under ``self.lock``, which it holds only while it schedules or applies results, never
+while the model runs. Nothing is done while holding the lock that could call back into code taking it.
+Every second of the loop thread is booked to one phase (``worker_common.loop_clock``), its waits for the
+lock included.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import torch
 from google.protobuf.message import Message
 
 from splitserve.common.errors import ServingError
+from splitserve.engine.threads import serial_torch
 from splitserve.observability.exporter import MetricsServer
 from splitserve.rpc import workers_pb2 as wpb
 from splitserve.rpc.auth import server_interceptors
@@ -47,6 +50,7 @@ from splitserve.worker_common.local_engine import LocalEngine
 from splitserve.worker_common.loop_clock import TimedLock
 from splitserve.worker_common.messages import Command, Drain, Emit, End, Event, Fail, unknown_event
 from splitserve.worker_common.metrics import WorkerMetrics
+from splitserve.worker_common.model_thread import ModelThread
 from splitserve.worker_common.registration import Registration
 from splitserve.worker_common.tp.rank_link import GROUP_FAILED_EXIT, Ranks
 
@@ -81,20 +85,26 @@ class WorkerBase:
         self.ranks = ranks
         self.metrics = WorkerMetrics(config.worker_id, config.role)
         self.lock = TimedLock(self.metrics.loop)  # reentrant; the loop thread's waits for it are timed
+        # One thread builds the engine and then runs the loop (worker_common.model_thread says why).
+        self.model_thread = ModelThread(f"{config.role}-loop", config.engine.num_threads)
         if engine is None and config.engine.backend == "vllm":
             from splitserve.worker_common.vllm_engine import VllmEngine  # imports vllm: only on this backend
 
-            engine = VllmEngine(
-                config.engine, self.lock, self.metrics, config.cpus, role=config.role, wake=self.wake, ranks=ranks
+            engine = self.model_thread.call(
+                lambda: VllmEngine(
+                    config.engine, self.lock, self.metrics, config.cpus, role=config.role, wake=self.wake, ranks=ranks
+                )
             )
         elif engine is None:
-            engine = LocalEngine.build(
-                config.engine,
-                self.lock,
-                self.metrics,
-                record_block_events=config.role == "prefill",
-                tp_group=ranks.group if ranks else None,
-                **self.scheduler_mode,
+            engine = self.model_thread.call(
+                lambda: LocalEngine.build(
+                    config.engine,
+                    self.lock,
+                    self.metrics,
+                    record_block_events=config.role == "prefill",
+                    tp_group=ranks.group if ranks else None,
+                    **self.scheduler_mode,
+                )
             )
         self.engine: Engine = engine
         self.fingerprint = layout_fingerprint(config, engine.model)
@@ -127,7 +137,9 @@ class WorkerBase:
         # without a deadline behind busy threads.
         threads = self.max_request_calls() + cfg.transfer.max_pairs + SPARE_RPC_THREADS
         self._server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix=f"{cfg.role}-rpc"),
+            futures.ThreadPoolExecutor(
+                max_workers=threads, thread_name_prefix=f"{cfg.role}-rpc", initializer=serial_torch
+            ),
             options=SERVER_OPTIONS,
             maximum_concurrent_rpcs=threads,
             interceptors=server_interceptors(cfg.security.policy(), aio=False),
@@ -140,8 +152,7 @@ class WorkerBase:
         self.address = f"{cfg.host}:{port}"
         if cfg.metrics_port is not None:
             self.metrics_address = self.metrics_server.start(cfg.host, cfg.metrics_port)
-        self._thread = threading.Thread(target=self._loop, name=f"{cfg.role}-loop", daemon=True)
-        self._thread.start()
+        self._thread = self.model_thread.run(self._loop)
         log.info("%s worker %s serving on %s", cfg.role, cfg.worker_id, self.address)
         if cfg.router_address:
             self.registration = Registration(cfg.router_address, self.worker_info, self.drain, cfg.security)
@@ -170,6 +181,7 @@ class WorkerBase:
             self.registration.stop()
         self._stopped.set()
         self._wake.set()
+        self.model_thread.close()  # a worker stopped before it started: its model thread ends
         if self._server is not None:
             self._server.stop(grace_s).wait(grace_s + 1)
         if self._thread is not None:
@@ -205,10 +217,7 @@ class WorkerBase:
         # commands, the worker's step (stream) with the engine's schedule, run and apply inside it, the idle wait.
         clock = self.metrics.loop
         clock.start()
-        # OpenMP's thread count is per calling thread: set it here, where the model runs (a Ray actor
-        # starts with OMP_NUM_THREADS=1, and a setting made on another thread does not carry over).
-        if self.config.engine.num_threads:
-            torch.set_num_threads(self.config.engine.num_threads)
+        # The model thread set its torch threads as it started (worker_common.model_thread).
         self.threads = torch.get_num_threads()
         log.info(
             "%s worker %s: cpus %s%s, %d torch threads",

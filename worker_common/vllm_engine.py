@@ -365,7 +365,7 @@ def build_vllm(
     if executor == "mp":
         args["worker_extension_cls"] = f"{__name__}.{ModelProcessExtension.__qualname__}"
     # The model process spawned for "mp" takes vLLM's own OpenMP setting (spin, then sleep: libgomp's default),
-    # as under `vllm serve`, not the PASSIVE one the fleet gives worker processes, which share cores.
+    # as under `vllm serve`, whatever OMP_WAIT_POLICY the worker's process has (a role's omp_wait_policy).
     wait_policy = os.environ.pop("OMP_WAIT_POLICY", None) if executor == "mp" else None
     try:
         llm = LLMEngine.from_engine_args(EngineArgs(**args))

@@ -38,6 +38,9 @@ __all__ = [
 ]
 
 
+OMP_WAIT_POLICIES = ("default", "passive", "active")
+
+
 class ConfigError(ValueError):
     """The deployment config is invalid; the message names the field."""
 
@@ -72,11 +75,16 @@ class RoleConfig:
     tensor_parallel_size: int = 1
     # The engine this role's workers run: splitserve | vllm (docs/engine.md); None: the engine section's backend.
     backend: str | None = None
+    # How the worker's OpenMP threads wait between parallel regions (OMP_WAIT_POLICY of its processes):
+    # default: libgomp's own (spin a few milliseconds, then sleep; the operator's OMP_WAIT_POLICY if set),
+    # passive: sleep at once, active: spin until the next region. docs/engine.md, "OpenMP's wait".
+    omp_wait_policy: str = "default"
 
     def __post_init__(self) -> None:
         check_ranges(self, ("replicas", "threads", "max_inflight", "num_blocks", "tensor_parallel_size"), min=1)
         if self.backend is not None:
             check_choice(self, "backend", ENGINE_BACKENDS)
+        check_choice(self, "omp_wait_policy", OMP_WAIT_POLICIES)
         check_ranges(self, ("num_cpus", "num_gpus"), min=0)
         if self.cpus is not None:
             try:
@@ -118,6 +126,14 @@ class RoleConfig:
         cpus = self.cpus[0] if len(self.cpus) == 1 else self.cpus[slot]
         share = len(cpus) // self.tensor_parallel_size
         return cpus[rank * share : (rank + 1) * share]
+
+    def worker_env(self, slot: int) -> dict[str, str]:
+        """The OpenMP environment of each rank of the worker in this slot."""
+        env = {} if self.omp_wait_policy == "default" else {"OMP_WAIT_POLICY": self.omp_wait_policy.upper()}
+        threads = self.worker_threads(slot)
+        if threads:
+            env["OMP_NUM_THREADS"] = str(threads)  # Ray's default for actors is 1
+        return env
 
     def worker_threads(self, slot: int) -> int | None:
         """Torch threads of each rank of the worker in this slot."""

@@ -48,13 +48,10 @@ class WorkerFleet:
         taken = {slot for w, slot in self.slots.items() if w.rpartition("-")[0] == role}
         slot = next(i for i in range(len(taken) + 1) if i not in taken)  # the lowest free one
         env = {
-            "OMP_WAIT_POLICY": "PASSIVE",
             "TOKENIZERS_PARALLELISM": "false",
             "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": os.environ.get("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "1"),
+            **role_config.worker_env(slot),
         }
-        threads = role_config.worker_threads(slot)
-        if threads:
-            env["OMP_NUM_THREADS"] = str(threads)  # Ray's default for actors is 1
         options, rank_options = self.placement.actor_options(role, slot), ()
         if role_config.tensor_parallel_size > 1:
             options, rank_options = self.placement.place_ranks(worker_id, role, slot, options, env)

@@ -28,10 +28,10 @@ from collections.abc import Callable
 from concurrent import futures
 
 import grpc
-import torch
 
 from splitserve.common.errors import ServingError
 from splitserve.engine.core import EngineCore
+from splitserve.engine.threads import serial_torch
 from splitserve.engine.tp.distributed import TPGroup
 from splitserve.engine.tp.step import Foreign, Notice, PlanChannel, StepPlan, Stop, Tick
 from splitserve.kv_transfer.handles import TransferHandle, TransferState
@@ -49,6 +49,7 @@ from splitserve.worker_common.affinity import pin
 from splitserve.worker_common.config import WorkerConfig
 from splitserve.worker_common.layout import layout_fingerprint
 from splitserve.worker_common.local_engine import model_facts
+from splitserve.worker_common.model_thread import ModelThread
 from splitserve.worker_common.tp import rank_notices
 from splitserve.worker_common.tp.rank_link import GROUP_FAILED_EXIT, RankInfo
 
@@ -80,16 +81,20 @@ class Follower:
         self.config, self.group, self.group_id, self.rank = config, group, group_id, group.rank
         self.core: EngineCore | None = None
         self.vllm = None  # the vllm backend's rank (worker_common.vllm_engine.VllmRank)
+        # One thread builds this rank's engine and then runs its loop (worker_common.model_thread says why).
+        self.model_thread = ModelThread(f"rank{self.rank}-loop", config.engine.num_threads)
         if config.engine.backend == "vllm":
             from splitserve.worker_common.vllm_engine import VllmRank, VllmRanks  # imports vllm: only on it
 
             if rendezvous is None:
                 raise ValueError("rendezvous: a vllm-backend rank meets the others at rank 0's store")
-            self.vllm = VllmRank(config.engine, config.role, VllmRanks(*rendezvous, group_id), config.cpus)
+            ranks = VllmRanks(*rendezvous, group_id)
+            self.vllm = self.model_thread.call(lambda: VllmRank(config.engine, config.role, ranks, config.cpus))
             kv_cache, facts, device = self.vllm.kv_cache, self.vllm.model, self.vllm.device
         else:
-            self.core = EngineCore(config.engine, tp_group=group)
+            self.core = self.model_thread.call(lambda: EngineCore(config.engine, tp_group=group))
             if not self.core.is_follower:
+                self.model_thread.close()
                 raise ValueError("tensor_parallel_step: a follower rank runs rank 0's plans ('plan'), not 'lockstep'")
             kv_cache, facts, device = self.core.kv_cache, model_facts(self.core), self.core.device
         self.kv_cache, self.num_kv_heads = kv_cache, facts.num_kv_heads
@@ -123,7 +128,9 @@ class Follower:
         cfg = self.config
         threads = cfg.transfer.max_pairs + SPARE_RPC_THREADS
         self._server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix=f"rank{self.rank}-rpc"),
+            futures.ThreadPoolExecutor(
+                max_workers=threads, thread_name_prefix=f"rank{self.rank}-rpc", initializer=serial_torch
+            ),
             options=SERVER_OPTIONS,
             maximum_concurrent_rpcs=threads,
             interceptors=server_interceptors(cfg.security.policy(), aio=False),
@@ -140,8 +147,7 @@ class Follower:
 
     def follow(self) -> None:
         """Start running rank 0's plans (once rank 0's engine is built: until then it sends nothing)."""
-        self._thread = threading.Thread(target=self._loop, name=f"rank{self.rank}-loop", daemon=True)
-        self._thread.start()
+        self._thread = self.model_thread.run(self._loop)
 
     def status(self) -> dict[str, int]:
         """This rank's figures: its rank, the plans it ran, and the transfer parts it holds (live or ending)."""
@@ -150,6 +156,7 @@ class Follower:
         return {"rank": self.rank, "steps": self.steps, "parts": parts + len(self._pending)}
 
     def stop(self) -> None:
+        self.model_thread.close()  # stopped before it followed: the model thread ends
         if self._server is not None:
             self._server.stop(STOP_GRACE_S)
         for endpoint in (self.sender, self.receiver):
@@ -160,9 +167,7 @@ class Follower:
 
     # ---- the loop -------------------------------------------------------------------------------
 
-    def _loop(self) -> None:
-        if self.config.engine.num_threads:
-            torch.set_num_threads(self.config.engine.num_threads)
+    def _loop(self) -> None:  # on the model thread, which set its torch threads as it started
         try:
             while True:
                 match self.channel.receive():
