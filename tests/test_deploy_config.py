@@ -43,10 +43,38 @@ def test_omp_wait_policy_sets_the_workers_environment_only_when_asked():
         {"prefill": {"cpus": [0], "omp_wait_policy": "passive"}, "decode": {"omp_wait_policy": "active"}}
     )
     assert config.prefill.worker_env(0) == {"OMP_WAIT_POLICY": "PASSIVE", "OMP_NUM_THREADS": "1"}
-    assert config.decode.worker_env(0) == {"OMP_WAIT_POLICY": "ACTIVE"}
-    assert DeploymentConfig().colocated.worker_env(0) == {}  # default: libgomp's own wait, no variable set
-    with pytest.raises(ConfigError, match=r"decode\.omp_wait_policy: must be one of default, passive, active"):
+    assert config.decode.worker_env(0, owns_cores=True) == {"OMP_WAIT_POLICY": "ACTIVE"}
+    default = DeploymentConfig.from_dict({"decode": {"omp_wait_policy": "default"}}).decode
+    assert default.worker_env(0) == {}  # libgomp's own wait: no variable set
+    with pytest.raises(ConfigError, match=r"decode\.omp_wait_policy: must be one of auto, default, passive, active"):
         DeploymentConfig.from_dict({"decode": {"omp_wait_policy": "spin"}})
+
+
+@pytest.mark.parametrize(
+    ("fields", "owners"),
+    [
+        ({}, set()),  # 1P+1D unpinned: both share the cores
+        ({"mode": "colocated"}, {("colocated", 0)}),  # the only worker
+        ({"mode": "colocated", "colocated": {"replicas": 2}}, set()),
+        ({"mode": "colocated", "colocated": {"tensor_parallel_size": 2}}, set()),
+        ({"prefill": {"cpus": [0]}, "decode": {"cpus": [1]}}, {("prefill", 0), ("decode", 0)}),
+        ({"prefill": {"cpus": [0]}, "decode": {"cpus": "0-1"}}, set()),  # decode's set holds prefill's core
+        ({"prefill": {"cpus": [0]}}, set()),  # decode unpinned: it may run anywhere
+        (
+            {"prefill": {"cpus": [0]}, "decode": {"cpus": "1|2", "replicas": 2}},
+            {("prefill", 0), ("decode", 0), ("decode", 1)},
+        ),
+        ({"prefill": {"cpus": [0]}, "decode": {"cpus": [1], "replicas": 2}}, {("prefill", 0)}),  # one set, shared
+    ],
+)
+def test_auto_wait_policy_is_libgomps_own_only_for_a_worker_alone_on_its_cores(fields, owners):
+    config = DeploymentConfig.from_dict(fields)
+    for role in config.roles:
+        for slot in range(getattr(config, role).replicas):
+            owns = config.owns_cores(role, slot)
+            assert owns == ((role, slot) in owners), (role, slot)
+            env = getattr(config, role).worker_env(slot, owns)
+            assert env.get("OMP_WAIT_POLICY") == (None if owns else "PASSIVE")
 
 
 def test_kill_points_go_to_their_worker_only():

@@ -38,7 +38,7 @@ __all__ = [
 ]
 
 
-OMP_WAIT_POLICIES = ("default", "passive", "active")
+OMP_WAIT_POLICIES = ("auto", "default", "passive", "active")
 
 
 class ConfigError(ValueError):
@@ -77,8 +77,9 @@ class RoleConfig:
     backend: str | None = None
     # How the worker's OpenMP threads wait between parallel regions (OMP_WAIT_POLICY of its processes):
     # default: libgomp's own (spin a few milliseconds, then sleep; the operator's OMP_WAIT_POLICY if set),
-    # passive: sleep at once, active: spin until the next region. docs/engine.md, "OpenMP's wait".
-    omp_wait_policy: str = "default"
+    # passive: sleep at once, active: spin until the next region; auto: default for a worker whose cores
+    # are its own (DeploymentConfig.owns_cores), else passive. docs/engine.md, "A worker's threads".
+    omp_wait_policy: str = "auto"
 
     def __post_init__(self) -> None:
         check_ranges(self, ("replicas", "threads", "max_inflight", "num_blocks", "tensor_parallel_size"), min=1)
@@ -127,9 +128,13 @@ class RoleConfig:
         share = len(cpus) // self.tensor_parallel_size
         return cpus[rank * share : (rank + 1) * share]
 
-    def worker_env(self, slot: int) -> dict[str, str]:
-        """The OpenMP environment of each rank of the worker in this slot."""
-        env = {} if self.omp_wait_policy == "default" else {"OMP_WAIT_POLICY": self.omp_wait_policy.upper()}
+    def worker_env(self, slot: int, owns_cores: bool = False) -> dict[str, str]:
+        """The OpenMP environment of each rank of the worker in this slot; ``owns_cores``: no other worker
+        runs on its cores (``DeploymentConfig.owns_cores``), which ``auto`` reads."""
+        policy = self.omp_wait_policy
+        if policy == "auto":
+            policy = "default" if owns_cores else "passive"
+        env = {} if policy == "default" else {"OMP_WAIT_POLICY": policy.upper()}
         threads = self.worker_threads(slot)
         if threads:
             env["OMP_NUM_THREADS"] = str(threads)  # Ray's default for actors is 1
@@ -272,6 +277,29 @@ class DeploymentConfig:
     def roles(self) -> tuple[str, ...]:
         """The worker roles this deployment runs."""
         return MODES[self.mode]
+
+    def owns_cores(self, role: str, slot: int) -> bool:
+        """Whether the worker in this slot of this role has its cores to itself, as configured: it is the
+        deployment's only worker process (one role, one replica, one rank), or it is pinned and every other
+        worker is pinned to cores apart from its own (each replica of its role to a set of its own). A worker
+        started later by scaling keeps what its own start found."""
+        role_configs = {r: getattr(self, r) for r in self.roles}
+        processes = sum(c.replicas * c.tensor_parallel_size for c in role_configs.values())
+        if processes == 1:
+            return True
+        mine = role_configs[role]
+        if mine.cpus is None or (len(mine.cpus) == 1 and mine.replicas > 1) or mine.tensor_parallel_size > 1:
+            return False
+        own = set(mine.cpu_set(slot))
+        for other_role, config in role_configs.items():
+            if config.cpus is None:
+                return False
+            for other_slot in range(config.replicas):
+                if (other_role, other_slot) != (role, slot) and own & set(
+                    config.cpus[min(other_slot, len(config.cpus) - 1)]
+                ):
+                    return False
+        return True
 
     @classmethod
     def from_file(cls, path: str | Path) -> DeploymentConfig:

@@ -50,7 +50,7 @@ class WorkerFleet:
         env = {
             "TOKENIZERS_PARALLELISM": "false",
             "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": os.environ.get("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "1"),
-            **role_config.worker_env(slot),
+            **role_config.worker_env(slot, self.config.owns_cores(role, slot)),
         }
         options, rank_options = self.placement.actor_options(role, slot), ()
         if role_config.tensor_parallel_size > 1:
