@@ -452,7 +452,7 @@ def main() -> int:
             print(f"{label} {worker} linear kernels: {line}")
     print()
     if not args.skip_baselines:
-        print_baselines(args, result)
+        print_baselines(args, result, DEPLOYMENTS[names[0]][0])
     print_workload(args, result)
     return 0
 
@@ -541,11 +541,12 @@ def peer_version(python) -> str:
         return "?"
 
 
-def print_baselines(args, result: dict) -> None:
+def print_baselines(args, result: dict, label: str) -> None:
+    """The first deployment's (``label``) one stream and 16 streams beside the offline engine and transformers."""
     r, s1, sn = result["ratios"], result["served_single"], result["served_concurrent"]
     off_single, off_conc = result["offline_single"], result["offline_concurrent"]
     h1, hn = result["transformers_batch1"], result[f"transformers_batch{args.streams}"]
-    print("| | splitserve (1P+1D) | offline engine | transformers | served / transformers |")
+    print(f"| | {label} | offline engine | transformers | served / transformers |")
     print("| --- | --- | --- | --- | --- |")
     print(f"| one stream: TTFT ms | {s1['ttft_ms']:.0f} | {off_single['ttft_ms']:.0f} | - | - |")
     print(
