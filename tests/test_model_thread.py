@@ -126,3 +126,20 @@ def test_a_worker_stopped_before_it_started_ends_its_model_thread(tiny_model_dir
     worker.stop()
     thread.join(5)
     assert not thread.is_alive()
+
+
+def test_a_worker_whose_engine_fails_to_build_ends_its_model_thread(tmp_path, monkeypatch):
+    made: list[ModelThread] = []
+
+    class Recorded(ModelThread):
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    monkeypatch.setattr("splitserve.worker_common.base.ModelThread", Recorded)
+    engine = EngineConfig(model_dir=str(tmp_path / "no-such-model"), dtype="float32", num_blocks=32, num_threads=1)
+    with pytest.raises(Exception, match="no-such-model"):
+        ColocatedWorker(WorkerConfig(role="colocated", worker_id="c-bad", engine=engine))
+    assert len(made) == 1 and made[0].thread is not None  # the build ran on the model thread
+    made[0].thread.join(5)
+    assert not made[0].thread.is_alive()

@@ -87,25 +87,12 @@ class WorkerBase:
         self.lock = TimedLock(self.metrics.loop)  # reentrant; the loop thread's waits for it are timed
         # One thread builds the engine and then runs the loop (worker_common.model_thread says why).
         self.model_thread = ModelThread(f"{config.role}-loop", config.engine.num_threads)
-        if engine is None and config.engine.backend == "vllm":
-            from splitserve.worker_common.vllm_engine import VllmEngine  # imports vllm: only on this backend
-
-            engine = self.model_thread.call(
-                lambda: VllmEngine(
-                    config.engine, self.lock, self.metrics, config.cpus, role=config.role, wake=self.wake, ranks=ranks
-                )
-            )
-        elif engine is None:
-            engine = self.model_thread.call(
-                lambda: LocalEngine.build(
-                    config.engine,
-                    self.lock,
-                    self.metrics,
-                    record_block_events=config.role == "prefill",
-                    tp_group=ranks.group if ranks else None,
-                    **self.scheduler_mode,
-                )
-            )
+        if engine is None:
+            try:
+                engine = self.model_thread.call(lambda: self._build_engine(ranks))
+            except BaseException:
+                self.model_thread.close()  # the failed build's thread ends with it
+                raise
         self.engine: Engine = engine
         self.fingerprint = layout_fingerprint(config, engine.model)
         # A tensor-parallel worker fails as a whole when one of its ranks does: the process ends (Ray
@@ -126,6 +113,24 @@ class WorkerBase:
         self.metrics.watch(self)
         self.metrics_server = MetricsServer(self.metrics.registry)
         self.metrics_address = ""  # "" when metrics are off
+
+    def _build_engine(self, ranks: Ranks | None) -> Engine:
+        """This role's engine, built on the model thread: the vLLM backend's or the local one."""
+        config = self.config
+        if config.engine.backend == "vllm":
+            from splitserve.worker_common.vllm_engine import VllmEngine  # imports vllm: only on this backend
+
+            return VllmEngine(
+                config.engine, self.lock, self.metrics, config.cpus, role=config.role, wake=self.wake, ranks=ranks
+            )
+        return LocalEngine.build(
+            config.engine,
+            self.lock,
+            self.metrics,
+            record_block_events=config.role == "prefill",
+            tp_group=ranks.group if ranks else None,
+            **self.scheduler_mode,
+        )
 
     # ---- lifecycle ------------------------------------------------------------------------------
 

@@ -83,20 +83,25 @@ class Follower:
         self.vllm = None  # the vllm backend's rank (worker_common.vllm_engine.VllmRank)
         # One thread builds this rank's engine and then runs its loop (worker_common.model_thread says why).
         self.model_thread = ModelThread(f"rank{self.rank}-loop", config.engine.num_threads)
-        if config.engine.backend == "vllm":
-            from splitserve.worker_common.vllm_engine import VllmRank, VllmRanks  # imports vllm: only on it
+        try:
+            if config.engine.backend == "vllm":
+                from splitserve.worker_common.vllm_engine import VllmRank, VllmRanks  # imports vllm: only on it
 
-            if rendezvous is None:
-                raise ValueError("rendezvous: a vllm-backend rank meets the others at rank 0's store")
-            ranks = VllmRanks(*rendezvous, group_id)
-            self.vllm = self.model_thread.call(lambda: VllmRank(config.engine, config.role, ranks, config.cpus))
-            kv_cache, facts, device = self.vllm.kv_cache, self.vllm.model, self.vllm.device
-        else:
-            self.core = self.model_thread.call(lambda: EngineCore(config.engine, tp_group=group))
-            if not self.core.is_follower:
-                self.model_thread.close()
-                raise ValueError("tensor_parallel_step: a follower rank runs rank 0's plans ('plan'), not 'lockstep'")
-            kv_cache, facts, device = self.core.kv_cache, model_facts(self.core), self.core.device
+                if rendezvous is None:
+                    raise ValueError("rendezvous: a vllm-backend rank meets the others at rank 0's store")
+                ranks = VllmRanks(*rendezvous, group_id)
+                self.vllm = self.model_thread.call(lambda: VllmRank(config.engine, config.role, ranks, config.cpus))
+                kv_cache, facts, device = self.vllm.kv_cache, self.vllm.model, self.vllm.device
+            else:
+                self.core = self.model_thread.call(lambda: EngineCore(config.engine, tp_group=group))
+                if not self.core.is_follower:
+                    raise ValueError(
+                        "tensor_parallel_step: a follower rank runs rank 0's plans ('plan'), not 'lockstep'"
+                    )
+                kv_cache, facts, device = self.core.kv_cache, model_facts(self.core), self.core.device
+        except BaseException:
+            self.model_thread.close()  # a failed start's model thread ends with it
+            raise
         self.kv_cache, self.num_kv_heads = kv_cache, facts.num_kv_heads
         self.name = f"{config.worker_id}.rank{self.rank}"
         self.faults = config.faults.arm(f"{config.role} worker {self.name}")
