@@ -1,8 +1,6 @@
 """The one thread of a worker process that runs the model: it builds the engine, then runs the loop.
 
-torch's OpenMP on Linux is libgomp, which keeps a team of threads for every thread that has run a parallel
-region. While a process holds more of them than it has cores, libgomp cuts its spin-wait at the end of
-each region to about a hundred spins before sleeping, so every region of every step pays a wake-up. A
+Why one thread (libgomp's OpenMP teams, one per thread that ran a parallel region): ``engine.threads``. A
 worker that built its engine on one thread (loading, weight packing, the linear tuner) and ran it on
 another held two teams for good. Under the AVX2 caps (``scripts/as_avx2.sh``) a batch-1 decode step of the
 qwen2.5-0.5b preset took 49 ms that way and 39-41 ms when one thread did both (docs/performance.md).
