@@ -1,17 +1,20 @@
 from __future__ import annotations
 
 import functools
+import re
 from collections.abc import Sequence
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import decoders, models
 
 from splitserve.engine.text.detokenizer import NUM_PROMPT_CONTEXT_TOKENS, IncrementalDetokenizer
 from splitserve.engine.text.tokenizer import Tokenizer
-from tests.engine.tokenizer_fixtures import make_byte_level_backend, make_byte_level_tokenizer_dir
+from tests.engine.tokenizer_fixtures import SPECIAL_TOKENS, make_byte_level_backend, make_byte_level_tokenizer_dir
+
+SPECIAL_TEXT = re.compile("|".join(re.escape(t) for t in SPECIAL_TOKENS))
 
 # Characters that the test tokenizer splits into several byte tokens, plus merged multi-byte ones.
 MULTI_BYTE = ["🦜", "🫠", "𝄞", "龘", "🚀", "👍🏽", "你好", "é", "\ufffd", "Привет"]
@@ -153,9 +156,12 @@ def test_streamed_text_equals_full_decode(
     text=st.text(st.characters(exclude_categories=["Cs"], exclude_characters="\ufffd"), max_size=30),
     prompt=st.text(max_size=10),
 )
+# A special token's text encodes to that token, which the detokenizer skips by default.
+@example(text="<|im_end|>", prompt="")
+@example(text="a<|im_start|>b<|im_end|>", prompt="<|endoftext|>")
 def test_valid_text_never_streams_a_replacement_character(tokenizer: Tokenizer, text: str, prompt: str) -> None:
     ids = tokenizer.encode(text)
     detokenizer = IncrementalDetokenizer(tokenizer, tokenizer.encode(prompt))
     pieces = stream(detokenizer, [[i] for i in ids])
     assert not any("\ufffd" in piece for piece in pieces)
-    assert "".join(pieces) == text
+    assert "".join(pieces) == SPECIAL_TEXT.sub("", text)
