@@ -28,8 +28,10 @@ $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
 	$(VPY) -m pip install -q --upgrade pip
 	$(VPY) -m pip install -q -e ".[test]"
-	# The CPU paged-decode kernel, built ahead of its first use (a failure is logged; the reference runs instead).
+	# The CPU kernels, built ahead of their first use (a failure is logged; torch's kernels run instead):
+	# paged decode attention, and the row-streaming linear kernel.
 	$(VPY) -m splitserve.engine.attention.cpu_paged_decode || true
+	$(VPY) -m splitserve.engine.model.cpu_gemv || true
 	touch $(STAMP)
 
 # vLLM's CPU build in a venv of its own (.peer), the peer that bench-engine and bench-serve measure in

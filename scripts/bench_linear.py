@@ -8,13 +8,17 @@ whole pass over those matrices, three ways:
 - ``F.linear`` on the plain ``[out, in]`` weight (MKL for float32, oneDNN or an emulation for bf16);
 - oneDNN prepacked (``mkldnn._reorder_linear_weight`` once, then ``mkldnn._linear_pointwise``), the
   path ``splitserve.engine.model.transformer.Linear.pack()`` takes; where this CPU refuses it the reason is printed;
+- the project's row-streaming kernel (``splitserve.engine.model.cpu_gemv``), at m up to its ``MAX_ROWS``, where
+  it is built;
 - the engine's choice, matrix by matrix: what ``splitserve.engine.model.linear_tuner`` picks at load (``auto``) for each
   shape, timed here on its own row grid (``ROW_GRID``; the LM head up to 64 rows), split allowed,
 
 and reports ms per pass, GB/s of weights read and GFLOP/s; then, per shape, the tuner's times and choice.
 Beside it, one large ``torch.mm`` (2048 x 2048 x 2048) per dtype: what the cores reach when the product is
 compute-bound (skipped for bf16 where this CPU only emulates it: minutes for one product). Each figure is
-the best of --repeats after one warm-up call; the machine header is printed first.
+the best of --repeats after one warm-up call, each call with the weight out of the CPU's caches first (as
+the tuner times, and as a model's step finds it; before 2026-12-06 they were timed warm); the machine
+header is printed first.
 
     python scripts/bench_linear.py [--preset qwen2.5-0.5b] [--dtypes float32,bfloat16] [--batches 1,8,32]
                                    [--threads 2] [--repeats 3] [--json]
@@ -37,18 +41,32 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from splitserve.engine.hardware import print_header  # noqa: E402
+from splitserve.engine.model import cpu_gemv  # noqa: E402
 from splitserve.engine.model.config import ModelConfig  # noqa: E402
-from splitserve.engine.model.linear_tuner import ROW_GRID, UNTIMED_BELOW, decide, measure  # noqa: E402
+from splitserve.engine.model.linear_tuner import (  # noqa: E402
+    ROW_GRID,
+    SPLITS,
+    UNTIMED_BELOW,
+    cache_evictor,
+    decide,
+    measure,
+)
 
 
 def log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
+EVICT = cache_evictor()
+
+
 def best_seconds(fn: Callable[[], object], repeats: int) -> float:
+    """Best of ``repeats`` calls, each with the weight out of the CPU's caches first (as in a model's step,
+    where the rest of the model's weights pushed it out: the tuner times the same way)."""
     fn()  # warm-up: kernel selection and first-touch of the output
     times = []
     for _ in range(repeats):
+        EVICT()
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
@@ -84,6 +102,7 @@ def measure_dtype(
     for s, w in weights.items():
         packed[s], why = packed_or_reason(w)
         reason = reason or why
+    gemv_ok = cpu_gemv.available(next(iter(weights.values())))
     tuned = {}  # shape -> (path, split_rows, times) as the tuner decides it at load
     for s, w in weights.items():
         if w.numel() < UNTIMED_BELOW or packed[s] is None:
@@ -96,7 +115,13 @@ def measure_dtype(
     weight_bytes = numel * weights[next(iter(weights))].element_size()
     rows = []
     for m in batches:
-        per_path = {"F.linear": 0.0, "packed": 0.0 if reason is None else None, "engine": 0.0}
+        gemv_here = gemv_ok and m <= cpu_gemv.MAX_ROWS
+        per_path = {
+            "F.linear": 0.0,
+            "packed": 0.0 if reason is None else None,
+            "gemv": 0.0 if gemv_here else None,
+            "engine": 0.0,
+        }
         for s, w in weights.items():
             x = torch.randn(m, s[1], dtype=dtype)
             t_plain = best_seconds(lambda x=x, w=w: F.linear(x, w), repeats)
@@ -109,9 +134,15 @@ def measure_dtype(
                 )
                 if per_path["packed"] is not None:
                     per_path["packed"] += t_packed * shapes[s]
+            t_gemv = None
+            if gemv_here:
+                t_gemv = best_seconds(lambda x=x, w=w: cpu_gemv.gemv(x, w, None), repeats)
+                per_path["gemv"] += t_gemv * shapes[s]
             path, split_rows, _ = tuned[s]
-            runs_packed = path == "packed" or (path == "split" and m > split_rows)
-            per_path["engine"] += (t_packed if runs_packed else t_plain) * shapes[s]
+            if path in SPLITS:
+                path = SPLITS[path][0] if m <= split_rows else SPLITS[path][1]
+            # The float32-compute paths of a bf16 weight are not timed here: counted as F.linear.
+            per_path["engine"] += ({"packed": t_packed, "gemv": t_gemv}.get(path) or t_plain) * shapes[s]
         for path, seconds in per_path.items():
             row = {"m": m, "path": path, "ms": None, "weight_gb_s": None, "gflop_s": None}
             if seconds is not None:
@@ -119,7 +150,7 @@ def measure_dtype(
                     ms=1e3 * seconds, weight_gb_s=weight_bytes / seconds / 1e9, gflop_s=2 * m * numel / seconds / 1e9
                 )
             rows.append(row)
-        log(f"  {dtype} m={m}: " + ", ".join(f"{r['path']} {r['ms']:.1f} ms" for r in rows[-3:] if r["ms"] is not None))
+        log(f"  {dtype} m={m}: " + ", ".join(f"{r['path']} {r['ms']:.1f} ms" for r in rows[-4:] if r["ms"] is not None))
     choices = [
         {"shape": [o, i], "count": shapes[(o, i)], "path": path, "split_rows": split_rows, "times_ms": times}
         for (o, i), (path, split_rows, times) in tuned.items()
@@ -198,16 +229,19 @@ def main() -> int:
         " split allowed):\n"
     )
     grid = ", ".join(map(str, ROW_GRID))
-    print(f"| dtype | shape [out x in] | per step | plain ms (m: {grid}) | packed ms | choice |")
-    print("| --- | --- | --- | --- | --- | --- |")
+    print(f"| dtype | shape [out x in] | per step | plain ms (m: {grid}) | packed ms | gemv ms | choice |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
     for name, entry in result["dtypes"].items():
         for c in entry["tuner"]:
             times = c["times_ms"] or {}
             cells = [
-                " / ".join(f"{ms:.3g}" for ms in times[p].values()) if p in times else "-" for p in ("plain", "packed")
+                " / ".join(f"{ms:.3g}" for ms in times[p].values()) if p in times else "-"
+                for p in ("plain", "packed", "gemv")
             ]
-            choice = f"split at {c['split_rows']} rows" if c["path"] == "split" else c["path"]
-            print(f"| {name} | {c['shape'][0]} x {c['shape'][1]} | {c['count']} | {cells[0]} | {cells[1]} | {choice} |")
+            choice = f"{c['path']} at {c['split_rows']} rows" if c["path"] in SPLITS else c["path"]
+            print(
+                f"| {name} | {c['shape'][0]} x {c['shape'][1]} | {c['count']} | " + " | ".join(cells) + f" | {choice} |"
+            )
     print()
     for name, entry in result["dtypes"].items():
         gemm = entry["large_gemm_gflop_s"]

@@ -53,8 +53,10 @@ import torch.nn.functional as F
 from splitserve.common.file_lock import file_lock
 from splitserve.common.validate import check_choice
 from splitserve.engine.hardware import cpu_isa, describe_machine, native_bf16
+from splitserve.engine.model import cpu_gemv
 from splitserve.engine.model.transformer import (
     FP32_COMPUTE_PATHS,
+    GEMV_PATHS,
     SPLIT_FP32,
     CausalLM,
     Linear,
@@ -64,17 +66,23 @@ from splitserve.engine.model.transformer import (
 
 logger = logging.getLogger(__name__)
 
-LINEAR_KERNELS = ("auto", "plain", "packed", "split", *FP32_COMPUTE_PATHS, SPLIT_FP32)
-# The single paths that "split" and "split-fp32" run above their threshold ("plain" below it).
-SPLIT_ABOVE = {"split": "packed", SPLIT_FP32: "fp32-packed"}
+LINEAR_KERNELS = ("auto", "plain", "packed", "split", *FP32_COMPUTE_PATHS, SPLIT_FP32, *GEMV_PATHS)
+# The two-kernel paths: (the path timed up to the threshold, the single path above it).
+SPLITS = {
+    "split": ("plain", "packed"),
+    SPLIT_FP32: ("plain", "fp32-packed"),
+    **{kind: ("gemv", above) for kind, above in GEMV_PATHS.items()},
+}
+SPLIT_ABOVE = {kind: above for kind, (_, above) in SPLITS.items()}
 # The paths that keep the weight in its own dtype (no float32 copy): what a bf16 model stores.
-BF16_STORAGE_PATHS = ("plain", "packed", "split", "upcast")
+BF16_STORAGE_PATHS = ("plain", "packed", "split", "upcast", "gemv", "gemv-packed")
 FP32_WEIGHT_PATHS = ("fp32", "fp32-packed")
 ROW_GRID = (1, 4, 16, 64, 256)
 ROW_WEIGHTS = {1: 4.0, 4: 2.0, 16: 2.0, 64: 1.0, 256: 1.0}
 UNTIMED_BELOW = 1 << 18
 TIMED_MAX_WEIGHTS = 1 << 24
 FORCED_SPLIT_ROWS = 8  # linear_kernel="split": decodes of up to 8 sequences run plain, larger steps packed
+FORCED_GEMV_ROWS = cpu_gemv.MAX_ROWS  # linear_kernel="gemv" and the like: up to 4 rows through the kernel
 SPLIT_GAIN = 0.05
 SPLIT_RAM_FRACTION = 0.25  # auto: split allowed when all linear weights take at most this share of RAM
 REP_BUDGET_S = 0.03  # per candidate and row count, after one warm-up call
@@ -145,7 +153,7 @@ class ShapeKey:
 @dataclass(frozen=True)
 class Choice:
     path: str  # plain | packed | split | upcast | fp32 | fp32-packed | split-fp32
-    split_rows: int = 0
+    split_rows: int = 0  # a path of SPLITS: inputs of at most this many rows run its first kernel
     source: str = "measured"  # measured | cached | forced | untimed
     times_ms: dict[str, dict[int, float]] | None = None  # path -> rows -> best ms
 
@@ -159,12 +167,15 @@ def machine_key(threads: int, machine: dict | None = None) -> str:
 
 
 def candidates(weight: torch.Tensor, fp32_weights: bool, fp32_compute: bool = True) -> tuple[str, ...]:
-    """The single paths timed for this weight (``split`` is scored from plain's and packed's times): the
-    ``FP32_COMPUTE_PATHS`` of a bf16 or fp16 weight with ``fp32_compute``, the float32 copies among them
-    with ``fp32_weights`` too."""
+    """The kernels timed for this weight (the ``SPLITS`` are scored from their two kernels' times): "plain";
+    "packed" where oneDNN runs the dtype; "gemv" (timed up to ``cpu_gemv.MAX_ROWS`` rows only) where the
+    row-streaming kernel is built and runs the dtype; the ``FP32_COMPUTE_PATHS`` of a bf16 or fp16 weight with
+    ``fp32_compute``, the float32 copies among them with ``fp32_weights`` too."""
     paths = ["plain"]
     if onednn_runs(weight.dtype, weight.device):
         paths.append("packed")
+    if cpu_gemv.available(weight):
+        paths.append("gemv")
     if fp32_compute and weight.dtype != torch.float32 and weight.device.type == "cpu":
         paths.append("upcast")
         if fp32_weights:
@@ -184,6 +195,8 @@ def kernel_fn(path: str, weight: torch.Tensor, bias: torch.Tensor | None) -> Cal
         packed = torch.ops.mkldnn._reorder_linear_weight(weight)
         return lambda x: linear_pointwise(x, packed, bias, "none", [], "")
     b32 = None if bias is None else bias.float()
+    if path == "gemv":
+        return lambda x: cpu_gemv.gemv(x, weight, b32)
     if path == "upcast":
         return lambda x: F.linear(x.float(), weight.float(), b32).to(x.dtype)
     w32 = weight.float()
@@ -191,6 +204,11 @@ def kernel_fn(path: str, weight: torch.Tensor, bias: torch.Tensor | None) -> Cal
         return lambda x: F.linear(x.float(), w32, b32).to(x.dtype)
     packed32 = torch.ops.mkldnn._reorder_linear_weight(w32)  # fp32-packed
     return lambda x: linear_pointwise(x.float(), packed32, b32, "none", [], "").to(x.dtype)
+
+
+def timed_rows(path: str, rows: tuple[int, ...]) -> tuple[int, ...]:
+    """The row counts of ``rows`` that ``path`` is timed at: "gemv" only up to ``cpu_gemv.MAX_ROWS``."""
+    return tuple(m for m in rows if m <= cpu_gemv.MAX_ROWS) if path == "gemv" else rows
 
 
 def cache_evictor(nbytes: int = COLD_BYTES) -> Callable[[], object]:
@@ -226,7 +244,7 @@ def measure(
 
     def time_rows(m: int, paths: list[str], warm_up: bool) -> None:
         x = torch.randn(m, weight.shape[1], dtype=weight.dtype, device=weight.device)
-        calls = {path: (lambda k=kernels[path]: k(x)) for path in paths}
+        calls = {path: (lambda k=kernels[path]: k(x)) for path in paths if m in timed_rows(path, (m,))}
         first = {path: timed(path, m, fn) for path, fn in calls.items()} if warm_up else {}
         longest = max(first.values(), default=0.0) or min(times[p][m] for p in paths) / 1e3
         reps = int(min(MAX_REPS, max(MIN_REPS, REP_BUDGET_S / max(longest, 1e-9))))
@@ -242,7 +260,10 @@ def measure(
         # hit by another process: timed again, up to RETRIES times.
         for _ in range(RETRIES):
             spikes = [
-                (m, path) for path, t in times.items() for m, bigger in zip(rows, rows[1:]) if t[m] > SPIKE * t[bigger]
+                (m, path)
+                for path, t in times.items()
+                for m, bigger in zip(timed_rows(path, rows), timed_rows(path, rows)[1:])
+                if t[m] > SPIKE * t[bigger]
             ]
             for m, path in spikes:
                 time_rows(m, [path], warm_up=False)
@@ -257,27 +278,29 @@ def is_steady(times: dict[str, dict[int, float]]) -> bool:
 def score(times: dict[str, dict[int, float]], rows: tuple[int, ...], path_at: Callable[[int], str]) -> float:
     """Mean slowdown against the best candidate at each m, weighted by ``ROW_WEIGHTS`` (1.0: best everywhere)."""
     total = sum(ROW_WEIGHTS.get(m, 1.0) for m in rows)
-    best = {m: min(t[m] for t in times.values()) for m in rows}
+    best = {m: min(t[m] for t in times.values() if m in t) for m in rows}
     return sum(ROW_WEIGHTS.get(m, 1.0) * times[path_at(m)][m] / best[m] for m in rows) / total
 
 
 def decide(times: dict[str, dict[int, float]], allow_split: bool) -> tuple[str, int]:
-    """(path, split_rows) from measured times: the best-scoring single path, or a split of plain up to
-    a grid row count and packed (``split``) or fp32-packed (``split-fp32``, when those were timed: a bf16
-    weight with float32 copies allowed) above it, where that scores ``SPLIT_GAIN`` better than every single
-    path."""
-    rows = tuple(sorted(next(iter(times.values()))))
-    singles = {path: score(times, rows, lambda m, p=path: p) for path in times}
+    """(path, split_rows) from measured times: the best-scoring single path, or one of ``SPLITS`` (its first
+    kernel up to a timed row count, its second above it) where that scores ``SPLIT_GAIN`` better than every
+    single path. The splits that keep two layouts of the weight ("split", "split-fp32", "gemv-packed",
+    "gemv-fp32") need ``allow_split``; "gemv" (the row kernel and ``F.linear`` on one weight) does not. The
+    fp32-packed splits are scored only when fp32-packed was timed (a bf16 weight with float32 copies allowed)."""
+    rows = tuple(sorted(times["plain"]))
+    singles = {path: score(times, rows, lambda m, p=path: p) for path in times if set(rows) <= times[path].keys()}
     path = min(singles, key=singles.get)
     # A split needs a row count on each side of its threshold: one timed row count (an LM head timed for
     # max_num_seqs below the second grid row) chooses a single path.
-    if not allow_split or len(rows) < 2:
+    if len(rows) < 2:
         return path, 0
     splits = {
-        (kind, t): score(times, rows, lambda m, t=t, above=above: "plain" if m <= t else above)
-        for kind, above in SPLIT_ABOVE.items()
-        if {"plain", above} <= times.keys()
+        (kind, t): score(times, rows, lambda m, t=t, below=below, above=above: below if m <= t else above)
+        for kind, (below, above) in SPLITS.items()
+        if {below, above} <= times.keys() and below != above and (allow_split or kind == "gemv")
         for t in rows[:-1]
+        if set(m for m in rows if m <= t) <= times[below].keys()
     }
     if splits:
         best = min(splits, key=splits.get)
@@ -287,12 +310,12 @@ def decide(times: dict[str, dict[int, float]], allow_split: bool) -> tuple[str, 
 
 
 def split_times(choice: Choice) -> dict[int, float] | None:
-    """A split choice's time at each timed row count (plain's up to its threshold, the other path's above)."""
-    if choice.path not in SPLIT_ABOVE or not choice.times_ms:
+    """A split choice's time at each timed row count (its first kernel's up to its threshold, the other's above)."""
+    if choice.path not in SPLITS or not choice.times_ms:
         return None
-    above = SPLIT_ABOVE[choice.path]
-    plain, other = choice.times_ms["plain"], choice.times_ms[above]
-    return {m: plain[m] if m <= choice.split_rows else other[m] for m in plain}
+    below, above = SPLITS[choice.path]
+    first, other = choice.times_ms[below], choice.times_ms[above]
+    return {m: first[m] if m <= choice.split_rows else other[m] for m in choice.times_ms["plain"]}
 
 
 class KernelCache:
@@ -323,7 +346,7 @@ class KernelCache:
         saved = entry["times_ms"]
         times = {path: {int(m): ms for m, ms in saved[path].items()} for path in paths if path in saved}
         complete = times.keys() == set(paths)
-        return times if complete and all(set(rows) <= t.keys() for t in times.values()) else None
+        return times if complete and all(set(timed_rows(p, rows)) <= t.keys() for p, t in times.items()) else None
 
     def put(self, key: str, times: dict[str, dict[int, float]]) -> None:
         self.entries[key] = {"times_ms": {p: {str(m): round(ms, 4) for m, ms in t.items()} for p, t in times.items()}}
@@ -369,7 +392,16 @@ def fp32_allowed(policy: KernelPolicy, model: CausalLM) -> bool:
 
 def forced_path(mode: str, weight: torch.Tensor) -> str:
     """What a forced ``linear_kernel`` runs on this weight: a float32 weight takes "upcast" and "fp32" as
-    "plain" and "fp32-packed" as "packed"; a path oneDNN cannot run here falls back to "plain"."""
+    "plain", "fp32-packed" as "packed" and "gemv-fp32" as "gemv-packed"; a path oneDNN cannot run here falls
+    back to "plain"; a "gemv" path where the row kernel is not built (or not for this dtype) to its
+    counterpart with "plain" below ("plain", "split", "split-fp32")."""
+    if mode in GEMV_PATHS:
+        if weight.dtype == torch.float32 and mode == "gemv-fp32":
+            mode = "gemv-packed"
+        if not cpu_gemv.available(weight):
+            return forced_path({"gemv": "plain", "gemv-packed": "split", "gemv-fp32": SPLIT_FP32}[mode], weight)
+        above = forced_path(SPLITS[mode][1], weight)
+        return mode if above == SPLITS[mode][1] else "gemv"
     if weight.dtype == torch.float32 and mode in FP32_COMPUTE_PATHS:
         mode = "packed" if mode == "fp32-packed" else "plain"
     if mode == SPLIT_FP32:
@@ -406,7 +438,8 @@ def choose_kernels(
             continue
         if forced != "auto":
             path = forced_path(forced, weight)
-            choices[key] = Choice(path, FORCED_SPLIT_ROWS if path in SPLIT_ABOVE else 0, "forced")
+            rows = FORCED_GEMV_ROWS if path in GEMV_PATHS else FORCED_SPLIT_ROWS if path in SPLITS else 0
+            choices[key] = Choice(path, rows, "forced")
             continue
         paths = candidates(weight, allow_fp32, fp32_compute)
         if weight.numel() < UNTIMED_BELOW or len(paths) == 1:
@@ -421,7 +454,7 @@ def choose_kernels(
             source = "measured" if is_steady(times) else "measured while the CPU was busy, not cached"
             if is_steady(times):
                 cache.put(f"{machine} | {key}", times)
-        times = {p: {m: t[m] for m in rows} for p, t in times.items()}
+        times = {p: {m: t[m] for m in timed_rows(p, rows)} for p, t in times.items()}
         choices[key] = Choice(*decide(times, allow_split), source, times)
     if measured and cache.entries:
         cache.save()
@@ -495,8 +528,9 @@ def compare_fp32(model: CausalLM, policy: KernelPolicy, timer: Timer = wall_cloc
         if not times or "fp32" not in times:
             continue
         shapes += 1
-        # A bf16 model keeps split-fp32 layers where the tuner chose them (bf16 storage, float32 above the split),
-        # if the engine's own policy lets it keep float32 copies: the comparison itself times them regardless.
+        # A bf16 model keeps split-fp32 (and gemv-fp32) layers where the tuner chose them (bf16 storage, float32
+        # above the split), if the engine's own policy lets it keep float32 copies: the comparison itself times
+        # them regardless.
         shape_bf16, shape_fp32 = weighted_both_ways(choice, counts[key], split_fp32_ok)
         bf16, fp32 = bf16 + shape_bf16, fp32 + shape_fp32
     return Fp32Comparison(bf16, fp32, shapes)
@@ -504,14 +538,15 @@ def compare_fp32(model: CausalLM, policy: KernelPolicy, timer: Timer = wall_cloc
 
 def weighted_both_ways(choice: Choice, layers: int, split_fp32_ok: bool = True) -> tuple[float, float]:
     """One timed shape's (bf16-storage, float32-weight) ms, each the fastest path of its kind at every row
-    count weighted by ``ROW_WEIGHTS`` and the shape's number of layers; a ``split-fp32`` choice counts on the
-    bf16 side where ``split_fp32_ok``."""
+    count weighted by ``ROW_WEIGHTS`` and the shape's number of layers; a ``split-fp32`` or ``gemv-fp32``
+    choice counts on the bf16 side where ``split_fp32_ok``. The float32 side is timed without the row
+    kernel: on a float32 copy it would read twice the bytes the kernel reads on the bf16 weight."""
     times = choice.times_ms
-    split = split_times(choice) if choice.path == SPLIT_FP32 and split_fp32_ok else None
+    split = split_times(choice) if choice.path in (SPLIT_FP32, "gemv-fp32") and split_fp32_ok else None
     bf16 = fp32 = 0.0
-    for m in next(iter(times.values())):
+    for m in times["plain"]:
         weight = ROW_WEIGHTS.get(m, 1.0) * layers
-        bf16_best = min(t[m] for p, t in times.items() if p in BF16_STORAGE_PATHS)
+        bf16_best = min(t[m] for p, t in times.items() if p in BF16_STORAGE_PATHS and m in t)
         bf16 += weight * (bf16_best if split is None else min(bf16_best, split[m]))
         fp32 += weight * min(t[m] for p, t in times.items() if p in FP32_WEIGHT_PATHS)
     return bf16, fp32

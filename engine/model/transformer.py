@@ -23,6 +23,7 @@ from torch import nn
 from splitserve.engine.attention.paged_attention import AttentionMetadata, paged_attention
 from splitserve.engine.hardware import cpu_isa, isa_override, onednn_bf16_isa
 from splitserve.engine.kv_cache.cache import KVCache
+from splitserve.engine.model import cpu_gemv
 from splitserve.engine.model.config import ModelConfig
 from splitserve.engine.model.rope import RotaryEmbedding, apply_rotary
 from splitserve.engine.tp.distributed import TPGroup
@@ -46,7 +47,9 @@ def onednn_runs(dtype: torch.dtype, device: torch.device | str = "cpu") -> bool:
 FP32_COMPUTE_PATHS = ("upcast", "fp32", "fp32-packed")
 # A bf16 (or fp16) layer that runs "plain" up to split_rows rows and "fp32-packed" above them.
 SPLIT_FP32 = "split-fp32"
-LINEAR_PATHS = ("plain", "packed", "split", *FP32_COMPUTE_PATHS, SPLIT_FP32)
+# The paths that run the row-streaming kernel (``cpu_gemv``) up to split_rows rows, and what runs above them.
+GEMV_PATHS = {"gemv": "plain", "gemv-packed": "packed", "gemv-fp32": "fp32-packed"}
+LINEAR_PATHS = ("plain", "packed", "split", *FP32_COMPUTE_PATHS, SPLIT_FP32, *GEMV_PATHS)
 
 
 def can_pack(weight: torch.Tensor) -> bool:
@@ -76,6 +79,14 @@ class Linear(nn.Module):
       (both kept: three times the bf16 memory), for CPUs whose emulated bf16 product streams one row as fast
       as the memory allows but loses to float32 from a few rows on.
 
+    and three that send inputs of at most ``split_rows`` rows (at most ``cpu_gemv.MAX_ROWS``) to the project's
+    row-streaming kernel (``splitserve.engine.model.cpu_gemv``: the weight read in its own layout, float32 or
+    bf16, summed in float32, the output rounded back once), where it is built, and larger ones to:
+
+    - "gemv": ``F.linear`` ("plain"; the weight's memory);
+    - "gemv-packed": "packed" (both layouts kept, as "split");
+    - "gemv-fp32": "fp32-packed" (a bf16 weight: three times its memory, as "split-fp32").
+
     ``splitserve.engine.model.linear_tuner`` picks the path per weight shape by timing them at load.
     """
 
@@ -87,6 +98,7 @@ class Linear(nn.Module):
         self.split_rows = 0  # "split": inputs of at most this many rows run plain
         self.fp32_path: str | None = None  # one of FP32_COMPUTE_PATHS, or None
         self.bias32: torch.Tensor | None = None  # the bias in float32, for the FP32_COMPUTE_PATHS
+        self.gemv_rows = 0  # the GEMV_PATHS: inputs of at most this many rows run the row-streaming kernel
 
     @classmethod
     def from_weight(cls, weight: nn.Parameter, path: str, split_rows: int = 0) -> Linear:
@@ -99,6 +111,9 @@ class Linear(nn.Module):
 
     @property
     def path(self) -> str:
+        if self.gemv_rows:
+            above = "fp32-packed" if self.fp32_path is not None else "plain" if self.packed is None else "packed"
+            return next(p for p, a in GEMV_PATHS.items() if a == above)
         if self.fp32_path is not None:
             return self.fp32_path
         if self.packed is None:
@@ -109,6 +124,14 @@ class Linear(nn.Module):
         """Switch this layer, still plain, to ``path``; oneDNN must run its dtype for "packed" and "split",
         float32 for "fp32-packed"; the ``FP32_COMPUTE_PATHS`` need a bf16 or fp16 weight."""
         assert self.path == "plain" and path in LINEAR_PATHS, (self.path, path)
+        if path in GEMV_PATHS:
+            assert 0 < split_rows <= cpu_gemv.MAX_ROWS and cpu_gemv.available(self.weight), (path, split_rows)
+            above = {"plain": "plain", "packed": "split", "fp32-packed": SPLIT_FP32}[GEMV_PATHS[path]]
+            if above != "plain":
+                self.use(above, split_rows)
+            self.gemv_rows = split_rows
+            self.bias32 = None if self.bias is None else self.bias.detach().float()
+            return
         if path in FP32_COMPUTE_PATHS or path == SPLIT_FP32:
             weight = self.weight.detach()
             assert weight.dtype != torch.float32, f"{path}: the weight is float32 already"
@@ -130,6 +153,8 @@ class Linear(nn.Module):
                 self.weight = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gemv_rows and x.numel() <= self.gemv_rows * x.shape[-1]:
+            return cpu_gemv.gemv(x, self.weight, self.bias32)
         if self.fp32_path is not None:
             if self.fp32_path == SPLIT_FP32 and x.numel() <= self.split_rows * x.shape[-1]:
                 return F.linear(x, self.weight, self.bias)

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from splitserve.engine import LLM, SamplingParams
 from splitserve.engine.core import EngineConfig
-from splitserve.engine.model import loader
+from splitserve.engine.model import cpu_gemv, loader
 from splitserve.engine.model.config import ModelConfig
 from splitserve.engine.model.linear_tuner import (
     BF16_STORAGE_PATHS,
@@ -225,8 +225,10 @@ def test_forced_split_fp32_reaches_every_layer_and_means_split_on_float32(arch):
 
 def test_bf16_candidates_follow_onednn_and_the_fp32_permission(monkeypatch):
     weight = torch.zeros(1024, 512, dtype=torch.bfloat16)
-    assert candidates(torch.zeros(1024, 512), True) == (
-        ("plain", "packed") if onednn_runs(torch.float32) else ("plain",)
+    gemv = ("gemv",) if cpu_gemv.available(weight) else ()
+    assert (
+        candidates(torch.zeros(1024, 512), True)
+        == (("plain", "packed") if onednn_runs(torch.float32) else ("plain",)) + gemv
     )
     with_fp32 = candidates(weight, True)
     assert {"plain", "upcast", "fp32"} <= set(with_fp32)

@@ -8,6 +8,7 @@ import logging
 import pytest
 import torch
 
+from splitserve.engine import native
 from splitserve.engine.attention import cpu_paged_decode
 from splitserve.engine.attention.paged_decode import BackendRegistry, paged_decode_torch
 from tests.common.test_file_lock import start_holder
@@ -109,7 +110,7 @@ def test_build_failure_falls_back_with_a_logged_reason(monkeypatch, caplog):
         raise RuntimeError("no compiler here")
 
     cpu_paged_decode.reset()
-    monkeypatch.setattr(cpu_paged_decode, "_build", broken_build)
+    monkeypatch.setattr(cpu_paged_decode.EXTENSION, "_build", broken_build)
     try:
         with caplog.at_level(logging.WARNING, logger=cpu_paged_decode.__name__):
             assert not cpu_paged_decode.is_available(torch.device("cpu"), torch.float32)
@@ -135,11 +136,12 @@ def test_disabled_by_environment(monkeypatch):
 
 
 def test_build_key_follows_the_cpu(monkeypatch):
-    key = cpu_paged_decode.build_key()
-    monkeypatch.setattr(cpu_paged_decode, "cpu_signature", lambda: "flags: sse2 avx2")
-    other = cpu_paged_decode.build_key()
-    monkeypatch.setattr(cpu_paged_decode, "cpu_signature", lambda: "flags: sse2 avx2 avx512f")
-    assert len({key, other, cpu_paged_decode.build_key()}) == 3
+    ext = cpu_paged_decode.EXTENSION
+    key = ext.build_key()
+    monkeypatch.setattr(native, "cpu_signature", lambda: "flags: sse2 avx2")
+    other = ext.build_key()
+    monkeypatch.setattr(native, "cpu_signature", lambda: "flags: sse2 avx2 avx512f")
+    assert len({key, other, ext.build_key()}) == 3
 
 
 def test_a_build_killed_midway_leaves_nothing_that_blocks_the_next(monkeypatch, tmp_path):
@@ -148,7 +150,7 @@ def test_a_build_killed_midway_leaves_nothing_that_blocks_the_next(monkeypatch, 
     from torch.utils import cpp_extension
 
     monkeypatch.setenv("SPLITSERVE_EXTENSION_CACHE", str(tmp_path))
-    directory = cpu_paged_decode.cache_root() / cpu_paged_decode.build_key()
+    directory = cpu_paged_decode.EXTENSION.cache_root() / cpu_paged_decode.EXTENSION.build_key()
     directory.mkdir(parents=True)
     (directory / "lock").write_text("")  # what a killed build leaves
     seen = {}
@@ -159,14 +161,16 @@ def test_a_build_killed_midway_leaves_nothing_that_blocks_the_next(monkeypatch, 
         return "module"
 
     monkeypatch.setattr(cpp_extension, "load", builder)
-    assert cpu_paged_decode._build() == "module"
+    assert cpu_paged_decode.EXTENSION._build() == "module"
     assert seen == {"baton": False, "build_directory": str(directory)}
 
 
 def test_a_build_held_by_another_process_past_the_deadline_falls_back(monkeypatch, tmp_path, caplog):
     monkeypatch.setenv("SPLITSERVE_EXTENSION_CACHE", str(tmp_path))
-    monkeypatch.setattr(cpu_paged_decode, "BUILD_WAIT_S", 0.3)
-    holder = start_holder(cpu_paged_decode.cache_root() / cpu_paged_decode.build_key() / "splitserve-build.lock")
+    monkeypatch.setattr(cpu_paged_decode.EXTENSION, "build_wait_s", 0.3)
+    holder = start_holder(
+        cpu_paged_decode.EXTENSION.cache_root() / cpu_paged_decode.EXTENSION.build_key() / "splitserve-build.lock"
+    )
     cpu_paged_decode.reset()
     try:
         with caplog.at_level(logging.WARNING, logger=cpu_paged_decode.__name__):

@@ -44,13 +44,23 @@ def make_model(arch: str = "qwen2") -> CausalLM:
     return model.requires_grad_(False)
 
 
+def random_linear(in_features: int, out_features: int, seed: int, std: float = 0.02) -> Linear:
+    """A plain Linear with a bias, random weights of ``std`` and a standard-normal bias."""
+    torch.manual_seed(seed)
+    layer = Linear(in_features, out_features, bias=True).requires_grad_(False)
+    layer.weight.normal_(0, std)
+    layer.bias.normal_()
+    return layer
+
+
 def make_timer(ms: dict[str, float], calls: list | None = None, crossover: int | None = None):
-    """A fake clock: path p costs ms[p] per row; with ``crossover``, plain costs 10x more above that many rows."""
+    """A fake clock: path p costs ms[p] per row (a path not in ``ms``, as "gemv" where it is built, 1 s a row:
+    never chosen); with ``crossover``, plain costs 10x more above that many rows."""
 
     def timer(path, rows, fn):
         if calls is not None:
             calls.append((path, rows))
-        cost = ms[path] * rows * (10 if crossover is not None and path == "plain" and rows > crossover else 1)
+        cost = ms.get(path, 1e3) * rows * (10 if crossover is not None and path == "plain" and rows > crossover else 1)
         return cost / 1e3
 
     return timer
@@ -105,10 +115,7 @@ def test_cache_round_trips_and_is_keyed_by_machine_and_threads(tmp_path):
 
 @needs_onednn
 def test_forced_split_routes_small_inputs_plain_and_large_ones_packed():
-    torch.manual_seed(1)
-    layer = Linear(64, 4096, bias=True).requires_grad_(False)
-    layer.weight.normal_(0, 0.02)
-    layer.bias.normal_()
+    layer = random_linear(64, 4096, seed=1)
     reference = layer.weight.clone()
     layer.use("split", split_rows=4)
     assert layer.path == "split"

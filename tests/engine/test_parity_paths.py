@@ -33,8 +33,9 @@ import pytest
 import torch
 
 from splitserve.engine import LLM, SamplingParams
-from splitserve.engine.model.linear_tuner import FORCED_SPLIT_ROWS
-from splitserve.engine.model.transformer import FP32_COMPUTE_PATHS, LINEAR_PATHS, SPLIT_FP32
+from splitserve.engine.model import cpu_gemv
+from splitserve.engine.model.linear_tuner import FORCED_GEMV_ROWS, FORCED_SPLIT_ROWS
+from splitserve.engine.model.transformer import FP32_COMPUTE_PATHS, GEMV_PATHS, LINEAR_PATHS, SPLIT_FP32
 from tests.conftest import PACKABLE_ARCH_CONFIGS
 from tests.engine.parity import (
     assert_greedy_parity,
@@ -79,6 +80,9 @@ def available_paths(device: str, dtype: torch.dtype) -> list[str]:
     paths = ["packed", "split", "plain"] if packs else ["plain"]
     if dtype == torch.bfloat16:
         paths += ["upcast", "fp32"] + (["fp32-packed", SPLIT_FP32] if onednn else [])
+    if cpu_gemv.available(torch.zeros(1, 1, dtype=dtype)):
+        paths += ["gemv"] + (["gemv-packed"] if packs else [])
+        paths += ["gemv-fp32"] if dtype == torch.bfloat16 and onednn else []
     return paths
 
 
@@ -112,7 +116,9 @@ class References:
 
     def model(self, arch: str, dtype: str):
         """``dtype``: "fp32", "bf16", or bf16 with ``fp32_linears``: "bf16-fp32-linears" (``F.linear``),
-        "bf16-fp32-packed-linears" (oneDNN), "bf16-split-fp32-linears" (oneDNN above FORCED_SPLIT_ROWS rows)."""
+        "bf16-fp32-packed-linears" (oneDNN), "bf16-split-fp32-linears" (oneDNN above FORCED_SPLIT_ROWS rows),
+        "bf16-gemv-linears" (the row kernel up to FORCED_GEMV_ROWS rows, the layer's own product above),
+        "bf16-gemv-fp32-packed-linears" (the row kernel, oneDNN in float32 above)."""
         from transformers import AutoModelForCausalLM
 
         if (arch, dtype) not in self._models:
@@ -121,7 +127,8 @@ class References:
             model = AutoModelForCausalLM.from_pretrained(self.model_dirs[arch], dtype=DTYPES[name])
             if dtype != name:
                 split = FORCED_SPLIT_ROWS if "split" in dtype else None
-                fp32_linears(model, packed="packed" in dtype or split is not None, split_rows=split)
+                gemv = FORCED_GEMV_ROWS if "gemv" in dtype else None
+                fp32_linears(model, packed="packed" in dtype or split is not None, split_rows=split, gemv_rows=gemv)
             self._models[arch, dtype] = model.to(device).eval()
         return self._models[arch, dtype]
 
@@ -140,17 +147,31 @@ class References:
         return model(torch.tensor([prompt], device=model.device)).logits[0].float().cpu()
 
 
-def fp32_linears(model: torch.nn.Module, packed: bool, split_rows: int | None = None) -> None:
+def fp32_linears(
+    model: torch.nn.Module, packed: bool, split_rows: int | None = None, gemv_rows: int | None = None
+) -> None:
     """Every ``nn.Linear`` of ``model`` (the LM head included) computes as the engine's float32-compute paths
     do: its bf16 input and weight (and bias) taken to float32, one float32 product, the output rounded back;
     the product by ``F.linear`` ("upcast", "fp32") or, ``packed``, by oneDNN on a prepacked weight
     ("fp32-packed"): the two sum in different orders. With ``split_rows`` ("split-fp32"), inputs of at most
-    that many rows keep the layer's own bf16 product."""
+    that many rows keep the layer's own bf16 product. With ``gemv_rows`` (the ``GEMV_PATHS``), inputs of at
+    most that many rows run the engine's row kernel on the bf16 weight (its sums are the same for a row
+    whatever the rows beside it), larger ones oneDNN in float32 (``packed``, "gemv-fp32") or the layer's own
+    bf16 product ("gemv", "gemv-packed")."""
     for module in model.modules():
         if isinstance(module, torch.nn.Linear):
             weight = module.weight.detach().float()
             bias = None if module.bias is None else module.bias.detach().float()
-            if packed:
+            if gemv_rows is not None:
+                packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight) if packed else None
+
+                def forward(x: torch.Tensor, w=packed_weight, b=bias, own=module.forward, w16=module.weight):
+                    if x.numel() <= gemv_rows * x.shape[-1]:
+                        return cpu_gemv.gemv(x, w16.detach(), b)
+                    if w is None:
+                        return own(x)
+                    return torch.ops.mkldnn._linear_pointwise(x.float().contiguous(), w, b, "none", [], "").to(x.dtype)
+            elif packed:
                 packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight)
 
                 def forward(x: torch.Tensor, w=packed_weight, b=bias, own=module.forward) -> torch.Tensor:
@@ -192,6 +213,15 @@ def assert_runs_path(llm: LLM, path: str) -> None:
     assert all(p.device.type == llm.device.type for p in llm.model.parameters())
     if path in ("split", SPLIT_FP32):
         assert all(m.split_rows == FORCED_SPLIT_ROWS for m in llm.model.modules() if hasattr(m, "split_rows"))
+    if path in GEMV_PATHS:
+        assert all(m.gemv_rows == FORCED_GEMV_ROWS for m in llm.model.modules() if hasattr(m, "gemv_rows"))
+
+
+def generate(llm: LLM, prompts: list[list[int]], params: SamplingParams, rows: int | None) -> list:
+    """``llm.generate`` on ``prompts``, at most ``rows`` at a time (None: all at once): a "gemv" path's decode
+    steps then have few enough rows to run the row kernel."""
+    rows = rows or len(prompts)
+    return [out for i in range(0, len(prompts), rows) for out in llm.generate(prompts[i : i + rows], params)]
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -208,7 +238,8 @@ def test_fp32_greedy_on_every_linear_path(arch, fp32_path, engines, references):
     ref_logits = references.prompt_logits(arch, "fp32", prompt)
     torch.testing.assert_close(prompt_logits(llm, prompt).cpu(), ref_logits, atol=2e-4, rtol=2e-4)
     prompts = make_prompts(2, FP32_LENGTHS)
-    outputs = llm.generate(prompts, SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True))
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    outputs = generate(llm, prompts, params, FORCED_GEMV_ROWS if fp32_path in GEMV_PATHS else None)
     refs = references.greedy(arch, "fp32", prompts)
     assert_greedy_parity([o.token_ids for o in outputs], refs, FP32_TIE_GAP, len(prompts) - 1, f"{arch}/{fp32_path}")
     assert all(o.finish_reason == "length" for o in outputs)
@@ -261,14 +292,16 @@ def test_bf16_greedy_matches_transformers_bf16(arch, bf16_path, engines, referen
     params = SamplingParams(max_tokens=BF16_NEW_TOKENS, temperature=0.0, ignore_eos=True)
     fp32_compute = bf16_path in FP32_COMPUTE_PATHS or bf16_path == SPLIT_FP32
     if fp32_compute:  # one at a time, as transformers runs them (see the module docstring)
-        outputs = [llm.generate([prompt], params)[0] for prompt in prompts]
-    else:
-        outputs = llm.generate(prompts, params)
+        outputs = generate(llm, prompts, params, 1)
+    else:  # the gemv paths: decodes of few enough rows to take the row kernel
+        outputs = generate(llm, prompts, params, FORCED_GEMV_ROWS if bf16_path in GEMV_PATHS else None)
     reference = "bf16"
     if fp32_compute:
         reference = {"fp32-packed": "bf16-fp32-packed-linears", SPLIT_FP32: "bf16-split-fp32-linears"}.get(
             bf16_path, "bf16-fp32-linears"
         )
+    elif bf16_path in GEMV_PATHS:
+        reference = "bf16-gemv-fp32-packed-linears" if bf16_path == "gemv-fp32" else "bf16-gemv-linears"
     refs = references.greedy(arch, reference, prompts, BF16_NEW_TOKENS)
     before_tie = [first_tie(gaps, BF16_TIE_STEPS) for _, gaps in refs]
     print(f"\n{arch}/{bf16_path}: transformers-bf16 steps before the first near-tie: {before_tie}")
