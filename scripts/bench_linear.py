@@ -214,12 +214,13 @@ def main() -> int:
         f"\n{args.preset} decode weights ({sum(shapes.values())} matrices per step), {args.threads} threads, "
         f"best of {args.repeats}\n"
     )
+    gemv_absent = f"not offered past {cpu_gemv.MAX_ROWS} rows" if cpu_gemv.EXTENSION.load() else "not built"
     print("| dtype | m | path | ms per pass | GB/s of weights | GFLOP/s |")
     print("| --- | --- | --- | --- | --- | --- |")
     for name, entry in result["dtypes"].items():
         for r in entry["rows"]:
             cells = (
-                ("refused", "-", "-")
+                (gemv_absent if r["path"] == "gemv" else "refused", "-", "-")
                 if r["ms"] is None
                 else (f"{r['ms']:.1f}", f"{r['weight_gb_s']:.1f}", f"{r['gflop_s']:.0f}")
             )

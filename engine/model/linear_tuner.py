@@ -91,8 +91,9 @@ SPIKE, RETRIES = 1.5, 2
 # 2: timed with the weights out of the CPU's caches (COLD_BYTES); version 1's warm times are not reused.
 CACHE_VERSION = 2
 # The version of compare_fp32's rule, in the key of the --dtype auto decisions it caches: a decision taken
-# by an older rule is not reused (2: split-fp32 layers count as bf16 storage). The timings stay valid.
-AUTO_RULE = 2
+# by an older rule is not reused (2: split-fp32 layers count as bf16 storage; 3: the row kernel's paths, gemv
+# on the bf16 weight, count as bf16 storage). The timings stay valid.
+AUTO_RULE = 3
 # How long an engine waits for another on this machine to finish timing its kernels (cache_lock).
 CACHE_LOCK_WAIT_S = 600.0
 
@@ -289,21 +290,26 @@ def decide(times: dict[str, dict[int, float]], allow_split: bool) -> tuple[str, 
     "gemv-fp32") need ``allow_split``; "gemv" (the row kernel and ``F.linear`` on one weight) does not. The
     fp32-packed splits are scored only when fp32-packed was timed (a bf16 weight with float32 copies allowed)."""
     rows = tuple(sorted(times["plain"]))
-    singles = {path: score(times, rows, lambda m, p=path: p) for path in times if set(rows) <= times[path].keys()}
+    singles = {
+        path: score(times, rows, lambda m, p=path: p)
+        for path in times
+        if path != "gemv" and set(rows) <= times[path].keys()  # the row kernel is only ever a split's first
+    }
     path = min(singles, key=singles.get)
-    # A split needs a row count on each side of its threshold: one timed row count (an LM head timed for
-    # max_num_seqs below the second grid row) chooses a single path.
-    if len(rows) < 2:
-        return path, 0
+    # A threshold has timed rows on each side of it; with one timed row count (an LM head timed for
+    # max_num_seqs below the second grid row) only "gemv" splits at it (their paths above it untimed), and,
+    # among those that score alike, the one whose path above is the best single path.
+    thresholds = rows[:-1] if len(rows) > 1 else rows
     splits = {
         (kind, t): score(times, rows, lambda m, t=t, below=below, above=above: below if m <= t else above)
         for kind, (below, above) in SPLITS.items()
-        if {below, above} <= times.keys() and below != above and (allow_split or kind == "gemv")
-        for t in rows[:-1]
+        if {below, above} <= times.keys() and (allow_split or kind == "gemv")
+        if len(rows) > 1 or below == "gemv"
+        for t in thresholds
         if set(m for m in rows if m <= t) <= times[below].keys()
     }
     if splits:
-        best = min(splits, key=splits.get)
+        best = min(splits, key=lambda k: (splits[k], SPLITS[k[0]][1] != path))
         if splits[best] < singles[path] * (1 - SPLIT_GAIN):
             return best
     return path, 0

@@ -175,6 +175,15 @@ def test_decide_takes_the_kernel_below_a_threshold_where_it_wins():
     assert split_times(chosen) == {1: 1.0, 4: 3.0, 16: 17.5, 64: 65.5, 256: 257.5}
 
 
+def test_the_kernel_is_never_a_single_path_even_at_one_timed_row():
+    """An LM head timed at one row count (max_num_seqs of 1): the kernel, fastest there, is taken as a split
+    at that row, over the best single path (packed) where a second layout is allowed, else over plain."""
+    one_row = {"plain": {1: 3.0}, "packed": {1: 2.0}, "gemv": {1: 1.0}}
+    assert decide(one_row, allow_split=True) == ("gemv-packed", 1)
+    assert decide(one_row, allow_split=False) == ("gemv", 1)
+    assert decide({"plain": {1: 1.0}, "packed": {1: 2.0}, "gemv": {1: 1.5}}, allow_split=True) == ("plain", 0)
+
+
 def test_cached_times_need_the_kernel_only_at_its_rows(tmp_path):
     cache = KernelCache(tmp_path / "k.json")
     rows = (1, 4, 16)
