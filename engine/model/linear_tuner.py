@@ -153,7 +153,7 @@ class ShapeKey:
 
 @dataclass(frozen=True)
 class Choice:
-    path: str  # plain | packed | split | upcast | fp32 | fp32-packed | split-fp32
+    path: str  # one of transformer.LINEAR_PATHS
     split_rows: int = 0  # a path of SPLITS: inputs of at most this many rows run its first kernel
     source: str = "measured"  # measured | cached | forced | untimed
     times_ms: dict[str, dict[int, float]] | None = None  # path -> rows -> best ms

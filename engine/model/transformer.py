@@ -95,7 +95,7 @@ class Linear(nn.Module):
         self.weight: nn.Parameter | None = nn.Parameter(torch.empty(out_features, in_features, device=device))
         self.bias = nn.Parameter(torch.empty(out_features, device=device)) if bias else None
         self.packed: torch.Tensor | None = None
-        self.split_rows = 0  # "split": inputs of at most this many rows run plain
+        self.split_rows = 0  # split, split-fp32, GEMV_PATHS: inputs of at most this many rows take the first kernel
         self.fp32_path: str | None = None  # one of FP32_COMPUTE_PATHS, or None
         self.bias32: torch.Tensor | None = None  # the bias in float32, for the FP32_COMPUTE_PATHS
         self.gemv_rows = 0  # the GEMV_PATHS: inputs of at most this many rows run the row-streaming kernel
