@@ -29,9 +29,10 @@ $(STAMP): pyproject.toml
 	$(VPY) -m pip install -q --upgrade pip
 	$(VPY) -m pip install -q -e ".[test]"
 	# The CPU kernels, built ahead of their first use (a failure is logged; torch's kernels run instead):
-	# paged decode attention, and the row-streaming linear kernel.
+	# paged decode attention, the row-streaming linear kernel, and the CPU allocator's block cache.
 	$(VPY) -m splitserve.engine.attention.cpu_paged_decode || true
 	$(VPY) -m splitserve.engine.model.cpu_gemv || true
+	$(VPY) -m splitserve.engine.allocator || true
 	touch $(STAMP)
 
 # vLLM's CPU build in a venv of its own (.peer), the peer that bench-engine and bench-serve measure in

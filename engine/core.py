@@ -19,6 +19,8 @@ import torch
 
 from splitserve.common.arith import ceil_div
 from splitserve.common.validate import check_choice, check_range, check_ranges
+from splitserve.engine.allocator import ALLOCATOR_MODES
+from splitserve.engine.allocator import install as install_block_cache
 from splitserve.engine.attention.paged_decode import PagedDecodeBackend, select_backend
 from splitserve.engine.hardware import cpu_isa, native_bf16
 from splitserve.engine.kv_cache.block_manager import BlockManager
@@ -92,9 +94,13 @@ class EngineSettings:
     # The vllm backend only: more of vLLM's EngineArgs (e.g. {"enforce_eager": false} to compile the model);
     # the ones these settings already decide (dtype, block_size, max_num_seqs, ...) are refused.
     vllm_args: dict | None = None
+    # The splitserve engine on the CPU: "cache" keeps the large blocks a step frees for the next step (torch's
+    # CPU allocator replaced, for the process: engine/allocator.py), "default" leaves torch's allocator as it is.
+    cpu_allocator: str = "cache"
 
     def __post_init__(self) -> None:
         check_choice(self, "decode_path", DECODE_PATHS)
+        check_choice(self, "cpu_allocator", ALLOCATOR_MODES)
         check_choice(self, "dynamic_decode_attention", DYNAMIC_DECODE_ATTENTION)
         check_choice(self, "backend", ENGINE_BACKENDS)
         if self.vllm_args is not None and not (
@@ -168,6 +174,10 @@ class EngineCore:
         )
         # --dtype auto may compute a bf16 checkpoint in float32 (no native bf16): the model's dtype is the engine's.
         self.dtype = self.model.embed_tokens.weight.dtype
+        # After the load, whose temporaries go back to the system as before: the steps' are kept from here on.
+        self.allocator = "default"
+        if self.device.type == "cpu" and cfg.cpu_allocator == "cache":
+            self.allocator = install_block_cache()
         tp = (cfg.tensor_parallel_size, cfg.tensor_parallel_rank)
         per_block = KVCacheSpec.for_model(self.model_config, 1, cfg.block_size, self.dtype, *tp).bytes_per_block
         num_blocks = cfg.num_blocks or max(1, cfg.kv_cache_bytes // per_block)

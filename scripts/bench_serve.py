@@ -185,6 +185,16 @@ DEPLOYMENTS = {
         "splitserve colocated",
         lambda a: {"mode": "colocated", "colocated": {"threads": a.threads, "max_inflight": max(a.in_flight)}},
     ),
+    # The same with torch's own CPU allocator (engine.cpu_allocator: default), against the block cache colocated
+    # runs with: docs/engine.md, "torch's CPU allocator and large blocks".
+    "colocated-default-alloc": (
+        "splitserve colocated, torch's allocator",
+        lambda a: {
+            "mode": "colocated",
+            "colocated": {"threads": a.threads, "max_inflight": max(a.in_flight)},
+            "engine": {"cpu_allocator": "default"},
+        },
+    ),
     # A vLLM prefill worker and a vLLM decode worker, the KV moved by splitserve's connector (engine.backend: vllm).
     "vllm-1p1d": (
         "splitserve 1P+1D (vllm backend)",

@@ -78,6 +78,7 @@ def test_the_wheel_installs_nothing_outside_splitserve(wheel):
         # The C++ sources the engine compiles on first use (engine/native.py).
         "splitserve/engine/attention/cpu_paged_decode.cpp",
         "splitserve/engine/model/cpu_gemv.cpp",
+        "splitserve/engine/cpu_block_cache.cpp",
     ):
         assert expected in names
     # Benchmarks and harnesses stay in the checkout (docs/architecture.md).
