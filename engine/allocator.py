@@ -42,17 +42,17 @@ def install() -> str:
     engine's log and ``EngineCore.allocator``: ``cache (blocks >= 1 MiB, up to 1024 MiB kept)`` or
     ``default (...)`` with the reason the cache is unavailable."""
     module = EXTENSION.load()
-    if module is None:
-        return f"default ({EXTENSION.failure()})"
-    if module.install(MIN_BYTES, MAX_CACHED_BYTES):
+    if module is not None and module.install(MIN_BYTES, MAX_CACHED_BYTES):
         log.info("torch's CPU allocator: %s", describe())
     return describe()
 
 
 def describe() -> str:
     module = EXTENSION.load()
-    if module is None or not module.installed():
-        return "default" if module is None or EXTENSION.failure() is None else f"default ({EXTENSION.failure()})"
+    if module is None:
+        return f"default ({EXTENSION.failure()})"
+    if not module.installed():
+        return "default"
     s = module.stats()
     return f"cache (blocks >= {s['min_bytes'] >> 20} MiB, up to {s['max_cached_bytes'] >> 20} MiB kept)"
 

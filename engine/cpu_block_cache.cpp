@@ -21,6 +21,7 @@
 #include <list>
 #include <mutex>
 #include <unordered_map>
+#include <vector>
 
 namespace {
 
@@ -39,31 +40,32 @@ class BlockCache final : public c10::Allocator {
       return previous_->allocate(n);
     }
     const size_t bytes = size_class(n);
-    void* ptr = nullptr;
-    {
-      std::lock_guard<std::mutex> guard(mutex_);
-      for (auto it = free_.rbegin(); it != free_.rend(); ++it) {
-        if (it->bytes == bytes) {
-          ptr = it->ptr;
-          cached_bytes_ -= bytes;
-          free_.erase(std::next(it).base());
-          ++hits_;
-          break;
-        }
-      }
-      if (ptr == nullptr) {
-        ++misses_;
-      }
-    }
+    void* ptr = take(bytes);
     if (ptr == nullptr) {
-      ptr = c10::alloc_cpu(bytes);  // throws on failure, as the default allocator does
-    }
-    {
+      ptr = c10::alloc_cpu(bytes);  // outside the lock; throws on failure, as the default allocator does
       std::lock_guard<std::mutex> guard(mutex_);
       live_[ptr] = bytes;
       live_bytes_ += bytes;
     }
     return {ptr, ptr, &BlockCache::release, c10::Device(c10::DeviceType::CPU)};
+  }
+
+  // The newest free block of this size class, moved to the live ones (nullptr, counted a miss, when none is free).
+  void* take(size_t bytes) {
+    std::lock_guard<std::mutex> guard(mutex_);
+    for (auto it = free_.rbegin(); it != free_.rend(); ++it) {
+      if (it->bytes == bytes) {
+        void* ptr = it->ptr;
+        free_.erase(std::next(it).base());
+        cached_bytes_ -= bytes;
+        live_[ptr] = bytes;
+        live_bytes_ += bytes;
+        ++hits_;
+        return ptr;
+      }
+    }
+    ++misses_;
+    return nullptr;
   }
 
   c10::DeleterFnPtr raw_deleter() const override { return &BlockCache::release; }
@@ -75,7 +77,7 @@ class BlockCache final : public c10::Allocator {
   // Frees a block of this cache, or (raw_deallocate of a small block) hands it to the previous allocator.
   static void release(void* ptr) {
     BlockCache* self = instance_;
-    std::list<Block> evicted;
+    std::vector<Block> evicted;
     {
       std::lock_guard<std::mutex> guard(self->mutex_);
       auto found = self->live_.find(ptr);

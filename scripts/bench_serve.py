@@ -156,6 +156,11 @@ def hf_times(model, batch: int, prompt_len: int, new: int) -> dict:
 
 # ---- the peer's workload: one OpenAI client for every server -----------------------------------
 
+
+def _colocated(a: argparse.Namespace) -> dict:
+    return {"mode": "colocated", "colocated": {"threads": a.threads, "max_inflight": max(a.in_flight)}}
+
+
 # The splitserve deployments the peer's workload measures, by name: a variant (colocated, cores pinned
 # per role, ...) is one more entry. Each is a function of the script's args -> deployment config fields.
 DEPLOYMENTS = {
@@ -181,19 +186,12 @@ DEPLOYMENTS = {
             },
         },
     ),
-    "colocated": (
-        "splitserve colocated",
-        lambda a: {"mode": "colocated", "colocated": {"threads": a.threads, "max_inflight": max(a.in_flight)}},
-    ),
+    "colocated": ("splitserve colocated", _colocated),
     # The same with torch's own CPU allocator (engine.cpu_allocator: default), against the block cache colocated
     # runs with: docs/engine.md, "torch's CPU allocator and large blocks".
     "colocated-default-alloc": (
         "splitserve colocated, torch's allocator",
-        lambda a: {
-            "mode": "colocated",
-            "colocated": {"threads": a.threads, "max_inflight": max(a.in_flight)},
-            "engine": {"cpu_allocator": "default"},
-        },
+        lambda a: _colocated(a) | {"engine": {"cpu_allocator": "default"}},
     ),
     # A vLLM prefill worker and a vLLM decode worker, the KV moved by splitserve's connector (engine.backend: vllm).
     "vllm-1p1d": (
