@@ -21,6 +21,7 @@ from splitserve.common.arith import ceil_div
 from splitserve.common.validate import check_choice, check_range, check_ranges
 from splitserve.engine.allocator import ALLOCATOR_MODES
 from splitserve.engine.allocator import install as install_block_cache
+from splitserve.engine.attention import cpu_paged_prefill
 from splitserve.engine.attention.paged_decode import PagedDecodeBackend, select_backend
 from splitserve.engine.hardware import cpu_isa, native_bf16
 from splitserve.engine.kv_cache.block_manager import BlockManager
@@ -47,6 +48,7 @@ DYNAMIC_DECODE_BACKEND = "gather (splitserve.engine.attention)"
 
 DECODE_PATHS = ("auto", "dynamic", "static")
 DYNAMIC_DECODE_ATTENTION = ("in_place", "gather")
+PREFILL_ATTENTION = ("in_place", "sdpa")
 TP_STEPS = ("lockstep", "plan")
 ENGINE_BACKENDS = ("splitserve", "vllm")
 
@@ -83,6 +85,10 @@ class EngineSettings:
     # paged_decode backend that reads the cache in place (the CPU kernel, Triton on CUDA; the gather where
     # none is available for the device and dtype), "gather" copies their blocks out first (the older path).
     dynamic_decode_attention: str = "in_place"
+    # Prefill chunks: "in_place" attends each chunk to its context read from the cache by the CPU prefill kernel
+    # where it serves (float32, a build with AVX-512: engine/attention/cpu_paged_prefill.py; SDPA elsewhere, the
+    # reason logged), "sdpa" always runs torch's SDPA (over a gathered context for a later chunk).
+    prefill_attention: str = "in_place"
     cuda_graphs: bool = True  # CUDA with the static path: capture each bucket's decode step at start-up
     # A tensor-parallel worker's ranks: a collective (or a follower's wait for rank 0's next message) that
     # takes longer fails the whole worker, so a dead or stalled rank is noticed within this; an idle rank 0
@@ -102,6 +108,7 @@ class EngineSettings:
         check_choice(self, "decode_path", DECODE_PATHS)
         check_choice(self, "cpu_allocator", ALLOCATOR_MODES)
         check_choice(self, "dynamic_decode_attention", DYNAMIC_DECODE_ATTENTION)
+        check_choice(self, "prefill_attention", PREFILL_ATTENTION)
         check_choice(self, "backend", ENGINE_BACKENDS)
         if self.vllm_args is not None and not (
             isinstance(self.vllm_args, dict) and all(isinstance(k, str) for k in self.vllm_args)
@@ -189,6 +196,8 @@ class EngineCore:
         in_place = self.dynamic_decode_attention()
         self.dynamic_decode_backend = DYNAMIC_DECODE_BACKEND if in_place is None else f"paged_decode {in_place.name}"
         self.decode_backend = self.dynamic_decode_backend  # the static path's replaces it (_static_decode_inputs)
+        prefill_attention = self.resolve_prefill_attention()
+        self.prefill_backend = "sdpa" if prefill_attention is None else "paged_prefill cpu"
         # The static path's padding rows write to one scratch block past those the block manager owns.
         cache_blocks = num_blocks + 1 if self.static_decode else num_blocks
         cache_spec = KVCacheSpec.for_model(self.model_config, cache_blocks, cfg.block_size, self.dtype, *tp)
@@ -211,6 +220,7 @@ class EngineCore:
             static,
             channel=channel,
             decode_attention=None if in_place is None else in_place.fn,
+            prefill_attention=prefill_attention,
         )
         self.graph_stats: CaptureStats | None = None
         # Collectives inside captured graphs are not validated yet: a tensor-parallel engine decodes eagerly.
@@ -287,6 +297,17 @@ class EngineCore:
             return None
         backend = select_backend(self.device, self.dtype)
         return None if backend.name == "torch" else backend
+
+    def resolve_prefill_attention(self) -> cpu_paged_prefill.PagedPrefillFn | None:
+        """The kernel prefill chunks are attended with (None: SDPA); why not, logged once per engine."""
+        if self.config.prefill_attention == "sdpa":
+            return None
+        reason = cpu_paged_prefill.unavailable_reason(self.device, self.dtype, self.model_config.head_dim)
+        if reason is not None:
+            log.info("prefill attention: SDPA (the CPU prefill kernel does not serve here: %s)", reason)
+            return None
+        log.info("prefill attention: the CPU prefill kernel, reading the cache in place")
+        return cpu_paged_prefill.paged_prefill_cpu
 
     def _static_decode_inputs(self, scratch_block: int) -> StaticDecodeInputs:
         cfg = self.config

@@ -308,7 +308,11 @@ def main() -> int:
         # The same compute dtype is the same engine (auto that stayed bf16): measured once.
         same = next((n for n, e in engines.items() if e.core.dtype == candidate.core.dtype), None)
         log(f"splitserve --dtype {name}: {candidate.core.linear_kernels}" + (f" (the {same} engine)" if same else ""))
-        result.setdefault("engines", {})[name] = {"linear_kernels": candidate.core.linear_kernels, "same_as": same}
+        result.setdefault("engines", {})[name] = {
+            "linear_kernels": candidate.core.linear_kernels,
+            "attention": f"prefill {candidate.core.prefill_backend}, decode {candidate.core.dynamic_decode_backend}",
+            "same_as": same,
+        }
         if same is None:
             engines[name] = candidate
         else:
@@ -494,7 +498,7 @@ def print_table(r: dict) -> None:
     print()
     for name, e in r.get("engines", {}).items():
         same = f" (the same engine as --dtype {e['same_as']})" if e.get("same_as") else ""
-        print(f"splitserve --dtype {name}: {e['linear_kernels']}{same}")
+        print(f"splitserve --dtype {name}: {e['linear_kernels']}{same}; attention: {e.get('attention', '-')}")
     print()
     print("| splitserve decode | batch | ms/step | linear bound ms | fraction | bytes bound ms | fraction |")
     print("| --- | --- | --- | --- | --- | --- | --- |")

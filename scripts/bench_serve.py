@@ -193,6 +193,12 @@ DEPLOYMENTS = {
         "splitserve colocated, torch's allocator",
         lambda a: _colocated(a) | {"engine": {"cpu_allocator": "default"}},
     ),
+    # The same with torch's SDPA for the prefill chunks (engine.prefill_attention: sdpa), against the CPU prefill
+    # kernel colocated runs with: docs/engine.md, "Prefill attention on the CPU".
+    "colocated-sdpa": (
+        "splitserve colocated, SDPA prefill",
+        lambda a: _colocated(a) | {"engine": {"prefill_attention": "sdpa"}},
+    ),
     # A vLLM prefill worker and a vLLM decode worker, the KV moved by splitserve's connector (engine.backend: vllm).
     "vllm-1p1d": (
         "splitserve 1P+1D (vllm backend)",

@@ -11,6 +11,9 @@
 // Where the compiler targets AVX-512 (-march=native on such a CPU), blocks whose size and head_dim are multiples of
 // 16 take attend_rows_avx512 (below); every other shape, and every other CPU, the portable loops.
 //
+// The same file holds the prefill attention (paged_prefill, at its end; engine/attention/cpu_paged_prefill.py),
+// which shares the decode kernel's exp and its build.
+//
 // Built by engine/attention/cpu_paged_decode.py with torch.utils.cpp_extension, once per machine (the build
 // key includes the CPU's flags: -march=native code runs only where it was built).
 
@@ -19,6 +22,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <bit>
 #include <cmath>
 #include <cstdint>
@@ -323,15 +327,244 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor cache, torch::Tensor b
   return out;
 }
 
+#if defined(__AVX512F__)
+// ---- Prefill attention: a chunk of queries against its request's whole context, read from the paged cache ----
+//
+// The contract: q [Tq, H, d] (rows may be strided: the engine's q is a view of the fused projection), cache_layer as
+// above, table [blocks] int64 (the request's blocks, covering context_len positions), context_len L; the chunk's
+// queries sit at positions [L - Tq, L), query i attends to positions [max(0, p - window + 1), p] with p = L - Tq + i
+// (window 0: [0, p]). float32 only, head_dim a multiple of 16, an AVX-512 build.
+//
+// First the context is packed once per call, per KV head, out of its blocks: the keys transposed (Kt [d][Lp], so that
+// sixteen keys' scores are one vector) and the values as rows (V [Lp][d]), Lp = L rounded up to PF_KEYS with zeros.
+// Then work items are (KV head, block of positions): the item's rows are its positions' queries of every head in the
+// KV head's group (rows = positions x group, all against the same keys), scaled and packed. The item walks its keys
+// in chunks of PF_CHUNK, each a GEMM-shaped product S = Q Kt (register tiles of PF_R rows x 32 keys), the causal and
+// window mask applied to the chunk's edges, an online softmax (one rescale per chunk and row), and O += P V
+// (register tiles of PF_RV rows x 64 columns). Items are taken most expensive first from a shared counter by torch's
+// intra-op threads, so a causal chunk's long rows do not all land on one thread.
+constexpr int64_t PF_KEYS = 32;    // keys per register tile of the scores (two vectors)
+constexpr int64_t PF_CHUNK = 128;  // keys per chunk of the online softmax (a multiple of PF_KEYS)
+constexpr int64_t PF_ROWS = 112;   // rows per item, about (positions x group)
+constexpr int PF_R = 8;            // query rows per register tile of the scores
+constexpr int PF_RV = 6;           // rows per register tile of the output
+
+// S[r][0 .. 32) = Q[r] . Kt[:, 0 .. 32) for R rows: Q rows of d floats, Kt rows of ldk floats, S rows of lds.
+template <int R>
+inline void pf_scores(const float* qs, const float* kt, int64_t ldk, int64_t d, float* s, int64_t lds) {
+  __m512 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < d; ++i) {
+    const __m512 k0 = _mm512_loadu_ps(kt + i * ldk), k1 = _mm512_loadu_ps(kt + i * ldk + 16);
+    for (int r = 0; r < R; ++r) {
+      const __m512 q = _mm512_set1_ps(qs[r * d + i]);
+      acc[r][0] = _mm512_fmadd_ps(q, k0, acc[r][0]);
+      acc[r][1] = _mm512_fmadd_ps(q, k1, acc[r][1]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    _mm512_storeu_ps(s + r * lds, acc[r][0]);
+    _mm512_storeu_ps(s + r * lds + 16, acc[r][1]);
+  }
+}
+
+// O[r][c .. c + 16 W) += sum_t P[r][t] V[t][c .. c + 16 W) for R rows, t < n: P rows of ldp, V rows and O rows of d.
+template <int R, int W>
+inline void pf_values(const float* p, int64_t ldp, const float* v, int64_t n, int64_t d, float* o) {
+  __m512 acc[R][W];
+  for (int r = 0; r < R; ++r)
+    for (int w = 0; w < W; ++w) acc[r][w] = _mm512_loadu_ps(o + r * d + 16 * w);
+  for (int64_t t = 0; t < n; ++t) {
+    __m512 vv[W];
+    for (int w = 0; w < W; ++w) vv[w] = _mm512_loadu_ps(v + t * d + 16 * w);
+    for (int r = 0; r < R; ++r) {
+      const __m512 pr = _mm512_set1_ps(p[r * ldp + t]);
+      for (int w = 0; w < W; ++w) acc[r][w] = _mm512_fmadd_ps(pr, vv[w], acc[r][w]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int w = 0; w < W; ++w) _mm512_storeu_ps(o + r * d + 16 * w, acc[r][w]);
+}
+
+template <int R>
+inline void pf_scores_rows(int rows, const float* qs, const float* kt, int64_t ldk, int64_t d, float* s, int64_t lds) {
+  if constexpr (R > 0) {
+    if (rows == R) return pf_scores<R>(qs, kt, ldk, d, s, lds);
+    pf_scores_rows<R - 1>(rows, qs, kt, ldk, d, s, lds);
+  }
+}
+
+template <int R, int W>
+inline void pf_values_rows(int rows, const float* p, int64_t ldp, const float* v, int64_t n, int64_t d, float* o) {
+  if constexpr (R > 0) {
+    if (rows == R) return pf_values<R, W>(p, ldp, v, n, d, o);
+    pf_values_rows<R - 1, W>(rows, p, ldp, v, n, d, o);
+  }
+}
+
+template <int W>
+inline void pf_values_all(int64_t rows, const float* p, int64_t ldp, const float* v, int64_t n, int64_t d, float* o) {
+  for (int64_t r0 = 0; r0 < rows; r0 += PF_RV) {
+    const int r = static_cast<int>(std::min<int64_t>(PF_RV, rows - r0));
+    pf_values_rows<PF_RV, W>(r, p + r0 * ldp, ldp, v, n, d, o + r0 * d);
+  }
+}
+
+// One item: rows [0, rows) are positions p0 + r / group, heads h * group + r % group.
+void prefill_item(const float* q, int64_t q_row, int64_t heads, const float* kt, int64_t ldk, const float* vp,
+                  float* out, int64_t d, int64_t group, int64_t h, int64_t p0, int64_t p1, int64_t first_pos,
+                  float scale, int64_t window, float* qs, float* s, float* o, float* run_max, float* run_sum) {
+  const int64_t rows = (p1 - p0) * group;
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* src = q + (p0 + r / group - first_pos) * q_row + (h * group + r % group) * d;
+    for (int64_t i = 0; i < d; ++i) qs[r * d + i] = src[i] * scale;
+  }
+  std::fill(o, o + rows * d, 0.0f);
+  std::fill(run_max, run_max + rows, -std::numeric_limits<float>::infinity());
+  std::fill(run_sum, run_sum + rows, 0.0f);
+  const int64_t lowest = window > 0 ? std::max<int64_t>(0, p0 - window + 1) : 0;
+  for (int64_t c0 = lowest / PF_KEYS * PF_KEYS; c0 < p1; c0 += PF_CHUNK) {
+    const int64_t cols = (std::min(c0 + PF_CHUNK, p1) - c0 + PF_KEYS - 1) / PF_KEYS * PF_KEYS;
+    for (int64_t r0 = 0; r0 < rows; r0 += PF_R) {
+      const int r = static_cast<int>(std::min<int64_t>(PF_R, rows - r0));
+      for (int64_t k0 = 0; k0 < cols; k0 += PF_KEYS)
+        pf_scores_rows<PF_R>(r, qs + r0 * d, kt + c0 + k0, ldk, d, s + r0 * PF_CHUNK + k0, PF_CHUNK);
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      // The row's keys in this chunk: [lo, hi) of its columns.
+      const int64_t pos = p0 + r / group;
+      const int64_t hi = std::min<int64_t>(cols, pos + 1 - c0);
+      const int64_t lo = window > 0 ? std::clamp<int64_t>(pos - window + 1 - c0, 0, cols) : 0;
+      float* sr = s + r * PF_CHUNK;
+      if (hi <= lo) {  // none: nothing of this chunk reaches the row
+        std::fill(sr, sr + cols, 0.0f);
+        continue;
+      }
+      __m512 vmax = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+      for (int64_t t = 0; t < cols; t += 16) {
+        const int64_t a = std::clamp<int64_t>(lo - t, 0, 16), b = std::clamp<int64_t>(hi - t, 0, 16);
+        const __mmask16 m = static_cast<__mmask16>(((1u << b) - 1u) & ~((1u << a) - 1u));
+        vmax = _mm512_mask_max_ps(vmax, m, vmax, _mm512_loadu_ps(sr + t));
+      }
+      const float new_max = std::max(run_max[r], _mm512_reduce_max_ps(vmax));
+      const float correction = exp_nonpositive(run_max[r] - new_max);
+      run_max[r] = new_max;
+      const __m512 vnew = _mm512_set1_ps(new_max);
+      __m512 vsum = _mm512_setzero_ps();
+      for (int64_t t = 0; t < cols; t += 16) {
+        const int64_t a = std::clamp<int64_t>(lo - t, 0, 16), b = std::clamp<int64_t>(hi - t, 0, 16);
+        const __mmask16 m = static_cast<__mmask16>(((1u << b) - 1u) & ~((1u << a) - 1u));
+        const __m512 e = _mm512_maskz_mov_ps(m, exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(sr + t), vnew)));
+        _mm512_storeu_ps(sr + t, e);
+        vsum = _mm512_add_ps(vsum, e);
+      }
+      run_sum[r] = run_sum[r] * correction + _mm512_reduce_add_ps(vsum);
+      if (correction != 1.0f) {
+        const __m512 c = _mm512_set1_ps(correction);
+        for (int64_t i = 0; i < d; i += 16) _mm512_storeu_ps(o + r * d + i, _mm512_mul_ps(c, _mm512_loadu_ps(o + r * d + i)));
+      }
+    }
+    const float* v = vp + c0 * d;
+    for (int64_t c = 0; c < d; c += 64) {
+      const int64_t w = std::min<int64_t>(64, d - c) / 16;
+      if (w == 4) pf_values_all<4>(rows, s, PF_CHUNK, v + c, cols, d, o + c);
+      else if (w == 3) pf_values_all<3>(rows, s, PF_CHUNK, v + c, cols, d, o + c);
+      else if (w == 2) pf_values_all<2>(rows, s, PF_CHUNK, v + c, cols, d, o + c);
+      else pf_values_all<1>(rows, s, PF_CHUNK, v + c, cols, d, o + c);
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    const float inv = 1.0f / run_sum[r];
+    float* dst = out + ((p0 + r / group - first_pos) * heads + h * group + r % group) * d;
+    for (int64_t i = 0; i < d; ++i) dst[i] = o[r * d + i] * inv;
+  }
+}
+#endif
+
+torch::Tensor paged_prefill(torch::Tensor q, torch::Tensor cache, torch::Tensor table, int64_t context_len,
+                            double scale, int64_t window) {
+  TORCH_CHECK(q.device().is_cpu() && cache.device().is_cpu(), "cpu paged prefill: tensors must be on the CPU");
+  TORCH_CHECK(q.dim() == 3 && cache.dim() == 5, "cpu paged prefill: q [T, H, d], cache [N, 2, kv_heads, bs, d]");
+  TORCH_CHECK(q.scalar_type() == torch::kFloat && cache.scalar_type() == torch::kFloat,
+              "cpu paged prefill: float32 only");
+  TORCH_CHECK(cache.is_contiguous(), "cpu paged prefill: the cache layer must be contiguous");
+  TORCH_CHECK(table.scalar_type() == torch::kLong && table.dim() == 1, "cpu paged prefill: table must be int64 [blocks]");
+  const int64_t tq = q.size(0), heads = q.size(1), d = q.size(2);
+  const int64_t kv_heads = cache.size(2), block_size = cache.size(3);
+  TORCH_CHECK(cache.size(1) == 2 && cache.size(4) == d, "cpu paged prefill: cache shape does not match q");
+  TORCH_CHECK(heads % kv_heads == 0, "cpu paged prefill: heads must be a multiple of kv_heads");
+  TORCH_CHECK(d % 16 == 0, "cpu paged prefill: head_dim must be a multiple of 16");
+  TORCH_CHECK(tq >= 1 && context_len >= tq, "cpu paged prefill: 1 <= queries <= context_len");
+  TORCH_CHECK(table.numel() * block_size >= context_len, "cpu paged prefill: the table does not cover the context");
+#if !defined(__AVX512F__)
+  TORCH_CHECK(false, "cpu paged prefill: this build has no AVX-512 path");
+  return q;
+#else
+  if (q.stride(2) != 1 || q.stride(1) != d) q = q.contiguous();
+  table = table.contiguous();
+  const int64_t q_row = q.stride(0);
+  const int64_t group = heads / kv_heads, length = context_len, first_pos = length - tq;
+  const int64_t lp = (length + PF_KEYS - 1) / PF_KEYS * PF_KEYS;
+  // Kt's rows are ldk floats apart: one cache line more than lp, so that the d rows a score tile reads do not all
+  // fall in the same L1 sets when lp is a multiple of 1024.
+  const int64_t ldk = lp + 16;
+  const int64_t blocks = (length + block_size - 1) / block_size;
+  auto packed = torch::empty({kv_heads * (ldk + lp) * d}, q.options());
+  float* kt_all = packed.data_ptr<float>();
+  float* v_all = kt_all + kv_heads * ldk * d;
+  const float* c = cache.data_ptr<float>();
+  const int64_t* ids = table.data_ptr<int64_t>();
+  const int64_t block_elems = block_size * d;
+  at::parallel_for(0, kv_heads * blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t h = item / blocks, blk = item % blocks;
+      const int64_t t0 = blk * block_size, n = std::min(block_size, length - t0);
+      const float* ksrc = c + ((ids[blk] * 2 + 0) * kv_heads + h) * block_elems;
+      const float* vsrc = c + ((ids[blk] * 2 + 1) * kv_heads + h) * block_elems;
+      float* kt = kt_all + h * ldk * d;
+      for (int64_t t = 0; t < n; ++t)
+        for (int64_t i = 0; i < d; ++i) kt[i * ldk + t0 + t] = ksrc[t * d + i];
+      std::memcpy(v_all + h * lp * d + t0 * d, vsrc, n * d * sizeof(float));
+    }
+  });
+  for (int64_t h = 0; h < kv_heads; ++h) {  // the padding keys: zero scores (masked) and zero values
+    for (int64_t i = 0; i < d; ++i) std::fill(kt_all + h * ldk * d + i * ldk + length, kt_all + h * ldk * d + i * ldk + lp, 0.0f);
+    std::fill(v_all + h * lp * d + length * d, v_all + (h + 1) * lp * d, 0.0f);
+  }
+  auto out = torch::empty({tq, heads, d}, q.options());
+  const int64_t positions = std::max<int64_t>(1, PF_ROWS / group);
+  const int64_t blocks_q = (tq + positions - 1) / positions, items = kv_heads * blocks_q;
+  std::atomic<int64_t> next{0};
+  const float* qp = q.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const float s = static_cast<float>(scale);
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+    const int64_t rows = positions * group;
+    std::vector<float> qs(rows * d), sbuf(rows * PF_CHUNK), o(rows * d), run_max(rows), run_sum(rows);
+    for (int64_t i = next++; i < items; i = next++) {
+      const int64_t b = blocks_q - 1 - i / kv_heads, h = i % kv_heads;  // the latest positions (most keys) first
+      const int64_t p0 = first_pos + b * positions, p1 = std::min(p0 + positions, length);
+      prefill_item(qp, q_row, heads, kt_all + h * ldk * d, ldk, v_all + h * lp * d, op, d, group, h, p0, p1, first_pos,
+                   s, window, qs.data(), sbuf.data(), o.data(), run_max.data(), run_sum.data());
+    }
+  });
+  return out;
+#endif
+}
+
 }  // namespace
 
 // A torch operator (torch.ops.<extension name>.paged_decode), not a bare Python function: the dispatcher sees it,
 // so dispatch modes (tests/engine/fake_graphs.py records a step's operators) and torch.compile see it too.
 TORCH_LIBRARY(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode(Tensor q, Tensor cache, Tensor block_tables, Tensor context_lens, float scale, int window) -> Tensor");
+  m.def("paged_prefill(Tensor q, Tensor cache, Tensor table, int context_len, float scale, int window) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(TORCH_EXTENSION_NAME, CPU, m) { m.impl("paged_decode", &paged_decode); }
+TORCH_LIBRARY_IMPL(TORCH_EXTENSION_NAME, CPU, m) {
+  m.impl("paged_decode", &paged_decode);
+  m.impl("paged_prefill", &paged_prefill);
+}
 
 // Loading the module registers the operator; ``tiled()`` says whether this build has the AVX-512 path.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

@@ -9,7 +9,9 @@ shared by every layer.
   (``AttentionMetadata.paged_decode``: the CPU kernel, Triton on CUDA) they are attended through their
   block tables, nothing gathered; otherwise their blocks are gathered into ``[kv_heads, B, L, d]``, padded
   to the longest context and masked, then one SDPA call.
-- Prefill chunks go one request at a time through ``scaled_dot_product_attention``: against their own
+- Prefill chunks go one request at a time. With a prefill kernel (``AttentionMetadata.paged_prefill``: the
+  CPU kernel, float32) each chunk attends its whole context straight from the cache through its block
+  table (``PrefillChunk.table``). Otherwise through ``scaled_dot_product_attention``: against their own
   fresh keys when nothing precedes the chunk (plain causal), else against the gathered context
   (cached prefix or earlier chunks) with a causal mask shifted by what precedes the chunk.
 
@@ -20,6 +22,7 @@ attended by a ``splitserve.engine.attention.paged_decode`` backend with no host 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -38,9 +41,17 @@ class PrefillChunk:
         torch.Tensor | None
     )  # kv_cache.context_rows of the blocks covering the context; None if num_computed == 0
 
+    # The request's block ids covering the context (int64, on the device), for a prefill kernel; None without one.
+    table: torch.Tensor | None = None
+
     @property
     def context_len(self) -> int:
         return self.num_computed + self.end - self.start
+
+
+# A prefill kernel: (q [Tq, heads, d], cache_layer, table [blocks], context_len, scale, window) -> [Tq, heads, d],
+# the chunk's queries at positions [context_len - Tq, context_len) attending causally to the cached context.
+PagedPrefillFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, float, int | None], torch.Tensor]
 
 
 @dataclass
@@ -56,6 +67,8 @@ class AttentionMetadata:
     decode_tables: torch.Tensor | None = None
     decode_lens: torch.Tensor | None = None
     prefills: list[PrefillChunk] = field(default_factory=list)
+    # The prefill chunks' attention read from the cache through each chunk's table (None: SDPA, as above).
+    paged_prefill: PagedPrefillFn | None = None
     # The decode batch's key span and mask, one per sliding window (None = full attention); built
     # lazily, shared by every layer with the same window.
     _decode_spans: dict[int | None, tuple[int, int, torch.Tensor | None]] = field(default_factory=dict)
@@ -111,7 +124,12 @@ def paged_attention(
     if meta.num_decodes:
         parts.append(_decode(q[: meta.num_decodes], cache, meta, scale, window))
     for chunk in meta.prefills:
-        parts.append(_prefill(q, k, v, cache, chunk, scale, window))
+        if meta.paged_prefill is not None and chunk.table is not None:
+            parts.append(
+                meta.paged_prefill(q[chunk.start : chunk.end], cache, chunk.table, chunk.context_len, scale, window)
+            )
+        else:
+            parts.append(_prefill(q, k, v, cache, chunk, scale, window))
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 

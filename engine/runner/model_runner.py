@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from splitserve.common.arith import ceil_div
-from splitserve.engine.attention.paged_attention import AttentionMetadata, PrefillChunk
+from splitserve.engine.attention.paged_attention import AttentionMetadata, PagedPrefillFn, PrefillChunk
 from splitserve.engine.attention.paged_decode import PagedDecodeFn
 from splitserve.engine.kv_cache.block_manager import BlockManager
 from splitserve.engine.kv_cache.cache import KVCache, context_rows
@@ -54,10 +54,12 @@ class ModelRunner:
         static_decode: StaticDecodeInputs | None = None,
         channel: PlanChannel | None = None,
         decode_attention: PagedDecodeFn | None = None,
+        prefill_attention: PagedPrefillFn | None = None,
     ) -> None:
         """``blocks`` is None on a follower rank, which only runs plans (``run_plan``); ``channel`` is rank 0's
         of a tensor-parallel engine whose rank 0 drives (``splitserve.engine.tp.step``). ``decode_attention``:
-        the paged_decode backend that attends the decodes of dynamic steps in place (None: they gather)."""
+        the paged_decode backend that attends the decodes of dynamic steps in place (None: they gather).
+        ``prefill_attention``: the kernel that attends prefill chunks from the cache (None: SDPA)."""
         self.model = model
         self.kv_cache = kv_cache
         self.blocks = blocks
@@ -67,6 +69,7 @@ class ModelRunner:
         self.channel = channel
         self.static = static_decode
         self.decode_attention = decode_attention
+        self.prefill_attention = prefill_attention
         self.graphs: DecodeGraphs | None = None
         # Steps by the path that ran them: "dynamic", "static" (eager) or "graph" (a captured graph replayed).
         # What ran, not what was configured: scripts/gpu_bench.py reports its timed steps' paths from it.
@@ -186,7 +189,8 @@ class ModelRunner:
         meta = AttentionMetadata(
             slot_blocks=torch.tensor([block_table[p // bs] for p in range(n)], device=self.device),
             slot_offsets=torch.arange(n, device=self.device) % bs,
-            prefills=[PrefillChunk(0, n, 0, None)] if n > 1 else [],
+            prefills=[PrefillChunk(0, n, 0, None, self._table(block_table[: ceil_div(n, bs)]))] if n > 1 else [],
+            paged_prefill=self.prefill_attention,
             num_decodes=1 if n == 1 else 0,
             decode_context_lens=[1] if n == 1 else [],
             decode_rows=self._rows(block_table[:1]) if n == 1 else None,
@@ -196,6 +200,12 @@ class ModelRunner:
             torch.tensor(token_ids, device=self.device), positions, n - 1, self.kv_cache, meta, on_layer_done
         )
         return self.model.compute_logits(hidden if all_positions else hidden[-1:]).float()
+
+    def _table(self, block_ids: list[int] | np.ndarray) -> torch.Tensor | None:
+        """A prefill chunk's block ids on the device, for the prefill kernel (None without one)."""
+        if self.prefill_attention is None:
+            return None
+        return self._to_device(np.asarray(block_ids, dtype=np.int64))
 
     def _rows(self, block_ids: list[int] | np.ndarray) -> torch.Tensor:
         ids = np.asarray(block_ids, dtype=np.int64)
@@ -252,6 +262,7 @@ class ModelRunner:
             slot_offsets=self._to_device(plan.slot_offsets),
             num_decodes=num_decodes,
             decode_context_lens=plan.decode_context_lens.tolist(),
+            paged_prefill=self.prefill_attention,
         )
         if num_decodes and self.decode_attention is not None:
             meta.paged_decode = self.decode_attention
@@ -260,8 +271,11 @@ class ModelRunner:
         elif num_decodes:
             meta.decode_rows = self._rows(plan.decode_tables.reshape(-1))
         for (start, end, computed), table in zip(plan.prefill_chunks.tolist(), plan.prefill_tables):
-            rows = self._rows(table[: ceil_div(computed + end - start, self.block_size)]) if computed else None
-            meta.prefills.append(PrefillChunk(start, end, computed, rows))
+            blocks = table[: ceil_div(computed + end - start, self.block_size)]
+            if self.prefill_attention is not None:  # read in place: no rows to gather
+                meta.prefills.append(PrefillChunk(start, end, computed, None, self._table(blocks)))
+            else:
+                meta.prefills.append(PrefillChunk(start, end, computed, self._rows(blocks) if computed else None))
         return self._to_device(plan.input_ids), self._to_device(plan.positions), meta
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:

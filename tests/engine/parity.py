@@ -9,7 +9,7 @@ from contextlib import contextmanager
 
 import torch
 
-from splitserve.engine import LLM
+from splitserve.engine import LLM, SamplingParams
 from splitserve.engine.model.transformer import CausalLM, Linear
 
 
@@ -32,6 +32,12 @@ def linear_paths(model: CausalLM) -> dict[str, str]:
     paths = {name: m.path for name, m in model.named_modules() if isinstance(m, Linear)}
     paths.setdefault("lm_head", "plain")
     return paths
+
+
+def greedy_runs(llm: LLM, prompts: list[list[int]], max_tokens: list[int]) -> list[list[int]]:
+    """Greedy token ids of each prompt, ``max_tokens[i]`` of them (EOS ignored), all submitted at once."""
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in max_tokens]
+    return [o.token_ids for o in llm.generate(prompts, params)]
 
 
 def make_prompts(seed: int, lengths: list[int], vocab: int = 2000) -> list[list[int]]:

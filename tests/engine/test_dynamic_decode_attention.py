@@ -10,10 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from splitserve.engine import LLM, SamplingParams
+from splitserve.engine import LLM
 from splitserve.engine.attention import cpu_paged_decode
 from splitserve.engine.core import DYNAMIC_DECODE_BACKEND, EngineConfig
-from tests.engine.parity import assert_no_blocks_in_use, make_prompts, torch_threads
+from tests.engine.parity import assert_no_blocks_in_use, greedy_runs, make_prompts, torch_threads
 
 # Chunks of 6 prompt tokens with up to 4 sequences: prefill chunks share steps with running decodes.
 ENGINE = dict(
@@ -60,11 +60,6 @@ class CallCounter:
         runner.decode_attention = counting
 
 
-def run(llm: LLM, prompts, max_tokens) -> list[list[int]]:
-    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in max_tokens]
-    return [o.token_ids for o in llm.generate(prompts, params)]
-
-
 @needs_kernel
 @pytest.mark.parametrize("name", ["tiny", "llama", "qwen2", "mistral"])
 def test_in_place_equals_the_gather_token_for_token(name, model_dirs):
@@ -77,8 +72,8 @@ def test_in_place_equals_the_gather_token_for_token(name, model_dirs):
     # block edges; more requests than max_num_seqs and 48 blocks make later ones reuse freed blocks.
     prompts = make_prompts(7, [4, 30, 11, 25, 6, 18, 9, 27, 14])
     max_tokens = [30, 3, 17, 8, 25, 5, 12, 30, 9]
-    expected = run(gather, prompts, max_tokens)
-    got = run(in_place, prompts, max_tokens)
+    expected = greedy_runs(gather, prompts, max_tokens)
+    got = greedy_runs(in_place, prompts, max_tokens)
     assert got == expected
     assert len({tuple(t) for t in got}) > 1 and all(len(set(t)) > 1 for t in got)  # not degenerate
     layers = in_place.core.model_config.num_layers
@@ -99,7 +94,7 @@ def test_gather_is_used_where_only_the_reference_is_available(tiny_model_dir, mo
     paged_decode.REGISTRY.register("torch", paged_decode.paged_decode_torch, lambda device, dtype: True, priority=0)
     disabled = LLM(tiny_model_dir, **ENGINE)
     assert disabled.core.dynamic_decode_backend == DYNAMIC_DECODE_BACKEND and disabled.runner.decode_attention is None
-    out = run(disabled, make_prompts(3, [5, 9]), [6, 6])
+    out = greedy_runs(disabled, make_prompts(3, [5, 9]), [6, 6])
     assert all(len(t) == 6 for t in out)
     assert_no_blocks_in_use(disabled)
 
