@@ -94,6 +94,13 @@ inline void prefetch_part(const char* p, int64_t bytes, int64_t i, int64_t parts
   for (int64_t l = i * per; l < std::min(lines, (i + 1) * per); ++l) __builtin_prefetch(p + l * 64, 0, 3);
 }
 
+// The same with the share's size worked out by the caller once per block (``per`` lines each, of ``lines``): no
+// division per part.
+inline void prefetch_lines(const char* p, int64_t lines, int64_t i, int64_t per) {
+  if (p == nullptr) return;
+  for (int64_t l = i * per; l < std::min(lines, (i + 1) * per); ++l) __builtin_prefetch(p + l * 64, 0, 3);
+}
+
 // q . k over d elements: LANES independent partial sums (one vector register's worth), summed by halves.
 constexpr int64_t LANES = 16;
 
@@ -153,6 +160,32 @@ inline __m512 sum_each(const __m512 (&v)[TILE]) {
                        _mm512_shuffle_f32x4(z0, z1, _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
+// acc[0 .. 16 W) = acc * correction + sum over t in [lo, hi) of p[t] v[t][0 .. 16 W) (rows of v d floats apart):
+// even and odd rows in two sets of W accumulators, so that 2 W chains of FMAs run at once, not one per column.
+template <int W>
+inline void accumulate_values(float* acc, const float* p, const float* v, int64_t d, int64_t lo, int64_t hi,
+                              float correction) {
+  __m512 even[W], odd[W];
+  const __m512 c = _mm512_set1_ps(correction);
+  for (int j = 0; j < W; ++j) {
+    even[j] = _mm512_mul_ps(_mm512_loadu_ps(acc + 16 * j), c);
+    odd[j] = _mm512_setzero_ps();
+  }
+  int64_t t = lo;
+  for (; t + 1 < hi; t += 2) {
+    const __m512 p0 = _mm512_set1_ps(p[t]), p1 = _mm512_set1_ps(p[t + 1]);
+    for (int j = 0; j < W; ++j) {
+      even[j] = _mm512_fmadd_ps(p0, _mm512_loadu_ps(v + t * d + 16 * j), even[j]);
+      odd[j] = _mm512_fmadd_ps(p1, _mm512_loadu_ps(v + (t + 1) * d + 16 * j), odd[j]);
+    }
+  }
+  if (t < hi) {
+    const __m512 p0 = _mm512_set1_ps(p[t]);
+    for (int j = 0; j < W; ++j) even[j] = _mm512_fmadd_ps(p0, _mm512_loadu_ps(v + t * d + 16 * j), even[j]);
+  }
+  for (int j = 0; j < W; ++j) _mm512_storeu_ps(acc + 16 * j, _mm512_add_ps(even[j], odd[j]));
+}
+
 // Rows [t0, t1) of one block (keys, values: the block's rows as float32, all block_size of them readable) for the
 // group's queries qf [group, d] (scaled), folded into the online softmax's run_max, run_sum and acc [group, d].
 inline void attend_rows_avx512(const float* qf, const float* keys, const float* values, int64_t t0, int64_t t1,
@@ -160,6 +193,7 @@ inline void attend_rows_avx512(const float* qf, const float* keys, const float* 
                                const char* pk, const char* pv, int64_t block_bytes) {
   alignas(64) float p[TILE];
   const int64_t parts = group * ((t1 - 1) / TILE - t0 / TILE + 1);  // one share of the prefetch per query and tile
+  const int64_t lines = (block_bytes + 63) / 64, per = (lines + parts - 1) / parts;
   int64_t part = 0;
   for (int64_t c0 = t0 / TILE * TILE; c0 < t1; c0 += TILE) {
     const int64_t lo = std::max(t0, c0) - c0, hi = std::min(t1, c0 + TILE) - c0;
@@ -167,8 +201,8 @@ inline void attend_rows_avx512(const float* qf, const float* keys, const float* 
     const float* k = keys + c0 * d;
     const float* v = values + c0 * d;
     for (int64_t g = 0; g < group; ++g, ++part) {
-      prefetch_part(pk, block_bytes, part, parts);
-      prefetch_part(pv, block_bytes, part, parts);
+      prefetch_lines(pk, lines, part, per);
+      prefetch_lines(pv, lines, part, per);
       __m512 dots[TILE];
       for (int t = 0; t < TILE; ++t) dots[t] = _mm512_setzero_ps();
       for (int64_t i = 0; i < d; i += TILE) {
@@ -183,11 +217,12 @@ inline void attend_rows_avx512(const float* qf, const float* keys, const float* 
       run_sum[g] = run_sum[g] * correction + _mm512_reduce_add_ps(e);
       _mm512_store_ps(p, e);
       float* a = acc + g * d;
-      for (int64_t i = 0; i < d; i += TILE) {
-        __m512 out = _mm512_loadu_ps(a + i);
-        if (correction != 1.0f) out = _mm512_mul_ps(out, _mm512_set1_ps(correction));
-        for (int64_t t = lo; t < hi; ++t) out = _mm512_fmadd_ps(_mm512_set1_ps(p[t]), _mm512_loadu_ps(v + t * d + i), out);
-        _mm512_storeu_ps(a + i, out);
+      for (int64_t i = 0; i < d; i += 4 * TILE) {  // 64 columns at a time, fewer at the end
+        const int64_t w = std::min<int64_t>(4, (d - i) / TILE);
+        if (w == 4) accumulate_values<4>(a + i, p, v + i, d, lo, hi, correction);
+        else if (w == 3) accumulate_values<3>(a + i, p, v + i, d, lo, hi, correction);
+        else if (w == 2) accumulate_values<2>(a + i, p, v + i, d, lo, hi, correction);
+        else accumulate_values<1>(a + i, p, v + i, d, lo, hi, correction);
       }
     }
   }
