@@ -17,7 +17,8 @@ hits all alike.
 
 Then the peer's workload (issue 14): --peer-requests requests of --prompt-len prompt and --new-tokens
 output tokens at each of --in-flight (8 and 32) requests in flight, greedy, EOS ignored, driven by one
-client (`splitserve bench --backend openai`, in process) against every splitserve deployment of
+client (`splitserve bench --backend openai`, in process; `--client vllm`: vLLM's own `vllm bench serve`
+of the peer venv, a process of its own, with its random dataset) against every splitserve deployment of
 --deployments (each serving its OpenAI port) and against vLLM's CPU build (`vllm serve` of the peer venv,
 `make peer`; `--peer PYTHON` names another, `--no-peer` skips it) on the same checkpoint, dtype and
 cores, one server at a time: output tok/s, mean TTFT and mean TPOT, and ours as ratios to vLLM's. Every
@@ -262,6 +263,10 @@ def _with_peer_engine(deployment: dict) -> dict:
     return deployment | {"engine": engine}
 
 
+CLIENTS = {
+    "splitserve": "splitserve bench --backend openai, in this process",
+    "vllm": "vllm bench serve of the peer venv, a process of its own",
+}
 SERVED_NAME = "bench-model"  # the name both splitserve and vLLM serve the checkpoint under
 
 
@@ -312,6 +317,44 @@ def openai_workload(
         if "timeline" in result:
             out[n]["timeline"] = result["timeline"]
             log(format_timeline(result["timeline"]))
+    return out
+
+
+def vllm_client_workload(args, python, base_url: str, timeline_addr: str | None = None) -> dict[int, dict]:
+    """The peer's workload through vLLM's own client (`vllm bench serve` of the peer venv, a process of its own
+    on the same cores) at each concurrency; with a splitserve router's gRPC ``timeline_addr``, where the served
+    time went too."""
+    from splitserve.bench.runner import BenchConfig
+    from splitserve.bench.timeline import Probe, format_timeline
+
+    out = {}
+    for n in args.in_flight:
+        probe = None
+        if timeline_addr is not None:
+            probe = Probe.start(BenchConfig(backend="openai", base_url=base_url, timeline_addr=timeline_addr))
+        result = peer.vllm_bench_serve(
+            python,
+            base_url,
+            SERVED_NAME,
+            args.model,
+            args.prompt_len,
+            args.new_tokens,
+            args.peer_requests,
+            n,
+            timeout_s=args.request_timeout * max(1, args.peer_requests // n + 1),
+            log_path=ROOT / "results" / "peer_vllm_bench_serve.log",
+        )
+        if "error" in result:
+            raise RuntimeError(result["error"])
+        out[n] = result
+        log(
+            f"    {n} in flight (vllm bench serve): {result['output_throughput']:.1f} output tok/s, mean TTFT "
+            f"{result['mean_ttft_ms']:.0f} ms, mean TPOT {result['mean_tpot_ms']:.0f} ms in "
+            f"{result['duration']:.1f} s, failed {result['failed']}"
+        )
+        if probe is not None and (timeline := probe.finish()) is not None:
+            out[n]["timeline"] = timeline
+            log(format_timeline(timeline))
     return out
 
 
@@ -373,6 +416,13 @@ def main() -> int:
     )
     peer.add_arguments(ap, timeout_s=1200.0, timeout_help="seconds for vLLM to become healthy")
     ap.add_argument("--request-timeout", type=float, default=900.0, help="seconds for each request of the workload")
+    ap.add_argument(
+        "--client",
+        choices=("splitserve", "vllm"),
+        default="splitserve",
+        help="the peer's workload's client: splitserve bench --backend openai in this process (default), or vLLM's "
+        "own `vllm bench serve` of the peer venv, a process of its own (needs the peer)",
+    )
     args = ap.parse_args()
     args.in_flight = [int(n) for n in args.in_flight.split(",")]
     names = args.deployments.split(",")
@@ -380,6 +430,8 @@ def main() -> int:
         ap.error(f"--deployments: unknown {unknown}; known: {', '.join(DEPLOYMENTS)}")
     torch.set_num_threads(args.threads)
     peer_python = peer.peer_python(args.peer, args.no_peer)
+    if args.client == "vllm" and peer_python is None:
+        ap.error("--client vllm: runs the peer venv's `vllm bench serve` (make peer; not with --no-peer)")
     if not (args.model / "config.json").is_file():
         from splitserve.tools.make_model import make_model
 
@@ -417,6 +469,7 @@ def main() -> int:
         "machine": machine,
         "in_flight": args.in_flight,
         "peer_requests": args.peer_requests,
+        "client": args.client,
     }
     served: dict[str, dict] = {}
     for i, name in enumerate(names):
@@ -435,13 +488,13 @@ def main() -> int:
                 f"  the peer's workload ({args.peer_requests} requests of {args.prompt_len} + {args.new_tokens} "
                 f"tokens) on {label} over its OpenAI port ..."
             )
-            served[label] = openai_workload(
-                f"http://{deployment.openai_address}",
-                workload,
-                args.in_flight,
-                args.request_timeout,
-                timeline_addr=address,
-            )
+            base_url = f"http://{deployment.openai_address}"
+            if args.client == "vllm":
+                served[label] = vllm_client_workload(args, peer_python, base_url, timeline_addr=address)
+            else:
+                served[label] = openai_workload(
+                    base_url, workload, args.in_flight, args.request_timeout, timeline_addr=address
+                )
         finally:
             deployment.stop()
     if not args.skip_baselines:
@@ -541,7 +594,14 @@ def vllm_workload(args, python, cpus: list[int], workload: list) -> dict:
             log(f"vLLM failed: {e}")
             return {"error": str(e)}
         log(f"  vllm serve healthy after {server.ready_s:.0f} s; the peer's workload ...")
-        out = openai_workload(base_url, workload, args.in_flight, args.request_timeout)
+        if args.client == "vllm":
+            try:
+                out = vllm_client_workload(args, python, base_url)
+            except RuntimeError as e:
+                log(f"vLLM's client failed: {e}")
+                return {"error": str(e)}
+        else:
+            out = openai_workload(base_url, workload, args.in_flight, args.request_timeout)
     return {"ready_s": server.ready_s, "workload": out, "version": peer_version(python)}
 
 
@@ -583,7 +643,7 @@ def print_workload(args, result: dict) -> None:
     vllm = result.get("vllm")
     print(
         f"{args.peer_requests} requests of {args.prompt_len} prompt / {args.new_tokens} output tokens, greedy, EOS "
-        "ignored, one client (splitserve bench --backend openai) for every server:\n"
+        f"ignored, one client ({CLIENTS[args.client]}) for every server:\n"
     )
     print("| server | in flight | output tok/s | mean TTFT ms | mean TPOT ms | tok/s vs vLLM | TPOT vs vLLM |")
     print("| --- | --- | --- | --- | --- | --- | --- |")

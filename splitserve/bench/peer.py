@@ -135,6 +135,111 @@ def run_offline(
     return {"error": f"exit code {proc.returncode}; last lines:\n{tail}"}
 
 
+# The keys of `vllm bench serve`'s saved result that bench_serve reports (the same names as splitserve bench's).
+CLIENT_KEYS = (
+    "completed",
+    "duration",
+    "total_output_tokens",
+    "output_throughput",
+    "mean_ttft_ms",
+    "median_ttft_ms",
+    "mean_tpot_ms",
+    "median_tpot_ms",
+    "mean_itl_ms",
+    "mean_e2el_ms",
+)
+
+
+def vllm_bench_serve(
+    python: Path,
+    base_url: str,
+    served_name: str,
+    tokenizer: Path,
+    prompt_len: int,
+    new_tokens: int,
+    num_prompts: int,
+    max_concurrency: int,
+    timeout_s: float,
+    log_path: Path | None = None,
+) -> dict:
+    """vLLM's own client (`vllm bench serve` in the peer's python, a process of its own) against an OpenAI
+    server: its random dataset (seed 0, prompts of exactly ``prompt_len`` tokens of ``tokenizer``, sent as text),
+    ``new_tokens`` greedy tokens each with EOS ignored, at most ``max_concurrency`` in flight, every request
+    sent at once. Returns its saved result under CLIENT_KEYS plus ``failed``, or {"error": ...}. Bounded by
+    ``timeout_s`` (the process group is killed past it)."""
+    with tempfile.TemporaryDirectory(prefix="splitserve-vbs-") as out_dir:
+        cmd = [
+            str(python),
+            "-m",
+            "vllm.entrypoints.cli.main",
+            "bench",
+            "serve",
+            "--backend",
+            "openai",
+            "--endpoint",
+            "/v1/completions",
+            "--base-url",
+            base_url,
+            "--model",
+            served_name,
+            "--tokenizer",
+            str(tokenizer),
+            "--dataset-name",
+            "random",
+            "--random-input-len",
+            str(prompt_len),
+            "--random-output-len",
+            str(new_tokens),
+            "--random-range-ratio",
+            "0",
+            "--num-prompts",
+            str(num_prompts),
+            "--max-concurrency",
+            str(max_concurrency),
+            "--request-rate",
+            "inf",
+            "--ignore-eos",
+            "--temperature",
+            "0",
+            "--seed",
+            "0",
+            "--percentile-metrics",
+            "ttft,tpot,itl,e2el",
+            "--disable-tqdm",
+            "--ready-check-timeout-sec",
+            "60",
+            "--save-result",
+            "--result-dir",
+            out_dir,
+            "--result-filename",
+            "result.json",
+        ]
+        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+        env |= {"VLLM_TARGET_DEVICE": "cpu", "TOKENIZERS_PARALLELISM": "false"}
+        with tempfile.TemporaryFile("w+") if log_path is None else _open_log(log_path) as log:
+            proc = subprocess.Popen(
+                cmd, env=env, stdout=log, stderr=subprocess.STDOUT, text=True, start_new_session=True
+            )
+            try:
+                proc.wait(timeout=timeout_s)
+                killed = ""
+            except subprocess.TimeoutExpired:
+                killed = f"\n(killed after the {timeout_s:.0f} s deadline)"
+            finally:
+                _kill_group(proc)
+            log.seek(0)
+            out = log.read() + killed
+        saved = Path(out_dir) / "result.json"
+        if proc.returncode != 0 or not saved.is_file():
+            tail = "\n".join(out.splitlines()[-25:])
+            return {"error": f"vllm bench serve: exit code {proc.returncode}; last lines:\n{tail}"}
+        result = json.loads(saved.read_text())
+    missing = [k for k in CLIENT_KEYS if k not in result]
+    if missing:
+        return {"error": f"vllm bench serve's result has no {missing}"}
+    return {k: result[k] for k in CLIENT_KEYS} | {"failed": num_prompts - result["completed"], "failures": {}}
+
+
 def _open_log(path: Path):
     path.parent.mkdir(parents=True, exist_ok=True)
     return open(path, "w+")  # noqa: SIM115  (a context manager at the caller)
