@@ -103,6 +103,7 @@ def measure_dtype(
         packed[s], why = packed_or_reason(w)
         reason = reason or why
     gemv_ok = cpu_gemv.available(next(iter(weights.values())))
+    panels = {s: cpu_gemv.pack(w) for s, w in weights.items()} if gemv_ok else {}
     tuned = {}  # shape -> (path, split_rows, times) as the tuner decides it at load
     for s, w in weights.items():
         if w.numel() < UNTIMED_BELOW or packed[s] is None:
@@ -136,7 +137,7 @@ def measure_dtype(
                     per_path["packed"] += t_packed * shapes[s]
             t_gemv = None
             if gemv_here:
-                t_gemv = best_seconds(lambda x=x, w=w: cpu_gemv.gemv(x, w, None), repeats)
+                t_gemv = best_seconds(lambda x=x, p=panels[s], n=s[0]: cpu_gemv.gemv(x, p, None, n), repeats)
                 per_path["gemv"] += t_gemv * shapes[s]
             path, split_rows, _ = tuned[s]
             if path in SPLITS:

@@ -1,10 +1,13 @@
-"""The row-streaming linear kernel for decode-sized inputs on the CPU (``cpu_gemv.cpp``).
+"""The panel linear kernel for decode-sized inputs on the CPU (``cpu_gemv.cpp``).
 
-At one to a few rows a linear layer is bound by reading its weight from memory. ``gemv`` streams the weight
-in its own ``[out, in]`` layout, float32 or bfloat16 (widened exactly to float32 in registers), and sums in
-float32; a bfloat16 layer's output is rounded back to bfloat16 once, as a bf16 GEMM rounds its float32 sums.
-The linear tuner (``linear_tuner``) times it against torch's kernels at decode rows and uses it only where
-it wins ("gemv" below a row threshold, another path above it: ``transformer.Linear``).
+At one to a few rows a linear layer is bound by reading its weight from memory, and at 16 rows by that and
+the arithmetic together. ``pack`` lays the weight out once in panels of 16 output rows (8 on AVX2), k-major,
+in its own dtype (float32 or bfloat16, widened exactly to float32 in registers); ``gemv`` reads each weight
+vector once per pass of up to 16 rows and multiplies it by every row, summing in float32 over k in order (a
+row's outputs do not depend on the rows beside it); a bfloat16 layer's output is rounded back to bfloat16
+once, as a bf16 GEMM rounds its float32 sums. The linear tuner (``linear_tuner``) times it against torch's
+kernels at decode rows and uses it only where it wins ("gemv" below a row threshold, another path above it:
+``transformer.Linear``).
 
 Built by ``splitserve.engine.native`` on first use (``make setup`` builds it ahead: ``python -m
 splitserve.engine.model.cpu_gemv``). When it cannot be built (no compiler, ``SPLITSERVE_CPU_GEMV=0``) the
@@ -25,8 +28,8 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("cpu_gemv.cpp")
 WEIGHT_DTYPES = (torch.float32, torch.bfloat16)
 # The most rows "gemv" is offered for: past them a blocked GEMM reads the weight once for every row block,
-# where this kernel reads it again every max_rows() rows.
-MAX_ROWS = 4
+# where this kernel reads it again every max_rows() rows (16 on AVX-512, 8 on AVX2).
+MAX_ROWS = 16
 EXTENSION = Extension("cpu_gemv", SOURCE, "SPLITSERVE_CPU_GEMV", "linear layers keep torch's kernels", log)
 
 
@@ -40,18 +43,27 @@ def available(weight: torch.Tensor) -> bool:
     )
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, bias32: torch.Tensor | None) -> torch.Tensor:
-    """``x W^T + b`` for ``x`` of shape ``[..., in]`` in the weight's dtype (float32 or bfloat16); ``bias32``
-    is the bias in float32 (or None). Sums in float32; the output is in ``x``'s dtype."""
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """The ``[out, in]`` weight in ``gemv``'s panels (the same dtype, about the same bytes: the last panel is
+    padded to the panel width)."""
+    module = EXTENSION.load()
+    assert module is not None, "cpu gemv: the extension is unavailable (check available() first)"
+    return module.pack(weight.detach().contiguous())
+
+
+def gemv(x: torch.Tensor, panels: torch.Tensor, bias32: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    """``x W^T + b`` for ``x`` of shape ``[..., in]`` in the weight's dtype (float32 or bfloat16), ``panels``
+    the weight from ``pack`` and ``bias32`` the bias in float32 (or None). Sums in float32; the output is in
+    ``x``'s dtype."""
     module = EXTENSION.load()
     assert module is not None, "cpu gemv: the extension is unavailable (check available() first)"
     rows = x.reshape(-1, x.shape[-1])
-    y = module.gemv(rows.float().contiguous(), weight, bias32)
-    return y.view(*x.shape[:-1], weight.shape[0]).to(x.dtype)
+    y = module.gemv(rows.float().contiguous(), panels, bias32, out_features)
+    return y.view(*x.shape[:-1], out_features).to(x.dtype)
 
 
 def describe() -> str:
-    """``"avx-512 (16 floats, 4 rows a pass)"`` or why it is unavailable, for logs and benchmark headers."""
+    """``"avx-512 (16 floats, 16 rows a pass)"`` or why it is unavailable, for logs and benchmark headers."""
     module = EXTENSION.load()
     if module is None:
         return f"unavailable ({EXTENSION.failure()})"

@@ -82,14 +82,15 @@ ROW_WEIGHTS = {1: 4.0, 4: 2.0, 16: 2.0, 64: 1.0, 256: 1.0}
 UNTIMED_BELOW = 1 << 18
 TIMED_MAX_WEIGHTS = 1 << 24
 FORCED_SPLIT_ROWS = 8  # linear_kernel="split": decodes of up to 8 sequences run plain, larger steps packed
-FORCED_GEMV_ROWS = cpu_gemv.MAX_ROWS  # linear_kernel="gemv" and the like: up to 4 rows through the kernel
+FORCED_GEMV_ROWS = cpu_gemv.MAX_ROWS  # linear_kernel="gemv" and the like: up to 16 rows through the kernel
 SPLIT_GAIN = 0.05
 SPLIT_RAM_FRACTION = 0.25  # auto: split allowed when all linear weights take at most this share of RAM
 REP_BUDGET_S = 0.03  # per candidate and row count, after one warm-up call
 MIN_REPS, MAX_REPS = 3, 9
 SPIKE, RETRIES = 1.5, 2
 # 2: timed with the weights out of the CPU's caches (COLD_BYTES); version 1's warm times are not reused.
-CACHE_VERSION = 2
+# 3: the row kernel ("gemv") reads the weight in panels and is timed up to 16 rows.
+CACHE_VERSION = 3
 # The version of compare_fp32's rule, in the key of the --dtype auto decisions it caches: a decision taken
 # by an older rule is not reused (2: split-fp32 layers count as bf16 storage; 3: the row kernel's paths, gemv
 # on the bf16 weight, count as bf16 storage). The timings stay valid.
@@ -197,7 +198,8 @@ def kernel_fn(path: str, weight: torch.Tensor, bias: torch.Tensor | None) -> Cal
         return lambda x: linear_pointwise(x, packed, bias, "none", [], "")
     b32 = None if bias is None else bias.float()
     if path == "gemv":
-        return lambda x: cpu_gemv.gemv(x, weight, b32)
+        panels = cpu_gemv.pack(weight)
+        return lambda x: cpu_gemv.gemv(x, panels, b32, weight.shape[0])
     if path == "upcast":
         return lambda x: F.linear(x.float(), weight.float(), b32).to(x.dtype)
     w32 = weight.float()
@@ -286,8 +288,8 @@ def score(times: dict[str, dict[int, float]], rows: tuple[int, ...], path_at: Ca
 def decide(times: dict[str, dict[int, float]], allow_split: bool) -> tuple[str, int]:
     """(path, split_rows) from measured times: the best-scoring single path, or one of ``SPLITS`` (its first
     kernel up to a timed row count, its second above it) where that scores ``SPLIT_GAIN`` better than every
-    single path. The splits that keep two layouts of the weight ("split", "split-fp32", "gemv-packed",
-    "gemv-fp32") need ``allow_split``; "gemv" (the row kernel and ``F.linear`` on one weight) does not. The
+    single path. The splits keep two layouts of the weight ("gemv": the panels and the plain weight) and
+    need ``allow_split``. The
     fp32-packed splits are scored only when fp32-packed was timed (a bf16 weight with float32 copies allowed)."""
     rows = tuple(sorted(times["plain"]))
     singles = {
@@ -303,7 +305,7 @@ def decide(times: dict[str, dict[int, float]], allow_split: bool) -> tuple[str, 
     splits = {
         (kind, t): score(times, rows, lambda m, t=t, below=below, above=above: below if m <= t else above)
         for kind, (below, above) in SPLITS.items()
-        if {below, above} <= times.keys() and (allow_split or kind == "gemv")
+        if {below, above} <= times.keys() and allow_split
         if len(rows) > 1 or below == "gemv"
         for t in thresholds
         if set(m for m in rows if m <= t) <= times[below].keys()

@@ -80,25 +80,28 @@ class Linear(nn.Module):
       as the memory allows but loses to float32 from a few rows on.
 
     and three that send inputs of at most ``split_rows`` rows (at most ``cpu_gemv.MAX_ROWS``) to the project's
-    row-streaming kernel (``splitserve.engine.model.cpu_gemv``: the weight read in its own layout, float32 or
-    bf16, summed in float32, the output rounded back once), where it is built, and larger ones to:
+    panel kernel (``splitserve.engine.model.cpu_gemv``: the weight in panels of its own dtype, float32 or bf16,
+    summed in float32, the output rounded back once), where it is built, and larger ones to:
 
-    - "gemv": ``F.linear`` ("plain"; the weight's memory);
-    - "gemv-packed": "packed" (both layouts kept, as "split");
-    - "gemv-fp32": "fp32-packed" (a bf16 weight: three times its memory, as "split-fp32").
+    - "gemv": ``F.linear`` ("plain"; the weight and its panels: twice its memory);
+    - "gemv-packed": "packed" (the panels and oneDNN's layout, the plain weight dropped, as "split");
+    - "gemv-fp32": "fp32-packed" (a bf16 weight's panels and the float32 copy: three times its memory, as
+      "split-fp32").
 
     ``splitserve.engine.model.linear_tuner`` picks the path per weight shape by timing them at load.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool, device: str | None = None) -> None:
         super().__init__()
+        self.out_features = out_features
         self.weight: nn.Parameter | None = nn.Parameter(torch.empty(out_features, in_features, device=device))
         self.bias = nn.Parameter(torch.empty(out_features, device=device)) if bias else None
         self.packed: torch.Tensor | None = None
         self.split_rows = 0  # split, split-fp32, GEMV_PATHS: inputs of at most this many rows take the first kernel
         self.fp32_path: str | None = None  # one of FP32_COMPUTE_PATHS, or None
         self.bias32: torch.Tensor | None = None  # the bias in float32, for the FP32_COMPUTE_PATHS
-        self.gemv_rows = 0  # the GEMV_PATHS: inputs of at most this many rows run the row-streaming kernel
+        self.gemv_rows = 0  # the GEMV_PATHS: inputs of at most this many rows run the panel kernel
+        self.panels: torch.Tensor | None = None  # the GEMV_PATHS: the weight in the panel kernel's layout
 
     @classmethod
     def from_weight(cls, weight: nn.Parameter, path: str, split_rows: int = 0) -> Linear:
@@ -127,8 +130,11 @@ class Linear(nn.Module):
         if path in GEMV_PATHS:
             assert 0 < split_rows <= cpu_gemv.MAX_ROWS and cpu_gemv.available(self.weight), (path, split_rows)
             above = {"plain": "plain", "packed": "split", "fp32-packed": SPLIT_FP32}[GEMV_PATHS[path]]
+            self.panels = cpu_gemv.pack(self.weight)
             if above != "plain":
                 self.use(above, split_rows)
+                # Rows up to split_rows run the panels, the rest the packed weight: the plain one is not read.
+                self.weight = None
             self.gemv_rows = split_rows
             self.bias32 = None if self.bias is None else self.bias.detach().float()
             return
@@ -154,7 +160,7 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gemv_rows and x.numel() <= self.gemv_rows * x.shape[-1]:
-            return cpu_gemv.gemv(x, self.weight, self.bias32)
+            return cpu_gemv.gemv(x, self.panels, self.bias32, self.out_features)
         if self.fp32_path is not None:
             if self.fp32_path == SPLIT_FP32 and x.numel() <= self.split_rows * x.shape[-1]:
                 return F.linear(x, self.weight, self.bias)

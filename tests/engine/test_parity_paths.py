@@ -156,7 +156,7 @@ def fp32_linears(
     the product by ``F.linear`` ("upcast", "fp32") or, ``packed``, by oneDNN on a prepacked weight
     ("fp32-packed"): the two sum in different orders. With ``split_rows`` ("split-fp32"), inputs of at most
     that many rows keep the layer's own bf16 product. With ``gemv_rows`` (the ``GEMV_PATHS``), inputs of at
-    most that many rows run the engine's row kernel on the bf16 weight (its sums are the same for a row
+    most that many rows run the engine's panel kernel on the bf16 weight (its sums are the same for a row
     whatever the rows beside it), larger ones oneDNN in float32 (``packed``, "gemv-fp32") or the layer's own
     bf16 product ("gemv", "gemv-packed")."""
     for module in model.modules():
@@ -165,10 +165,11 @@ def fp32_linears(
             bias = None if module.bias is None else module.bias.detach().float()
             if gemv_rows is not None:
                 packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight) if packed else None
+                panels = cpu_gemv.pack(module.weight)
 
-                def forward(x: torch.Tensor, w=packed_weight, b=bias, own=module.forward, w16=module.weight):
+                def forward(x: torch.Tensor, w=packed_weight, b=bias, own=module.forward, p=panels, n=weight.shape[0]):
                     if x.numel() <= gemv_rows * x.shape[-1]:
-                        return cpu_gemv.gemv(x, w16.detach(), b)
+                        return cpu_gemv.gemv(x, p, b, n)
                     if w is None:
                         return own(x)
                     return torch.ops.mkldnn._linear_pointwise(x.float().contiguous(), w, b, "none", [], "").to(x.dtype)
