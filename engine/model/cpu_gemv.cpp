@@ -4,7 +4,7 @@
 // memory bandwidth, and at 16 rows by the arithmetic and the bandwidth together. `pack` lays the weight out
 // once in panels of W output rows (the vector width), k-major: panels[p][k][j] = w[p * W + j][k], the last
 // panel padded with zeros. A pass over a panel loads one vector of W weights per k and multiplies it by every
-// row of x in the pass (x's element broadcast from a transposed copy that stays in the L1 cache), so each
+// row of x in the pass (x's element broadcast from a transposed copy that stays in the caches), so each
 // weight is read from memory once per pass of up to MAX_M rows and feeds MAX_M fused multiply-adds; a few rows
 // take R panels at once, to keep as many weight streams in flight. The weight stays in its dtype (float32, or
 // bfloat16 widened exactly to float32 in registers); sums are float32, one accumulator lane per (row, output),
@@ -24,6 +24,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -94,7 +95,7 @@ inline void put(const float* sums /* [M][W] */, const float* bias, float* y, int
 inline vec wload(const float* p) { return load_f32(p); }
 inline vec wload(const uint16_t* p) { return load_bf16(p); }
 
-// R panels (consecutive, each K * W weights) against the pass's M rows of xt ([K][MAX_M], x transposed).
+// R panels (consecutive, each K * W weights) against the pass's M rows of xt ([K][M], x transposed).
 template <int R, int M, typename T>
 inline void panels(const float* xt, int64_t K, const T* wp, const float* bias, float* y, int64_t N, int64_t n) {
   vec acc[R][M];
@@ -102,7 +103,7 @@ inline void panels(const float* xt, int64_t K, const T* wp, const float* bias, f
     for (int i = 0; i < M; ++i) acc[r][i] = vzero();
   const int64_t stride = K * W;
   for (int64_t k = 0; k < K; ++k) {
-    const float* xk = xt + k * MAX_M;
+    const float* xk = xt + k * M;
     for (int r = 0; r < R; ++r) {
       const T* p = wp + r * stride + k * W;
       _mm_prefetch(reinterpret_cast<const char*>(p) + PREFETCH_BYTES, _MM_HINT_T0);
@@ -123,13 +124,19 @@ inline void panels(const float* xt, int64_t K, const T* wp, const float* bias, f
   }
 }
 
+// Panels [p, p1) R at a time, the rest R / 2 at a time, and so on: a thread's last panels keep several
+// accumulator chains in flight too (one panel of one row is a single chain, bound by the add's latency).
+template <int R, int M, typename T>
+inline void panel_range(const float* xt, int64_t K, const T* wp, const float* bias, float* y, int64_t N, int64_t p,
+                        int64_t p1) {
+  for (; p + R <= p1; p += R) panels<R, M>(xt, K, wp + p * K * W, bias, y, N, p * W);
+  if constexpr (R > 1) panel_range<R / 2, M>(xt, K, wp, bias, y, N, p, p1);
+}
+
 template <int M, typename T>
 void pass(const float* xt, int64_t K, const T* wp, const float* bias, float* y, int64_t N, int64_t P) {
-  constexpr int R = panels_at_once<M>();
   at::parallel_for(0, P, 4, [&](int64_t p0, int64_t p1) {
-    int64_t p = p0;
-    for (; p + R <= p1; p += R) panels<R, M>(xt, K, wp + p * K * W, bias, y, N, p * W);
-    for (; p < p1; ++p) panels<1, M>(xt, K, wp + p * K * W, bias, y, N, p * W);
+    panel_range<panels_at_once<M>(), M>(xt, K, wp, bias, y, N, p0, p1);
   });
 }
 #else
@@ -142,7 +149,7 @@ void pass(const float* xt, int64_t K, const T* wp, const float* bias, float* y, 
       std::fill(sums, sums + M * W, 0.f);
       for (int64_t k = 0; k < K; ++k)
         for (int i = 0; i < M; ++i)
-          for (int j = 0; j < W; ++j) sums[i * W + j] += xt[k * MAX_M + i] * wval(w + k * W + j);
+          for (int j = 0; j < W; ++j) sums[i * W + j] += xt[k * M + i] * wval(w + k * W + j);
       put<M>(sums, bias, y, N, p * W);
     }
   });
@@ -158,13 +165,19 @@ void pass_of(int m, const float* xt, int64_t K, const T* wp, const float* bias, 
 }
 
 template <typename T>
-void run(const at::Tensor& x, const T* wp, const float* bias, float* y, int64_t N, int64_t P) {
-  const int64_t m = x.size(0), K = x.size(1);
-  auto xt = at::zeros({K, MAX_M}, x.options());  // the pass's rows, transposed; rows past m stay zero
+void run(const float* x, int64_t m, int64_t K, const T* wp, const float* bias, float* y, int64_t N, int64_t P) {
+  // The pass's rows transposed ([K][rows]), reused across calls on this thread; one row is x itself.
+  thread_local std::vector<float> xt;
   for (int64_t i = 0; i < m; i += MAX_M) {
-    const int64_t rows = std::min<int64_t>(MAX_M, m - i);
-    xt.narrow(1, 0, rows).copy_(x.narrow(0, i, rows).t());
-    pass_of<T>(int(rows), xt.data_ptr<float>(), K, wp, bias, y + i * N, N, P);
+    const int rows = int(std::min<int64_t>(MAX_M, m - i));
+    const float* xi = x + i * K;
+    if (rows > 1) {
+      xt.resize(size_t(K) * rows);
+      for (int64_t k = 0; k < K; ++k)
+        for (int r = 0; r < rows; ++r) xt[k * rows + r] = xi[r * K + k];
+      xi = xt.data();
+    }
+    pass_of<T>(rows, xi, K, wp, bias, y + i * N, N, P);
   }
 }
 
@@ -195,10 +208,11 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& panels, const c10::option
   auto y = at::empty({x.size(0), N}, x.options());
   if (x.size(0) == 0) return y;
   if (panels.scalar_type() == at::kFloat) {
-    run<float>(x, panels.data_ptr<float>(), b, y.data_ptr<float>(), N, P);
+    run<float>(x.data_ptr<float>(), x.size(0), x.size(1), panels.data_ptr<float>(), b, y.data_ptr<float>(), N, P);
   } else {
     TORCH_CHECK(panels.scalar_type() == at::kBFloat16, "panels: float32 or bfloat16");
-    run<uint16_t>(x, reinterpret_cast<const uint16_t*>(panels.data_ptr()), b, y.data_ptr<float>(), N, P);
+    run<uint16_t>(x.data_ptr<float>(), x.size(0), x.size(1), reinterpret_cast<const uint16_t*>(panels.data_ptr()), b,
+                  y.data_ptr<float>(), N, P);
   }
   return y;
 }
