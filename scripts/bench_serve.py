@@ -22,8 +22,10 @@ of the peer venv, a process of its own, with its random dataset) against every s
 --deployments (each serving its OpenAI port) and against vLLM's CPU build (`vllm serve` of the peer venv,
 `make peer`; `--peer PYTHON` names another, `--no-peer` skips it) on the same checkpoint, dtype and
 cores, one server at a time: output tok/s, mean TTFT and mean TPOT, and ours as ratios to vLLM's. Every
-deployment runs with the peer's engine settings: its max_model_len and no prefix cache.
-`--json` prints one JSON object as the last line.
+deployment runs with the peer's engine settings: its max_model_len and no prefix cache. With
+`--offline-replay` each colocated deployment's workload is also timed on the offline engine with the same
+settings (all requests at once, max_num_seqs the requests in flight), and the served run's duration is printed
+against it. `--json` prints one JSON object as the last line.
 
 The engines of a deployment (its workers and the offline engine) take --serve-dtype (default: --dtype;
 `auto` computes a bf16 checkpoint in float32 on a CPU without native bf16 where measuring says so,
@@ -358,6 +360,31 @@ def vllm_client_workload(args, python, base_url: str, timeline_addr: str | None 
     return out
 
 
+def offline_replay(args, name: str) -> dict[int, float]:
+    """Seconds the offline engine takes for the peer's workload with the colocated deployment ``name``'s engine
+    settings, at each --in-flight n: --peer-requests prompts of --prompt-len random token ids given at once to
+    an engine of max_num_seqs n, --new-tokens greedy tokens each (EOS ignored), in this process. The served
+    run's duration against it is what serving added to the engine's own time."""
+    import dataclasses
+
+    from splitserve.engine import LLM
+
+    config = deployment_config(args, name).engine_config(str(args.model), "colocated")
+    options = {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.name != "model_dir"}
+    vocab = json.loads((args.model / "config.json").read_text())["vocab_size"]
+    batch = prompts(args.peer_requests, args.prompt_len, vocab, seed=3)
+    out = {}
+    for n in args.in_flight:
+        llm = LLM(args.model, **(options | {"max_num_seqs": n}))
+        try:
+            out[n] = offline_concurrent(llm, batch, args.new_tokens)["seconds"]
+        finally:
+            del llm
+            gc.collect()
+        log(f"    {n} in flight, offline replay: {out[n]:.1f} s")
+    return out
+
+
 def workload_requests(args, vocab: int) -> list:
     import numpy as np
 
@@ -416,6 +443,12 @@ def main() -> int:
     )
     peer.add_arguments(ap, timeout_s=1200.0, timeout_help="seconds for vLLM to become healthy")
     ap.add_argument("--request-timeout", type=float, default=900.0, help="seconds for each request of the workload")
+    ap.add_argument(
+        "--offline-replay",
+        action="store_true",
+        help="after each colocated deployment, time the same workload on the offline engine with its settings "
+        "(all requests at once, max_num_seqs the requests in flight), to compare the served run's duration with",
+    )
     ap.add_argument(
         "--client",
         choices=("splitserve", "vllm"),
@@ -497,6 +530,10 @@ def main() -> int:
                 )
         finally:
             deployment.stop()
+        if args.offline_replay and DEPLOYMENTS[name][1](args).get("mode") == "colocated":
+            replay = offline_replay(args, name)
+            for n, seconds in replay.items():
+                served[label][n]["offline_replay_s"] = seconds
     if not args.skip_baselines:
         result |= baselines(args, runs, single, batch)
     result["served"] = served
@@ -661,6 +698,14 @@ def print_workload(args, result: dict) -> None:
                 f"| {label}{failed} | {n} | {m['output_throughput']:.1f} | {m['mean_ttft_ms']:.0f} | "
                 f"{m['mean_tpot_ms']:.0f} | {cells} |"
             )
+    for label, by_n in result["served"].items():
+        for n, m in by_n.items():
+            if "offline_replay_s" in m:
+                ratio = m["duration"] / m["offline_replay_s"]
+                print(
+                    f"\n{label}, {n} in flight: served in {m['duration']:.1f} s, the offline engine's replay of the "
+                    f"same workload {m['offline_replay_s']:.1f} s: served / offline {ratio:.3f}"
+                )
     if not vllm:
         print("\nvLLM: not measured (--no-peer)" if args.no_peer else f"\n{peer.NOT_MEASURED}")
     elif "error" in vllm:
