@@ -29,7 +29,7 @@ $(STAMP): pyproject.toml
 	$(VPY) -m pip install -q --upgrade pip
 	$(VPY) -m pip install -q -e ".[test]"
 	# The CPU kernels, built ahead of their first use (a failure is logged; torch's kernels run instead):
-	# paged decode attention, the row-streaming linear kernel, and the CPU allocator's block cache.
+	# paged decode attention, the panel linear kernel, and the CPU allocator's block cache.
 	$(VPY) -m splitserve.engine.attention.cpu_paged_decode || true
 	$(VPY) -m splitserve.engine.model.cpu_gemv || true
 	$(VPY) -m splitserve.engine.allocator || true

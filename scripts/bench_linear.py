@@ -8,7 +8,7 @@ whole pass over those matrices, three ways:
 - ``F.linear`` on the plain ``[out, in]`` weight (MKL for float32, oneDNN or an emulation for bf16);
 - oneDNN prepacked (``mkldnn._reorder_linear_weight`` once, then ``mkldnn._linear_pointwise``), the
   path ``splitserve.engine.model.transformer.Linear.pack()`` takes; where this CPU refuses it the reason is printed;
-- the project's row-streaming kernel (``splitserve.engine.model.cpu_gemv``), at m up to its ``MAX_ROWS``, where
+- the project's panel kernel (``splitserve.engine.model.cpu_gemv``), at m up to its ``MAX_ROWS``, where
   it is built;
 - the engine's choice, matrix by matrix: what ``splitserve.engine.model.linear_tuner`` picks at load (``auto``) for each
   shape, timed here on its own row grid (``ROW_GRID``; the LM head up to 64 rows), split allowed,

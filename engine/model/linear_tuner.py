@@ -171,7 +171,7 @@ def machine_key(threads: int, machine: dict | None = None) -> str:
 def candidates(weight: torch.Tensor, fp32_weights: bool, fp32_compute: bool = True) -> tuple[str, ...]:
     """The kernels timed for this weight (the ``SPLITS`` are scored from their two kernels' times): "plain";
     "packed" where oneDNN runs the dtype; "gemv" (timed up to ``cpu_gemv.MAX_ROWS`` rows only) where the
-    row-streaming kernel is built and runs the dtype; the ``FP32_COMPUTE_PATHS`` of a bf16 or fp16 weight with
+    panel kernel is built and runs the dtype; the ``FP32_COMPUTE_PATHS`` of a bf16 or fp16 weight with
     ``fp32_compute``, the float32 copies among them with ``fp32_weights`` too."""
     paths = ["plain"]
     if onednn_runs(weight.dtype, weight.device):

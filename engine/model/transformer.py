@@ -47,7 +47,7 @@ def onednn_runs(dtype: torch.dtype, device: torch.device | str = "cpu") -> bool:
 FP32_COMPUTE_PATHS = ("upcast", "fp32", "fp32-packed")
 # A bf16 (or fp16) layer that runs "plain" up to split_rows rows and "fp32-packed" above them.
 SPLIT_FP32 = "split-fp32"
-# The paths that run the row-streaming kernel (``cpu_gemv``) up to split_rows rows, and what runs above them.
+# The paths that run the panel kernel (``cpu_gemv``) up to split_rows rows, and what runs above them.
 GEMV_PATHS = {"gemv": "plain", "gemv-packed": "packed", "gemv-fp32": "fp32-packed"}
 LINEAR_PATHS = ("plain", "packed", "split", *FP32_COMPUTE_PATHS, SPLIT_FP32, *GEMV_PATHS)
 
