@@ -295,23 +295,7 @@ def openai_workload(
         )
         run = timed(benchmark) if timeline_addr is not None else benchmark
         result = run(requests, [0.0] * len(requests), config, SERVED_NAME, "random")
-        out[n] = {
-            k: result[k]
-            for k in (
-                "completed",
-                "failed",
-                "failures",
-                "duration",
-                "total_output_tokens",
-                "output_throughput",
-                "mean_ttft_ms",
-                "median_ttft_ms",
-                "mean_tpot_ms",
-                "median_tpot_ms",
-                "mean_itl_ms",
-                "mean_e2el_ms",
-            )
-        }
+        out[n] = {k: result[k] for k in ("failed", "failures", *peer.CLIENT_KEYS)}
         log(
             f"    {n} in flight: {result['output_throughput']:.1f} output tok/s, mean TTFT "
             f"{result['mean_ttft_ms']:.0f} ms, mean TPOT {result['mean_tpot_ms']:.0f} ms, failed {result['failed']}"

@@ -109,30 +109,33 @@ def run_offline(
     """scripts/peer_vllm.py in the peer's python; its JSON result, or {"error": what it printed last}."""
     cmd = [str(python), str(PEER_SCRIPT), "--model", str(model), "--dtype", dtype, *extra]
     start = time.perf_counter()
-    # Written as it runs (a first start compiles for minutes: the log shows how far it is), read back at the end.
+    returncode, out = _run_logged(cmd, peer_env(cpus, kv_cache_gib), timeout_s, log_path)
+    for line in reversed(out.splitlines()):
+        if line.startswith("{") and '"engine": "vllm"' in line:
+            return json.loads(line) | {"wall_s": time.perf_counter() - start}
+    return {"error": f"exit code {returncode}; last lines:\n{_last_lines(out)}"}
+
+
+def _run_logged(cmd: list[str], env: dict[str, str], timeout_s: float, log_path: Path | None) -> tuple[int, str]:
+    """Runs ``cmd`` as the leader of its own process group, its output written as it runs (a first vLLM start
+    compiles for minutes: the log shows how far it is) to ``log_path`` (or a temporary file); waits at most
+    ``timeout_s``, then ends the whole group (on a timeout, and any of vLLM's children that outlive their
+    parent). Returns the exit code and the output, with a line saying so when the deadline killed it."""
     with tempfile.TemporaryFile("w+") if log_path is None else _open_log(log_path) as log:
-        proc = subprocess.Popen(
-            cmd,
-            env=peer_env(cpus, kv_cache_gib),
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            text=True,
-            start_new_session=True,
-        )
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, text=True, start_new_session=True)
         try:
             proc.wait(timeout=timeout_s)
             killed = ""
         except subprocess.TimeoutExpired:
             killed = f"\n(killed after the {timeout_s:.0f} s deadline)"
         finally:
-            _kill_group(proc)  # on a timeout, and vLLM's engine-core children, should any outlive their parent
+            _kill_group(proc)
         log.seek(0)
-        out = log.read() + killed
-    for line in reversed(out.splitlines()):
-        if line.startswith("{") and '"engine": "vllm"' in line:
-            return json.loads(line) | {"wall_s": time.perf_counter() - start}
-    tail = "\n".join(out.splitlines()[-25:])
-    return {"error": f"exit code {proc.returncode}; last lines:\n{tail}"}
+        return proc.returncode, log.read() + killed
+
+
+def _last_lines(out: str, n: int = 25) -> str:
+    return "\n".join(out.splitlines()[-n:])
 
 
 # The keys of `vllm bench serve`'s saved result that bench_serve reports (the same names as splitserve bench's).
@@ -216,23 +219,10 @@ def vllm_bench_serve(
         ]
         env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
         env |= {"VLLM_TARGET_DEVICE": "cpu", "TOKENIZERS_PARALLELISM": "false"}
-        with tempfile.TemporaryFile("w+") if log_path is None else _open_log(log_path) as log:
-            proc = subprocess.Popen(
-                cmd, env=env, stdout=log, stderr=subprocess.STDOUT, text=True, start_new_session=True
-            )
-            try:
-                proc.wait(timeout=timeout_s)
-                killed = ""
-            except subprocess.TimeoutExpired:
-                killed = f"\n(killed after the {timeout_s:.0f} s deadline)"
-            finally:
-                _kill_group(proc)
-            log.seek(0)
-            out = log.read() + killed
+        returncode, out = _run_logged(cmd, env, timeout_s, log_path)
         saved = Path(out_dir) / "result.json"
-        if proc.returncode != 0 or not saved.is_file():
-            tail = "\n".join(out.splitlines()[-25:])
-            return {"error": f"vllm bench serve: exit code {proc.returncode}; last lines:\n{tail}"}
+        if returncode != 0 or not saved.is_file():
+            return {"error": f"vllm bench serve: exit code {returncode}; last lines:\n{_last_lines(out)}"}
         result = json.loads(saved.read_text())
     missing = [k for k in CLIENT_KEYS if k not in result]
     if missing:
