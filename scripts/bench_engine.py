@@ -328,8 +328,9 @@ def main() -> int:
 
     # Warm-up both (first calls at a new shape pay for kernel selection), then measure them
     # interleaved, best of --repeats, so that drift in this machine's speed hits both alike.
+    # (Two requests, or one where max_num_seqs is 1: a batch it cannot run at once has no pure-decode step.)
     for e in engines.values():
-        splitserve_decode(e, 2, args.prompt_len, 4, dev)
+        splitserve_decode(e, min(2, max(decode_batches)), args.prompt_len, 4, dev)
     for b in (1, 8):
         for e in engines.values():
             splitserve_prefill_time(e, b, args.prompt_len, dev)
