@@ -52,14 +52,13 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
 
 
 def gemv(x: torch.Tensor, panels: torch.Tensor, bias32: torch.Tensor | None, out_features: int) -> torch.Tensor:
-    """``x W^T + b`` for ``x`` of shape ``[..., in]`` in the weight's dtype (float32 or bfloat16), ``panels``
-    the weight from ``pack`` and ``bias32`` the bias in float32 (or None). Sums in float32; the output is in
-    ``x``'s dtype."""
+    """``x W^T + b`` for ``x`` of shape ``[..., in]`` in float32 or bfloat16 (the weight's dtype, in the
+    engine), ``panels`` the weight from ``pack`` and ``bias32`` the bias in float32 (or None). Sums in float32;
+    the output is in ``x``'s dtype, a bfloat16 one rounded once. The extension takes x as it is (any strides,
+    widened in the kernel) and rounds the output there: one call, no conversions dispatched around it."""
     module = EXTENSION.load()
     assert module is not None, "cpu gemv: the extension is unavailable (check available() first)"
-    rows = x.reshape(-1, x.shape[-1])
-    y = module.gemv(rows.float().contiguous(), panels, bias32, out_features)
-    return y.view(*x.shape[:-1], out_features).to(x.dtype)
+    return module.gemv(x, panels, bias32, out_features)
 
 
 def describe() -> str:

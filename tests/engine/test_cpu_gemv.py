@@ -74,6 +74,48 @@ def test_matches_a_float64_product_at_edge_shapes(dtype, n, k):
 
 
 @needs_kernel
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("n", "k"), [(3, 15), (17, 33), (300, 7), (1152, 96)])
+def test_a_bf16_input_equals_the_float32_route_rounded_once(weight_dtype, n, k):
+    """A bfloat16 x is widened in the kernel and its output rounded there: bit for bit the float32 x's product
+    (its sums plus bias) rounded once by ``.to(torch.bfloat16)``, at every pass size, partial panels, with and
+    without a bias, and for a strided 3-d input."""
+    module = cpu_gemv.EXTENSION.load()
+    gen = torch.Generator().manual_seed(n * 7 + k)
+    w = torch.randn(n, k, generator=gen).to(weight_dtype)
+    b = torch.randn(n, generator=gen)
+    panels = module.pack(w)
+    for m in [1, 2, 3, 5, 8, 9, 16, 17, 33]:
+        x = torch.randn(m, k, generator=gen).bfloat16()
+        for bias in (b, None):
+            y = module.gemv(x, panels, bias, n)
+            assert y.dtype == torch.bfloat16 and y.shape == (m, n)
+            assert torch.equal(y, module.gemv(x.float(), panels, bias, n).bfloat16()), (m, bias is None)
+    wide = torch.randn(2, 3, 2 * k, generator=gen).bfloat16()
+    y = module.gemv(wide[..., ::2], panels, b, n)
+    assert y.shape == (2, 3, n) and y.dtype == torch.bfloat16
+    assert torch.equal(y, module.gemv(wide[..., ::2].float().reshape(6, k), panels, b, n).bfloat16().view(2, 3, n))
+
+
+@needs_kernel
+def test_bf16_outputs_round_halfway_sums_to_even_as_torch_does():
+    """Sums exactly halfway between two bf16 values (kept bit 0 and 1, either sign), infinities and a NaN, through
+    the vector store and the partial last panel: ``.to(torch.bfloat16)``'s values, NaN where it gives NaN."""
+    module = cpu_gemv.EXTENSION.load()
+    width = module.panel_width()
+    n = 3 * width + 5
+    halves = torch.tensor([0x3F808000, 0x3F818000, 0x40FF8000, 0x47008000], dtype=torch.int32).view(torch.float32)
+    bias = torch.cat([halves, -halves, torch.tensor([float("inf"), -float("inf"), float("nan"), 1e-40])])
+    bias = bias.repeat(-(-n // bias.numel()))[:n].contiguous()
+    panels = module.pack(torch.zeros(n, 4, dtype=torch.bfloat16))
+    for m in (1, 3):
+        y = module.gemv(torch.ones(m, 4, dtype=torch.bfloat16), panels, bias, n)
+        expected = bias.expand(m, n).to(torch.bfloat16)
+        assert torch.equal(y.isnan(), expected.isnan())
+        assert torch.equal(y.nan_to_num(0.0), expected.nan_to_num(0.0))
+
+
+@needs_kernel
 def test_takes_any_leading_shape_and_a_non_contiguous_input():
     w, b = torch.randn(64, 48), torch.randn(64)
     wide = torch.randn(2, 3, 96)
@@ -97,8 +139,8 @@ def test_bad_inputs_are_refused_with_the_argument_named():
         module.gemv(torch.randn(1, 8), panels, None, module.panel_width() + 1)
     with pytest.raises(RuntimeError, match="bias: float32"):
         module.gemv(torch.randn(1, 8), panels, torch.randn(5), 4)
-    with pytest.raises(RuntimeError, match="x: float32"):
-        module.gemv(torch.randn(1, 8).bfloat16(), panels, None, 4)
+    with pytest.raises(RuntimeError, match="x: float32 or bfloat16"):
+        module.gemv(torch.randn(1, 8).half(), panels, None, 4)
 
 
 @needs_kernel
