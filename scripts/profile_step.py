@@ -198,12 +198,17 @@ def add_ranges(llm: LLM) -> Callable[[], None]:
 
 
 def start_batch(llm: LLM, batch: int, context: int, new_tokens: int) -> None:
+    """``new_tokens`` decode steps for every request after the last prompt is in: the first prompts decode while
+    later ones prefill, one token a step, so each request gets as many more tokens as the prefill takes steps."""
     rng = random.Random(0)
     vocab = llm.model_config.vocab_size
-    sp = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
-    for _ in range(batch):
-        n = rng.randint(int(context * 0.8), int(context * 1.2))
-        llm.add_request([rng.randrange(vocab) for _ in range(n)], sp)
+    prompts = [[rng.randrange(vocab) for _ in range(rng.randint(int(context * 0.8), int(context * 1.2)))] for _ in range(batch)]
+    cfg = llm.core.config
+    per_step = min(cfg.max_num_batched_tokens, cfg.prefill_chunk_size or cfg.max_num_batched_tokens)
+    prefill_steps = -(-sum(len(p) for p in prompts) // per_step) + batch
+    sp = SamplingParams(max_tokens=new_tokens + prefill_steps, temperature=0.0, ignore_eos=True)
+    for prompt in prompts:
+        llm.add_request(prompt, sp)
     # Until every request has its prompt in the cache and decodes one token a step.
     while llm.scheduler.waiting or any(r.num_computed_tokens < r.num_tokens - 1 for r in llm.scheduler.running):
         llm.step()
@@ -252,13 +257,14 @@ def profile_batch(llm: LLM, batch: int, context: int, steps: int, warmup: int) -
     schedule = torch.profiler.schedule(wait=0, warmup=1, active=steps, repeat=1)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], schedule=schedule) as prof:
         for _ in range(steps + 1):
-            assert len(llm.scheduler.running) == batch and not llm.scheduler.waiting
+            assert len(llm.scheduler.running) == batch and not llm.scheduler.waiting, "a request finished early"
             with record_function(STEP_RANGE):
                 llm.step()
             prof.step()
     remove_ranges()
-    while llm.has_unfinished_requests():
-        llm.step()
+    for request in list(llm.scheduler.running):  # done with them: their blocks back, not decoded to the end
+        llm.abort(request.request_id)
+    llm.check_integrity()
     totals, count, step_ms = attribute(prof.events())
     wall_ms = 1e3 * min(plain)
     parts = {c: ms / steps for c, ms in totals.items()}
