@@ -202,7 +202,9 @@ def start_batch(llm: LLM, batch: int, context: int, new_tokens: int) -> None:
     later ones prefill, one token a step, so each request gets as many more tokens as the prefill takes steps."""
     rng = random.Random(0)
     vocab = llm.model_config.vocab_size
-    prompts = [[rng.randrange(vocab) for _ in range(rng.randint(int(context * 0.8), int(context * 1.2)))] for _ in range(batch)]
+    prompts = [
+        [rng.randrange(vocab) for _ in range(rng.randint(int(context * 0.8), int(context * 1.2)))] for _ in range(batch)
+    ]
     cfg = llm.core.config
     per_step = min(cfg.max_num_batched_tokens, cfg.prefill_chunk_size or cfg.max_num_batched_tokens)
     prefill_steps = -(-sum(len(p) for p in prompts) // per_step) + batch
