@@ -32,24 +32,24 @@ class Endpoint:
         self._transfers: dict[str, TransferHandle] = {}
         self._pairs: dict = {}
         self._closed = threading.Event()
-        self._threads: set[threading.Thread] = set()  # this endpoint's threads still running
+        # This endpoint's threads, kept until they have ended (pruned at each spawn): ``close`` joins every one
+        # still alive. A thread does not take itself out as it finishes, which would leave a window in which
+        # ``close`` no longer sees it and it still runs.
+        self._threads: set[threading.Thread] = set()
         self._spawn(self._watch_deadlines, f"kv-{self.role}-deadlines")
 
     def _spawn(self, target, name: str, *args) -> None:
         """Start a daemon thread that ``close`` waits for."""
 
         def run() -> None:
-            try:
-                serial_torch()  # the model's thread keeps the cores' OpenMP team (engine.threads)
-                target(*args)
-            finally:
-                with self._lock:
-                    self._threads.discard(threading.current_thread())
+            serial_torch()  # the model's thread keeps the cores' OpenMP team (engine.threads)
+            target(*args)
 
         thread = threading.Thread(target=run, name=name, daemon=True)
-        with self._lock:
+        with self._lock:  # started under the lock, so that no other spawn prunes it before it is alive
+            self._threads = {t for t in self._threads if t.is_alive()}
             self._threads.add(thread)
-        thread.start()
+            thread.start()
 
     def num_pairs(self) -> int:
         return len(self._pairs)
