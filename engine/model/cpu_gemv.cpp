@@ -189,7 +189,7 @@ void pass_of(int m, const float* xt, int64_t K, const T* wp, const float* bias, 
 }
 
 inline float xval(float v) { return v; }
-inline float xval(c10::BFloat16 v) { return float(v); }  // exact
+inline float xval(c10::BFloat16 v) { return bf16_to_f32(v.x); }
 
 template <typename T, typename X, typename O>
 void run(const X* x, int64_t m, int64_t K, const T* wp, const float* bias, O* y, int64_t N, int64_t P) {
