@@ -34,8 +34,8 @@
 namespace {
 
 // Bytes ahead of the weight vector being read that a pass prefetches (measured on an AMD EPYC with AVX-512,
-// 16 rows: 2-4 KB alike, 1 KB and 8 KB slower, none at all 20% slower). Passes of fewer rows than
-// prefetch_from<>() (per ISA, below) issue none.
+// 16 rows: 2-4 KB alike, 1 KB and 8 KB slower, none at all 20% slower). Whether a pass of M rows prefetches at
+// all: prefetches<M>(), per ISA below.
 constexpr int PREFETCH_BYTES = 2048;
 
 #if defined(__AVX512F__)
@@ -63,7 +63,7 @@ inline void store_bf16(c10::BFloat16* p, vec v) {
 // Panels at once for a pass of M rows: R * M accumulators and R weight vectors within the 32 registers.
 template <int M>
 constexpr int panels_at_once() { return M == 1 ? 8 : M == 2 ? 6 : M <= 4 ? 4 : M <= 8 ? 2 : 1; }
-// The fewest rows a pass prefetches for. At one or two rows the hardware's own prefetch keeps up with the 6-8
+// Whether a pass of M rows prefetches: at one or two rows the hardware's own prefetch keeps up with the 6-8
 // weight streams and the explicit one (two a cache line) costs time: without it one row ran 10-40% faster and
 // two rows 0-15% faster on an AMD EPYC (AVX-512, 2 threads, bf16 and float32 decode shapes of qwen2.5-0.5b),
 // while 8 and 16 rows ran 10-25% slower.

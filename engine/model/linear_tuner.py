@@ -161,11 +161,13 @@ class Choice:
 
 
 def machine_key(threads: int, machine: dict | None = None) -> str:
-    """What a timing depends on besides the shape: CPU model, its ISA flags, torch, threads."""
+    """What a timing depends on besides the shape: CPU model, its ISA flags, torch, threads, and the panel
+    kernel's build (its source and flags: a changed kernel is timed again, not judged by its old times)."""
     m = describe_machine(probe_torch=False) if machine is None else machine
     flags = ",".join(sorted(name for name, on in m["isa"].items() if on))
     digest = hashlib.blake2b(flags.encode(), digest_size=4).hexdigest()
-    return f"{m['cpu_model']} [isa {digest}] torch {torch.__version__} threads {threads}"
+    gemv = cpu_gemv.EXTENSION.build_key()[:8]
+    return f"{m['cpu_model']} [isa {digest}] torch {torch.__version__} threads {threads} gemv {gemv}"
 
 
 def candidates(weight: torch.Tensor, fp32_weights: bool, fp32_compute: bool = True) -> tuple[str, ...]:

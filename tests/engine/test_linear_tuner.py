@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from splitserve.engine.core import EngineConfig
-from splitserve.engine.model import linear_tuner
+from splitserve.engine.model import cpu_gemv, linear_tuner
 from splitserve.engine.model.config import ModelConfig
 from splitserve.engine.model.linear_tuner import (
     CACHE_VERSION,
@@ -111,6 +111,17 @@ def test_cache_round_trips_and_is_keyed_by_machine_and_threads(tmp_path):
     keys = {machine_key(t, {"cpu_model": cpu, "isa": isa}) for cpu in ("EPYC 1", "EPYC 2") for t in (1, 2)}
     keys.add(machine_key(1, {"cpu_model": "EPYC 1", "isa": {**isa, "avx512f": True}}))
     assert len(keys) == 5
+
+
+def test_machine_key_changes_with_the_panel_kernels_source(tmp_path, monkeypatch):
+    """Timings of an older build of the panel kernel are not reused: its source is in the key."""
+    machine = {"cpu_model": "EPYC 1", "isa": {"avx2": True}}
+    before = machine_key(1, machine)
+    assert machine_key(1, machine) == before
+    changed = tmp_path / "cpu_gemv.cpp"
+    changed.write_bytes(cpu_gemv.SOURCE.read_bytes() + b"\n// another build\n")
+    monkeypatch.setattr(cpu_gemv.EXTENSION, "source", changed)
+    assert machine_key(1, machine) != before
 
 
 @needs_onednn
