@@ -34,8 +34,8 @@
 namespace {
 
 // Bytes ahead of the weight vector being read that a pass prefetches (measured on an AMD EPYC with AVX-512,
-// 16 rows: 2-4 KB alike, 1 KB and 8 KB slower, none at all 20% slower). Whether a pass of M rows prefetches at
-// all: prefetches<M>(), per ISA below.
+// 16 rows: 2-4 KB alike, 1 KB and 8 KB slower, none at all 20% slower). Whether and into which cache a pass of
+// M rows prefetches: prefetch<M>(), per ISA below.
 constexpr int PREFETCH_BYTES = 2048;
 
 #if defined(__AVX512F__)
@@ -63,12 +63,13 @@ inline void store_bf16(c10::BFloat16* p, vec v) {
 // Panels at once for a pass of M rows: R * M accumulators and R weight vectors within the 32 registers.
 template <int M>
 constexpr int panels_at_once() { return M == 1 ? 8 : M == 2 ? 6 : M <= 4 ? 4 : M <= 8 ? 2 : 1; }
-// Whether a pass of M rows prefetches: at one or two rows the hardware's own prefetch keeps up with the 6-8
-// weight streams and the explicit one (two a cache line) costs time: without it one row ran 10-40% faster and
-// two rows 0-15% faster on an AMD EPYC (AVX-512, 2 threads, bf16 and float32 decode shapes of qwen2.5-0.5b),
-// while 8 and 16 rows ran 10-25% slower.
+// At one or two rows the hardware's own prefetch keeps up with the 6-8 weight streams and the explicit one (two
+// a cache line) costs time: without it one row ran 10-40% faster and two rows 0-15% faster on an AMD EPYC
+// (AVX-512, 2 threads, bf16 and float32 decode shapes of qwen2.5-0.5b), while 8 and 16 rows ran 10-25% slower.
 template <int M>
-constexpr bool prefetches() { return M > 2; }
+inline void prefetch(const void* p) {
+  if constexpr (M > 2) _mm_prefetch(reinterpret_cast<const char*>(p) + PREFETCH_BYTES, _MM_HINT_T0);
+}
 #elif defined(__AVX2__) && defined(__FMA__)
 constexpr int W = 8;
 constexpr int MAX_M = 8;
@@ -95,9 +96,16 @@ inline void store_bf16(c10::BFloat16* p, vec v) {  // as the AVX-512 one
 template <int M>
 constexpr int panels_at_once() { return M <= 2 ? 4 : M <= 4 ? 2 : 1; }
 // Prefetching pays at every pass size here (AVX2 build on the same EPYC, capped: one and two rows 0-12% faster
-// with it).
+// with it than without), into L2 at one or two rows (a pass over the decode matrices 5-12% faster than into L1)
+// and into L1 from 3 rows (4 and 8 rows 4-6% slower into L2).
 template <int M>
-constexpr bool prefetches() { return true; }
+inline void prefetch(const void* p) {
+  if constexpr (M <= 2) {
+    _mm_prefetch(reinterpret_cast<const char*>(p) + PREFETCH_BYTES, _MM_HINT_T1);
+  } else {
+    _mm_prefetch(reinterpret_cast<const char*>(p) + PREFETCH_BYTES, _MM_HINT_T0);
+  }
+}
 #else
 #define GEMV_SCALAR 1
 constexpr int W = 8;
@@ -141,7 +149,7 @@ inline void panels(const float* xt, int64_t K, const T* wp, const float* bias, O
     const float* xk = xt + k * M;
     for (int r = 0; r < R; ++r) {
       const T* p = wp + r * stride + k * W;
-      if constexpr (prefetches<M>()) _mm_prefetch(reinterpret_cast<const char*>(p) + PREFETCH_BYTES, _MM_HINT_T0);
+      prefetch<M>(p);
       vec wv = wload(p);
       for (int i = 0; i < M; ++i) acc[r][i] = fma(bcast(xk[i]), wv, acc[r][i]);
     }
