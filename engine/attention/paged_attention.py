@@ -141,15 +141,15 @@ def _decode(q, cache, meta: AttentionMetadata, scale: float, window: int | None)
     keys, values = keys[:, :, start:end].transpose(0, 1), values[:, :, start:end].transpose(0, 1)  # [B, kv_heads, L, d]
     # SDPA, as transformers decodes: its kernel keeps the scores in float32 for bf16/fp16 inputs (a
     # plain bf16 matmul would round them to bf16 before the softmax, and greedy output would drift).
-    # Where transformers passes a mask (a sliding window past its length, or padding), it folds each
-    # KV head's query group into the query axis (its ``pack_gqa``); otherwise it lets SDPA broadcast
-    # the KV heads. Both are done the same way here, so the kernel blocks its sums as transformers' does.
+    # Each KV head's query group is folded into the query axis ([B, kv_heads, group, d]), as transformers'
+    # ``pack_gqa`` does where it passes a mask: one work item and two small GEMMs per (row, KV head) instead
+    # of per query head. Without a mask transformers lets SDPA broadcast the KV heads instead; the two forms
+    # differ in about one output element in 10^3-10^4, by one bf16 step, within the bf16 tie rule, and the
+    # folded one is 6-11x faster at one row on a CPU (docs/performance.md, "Decode attention with the query
+    # group folded").
     batch, heads, head_dim = q.shape
-    if mask is None and (window is None or end <= window):
-        out = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, scale=scale, enable_gqa=True)
-    else:
-        grouped = q.view(batch, keys.shape[1], heads // keys.shape[1], head_dim)  # [B, kv_heads, group, d]
-        out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=mask, scale=scale)
+    grouped = q.view(batch, keys.shape[1], heads // keys.shape[1], head_dim)  # [B, kv_heads, group, d]
+    out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=mask, scale=scale)
     return out.reshape(batch, heads, head_dim)
 
 
