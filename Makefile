@@ -29,9 +29,10 @@ $(STAMP): pyproject.toml
 	$(VPY) -m pip install -q --upgrade pip
 	$(VPY) -m pip install -q -e ".[test]"
 	# The CPU kernels, built ahead of their first use (a failure is logged; torch's kernels run instead):
-	# paged decode attention, the panel linear kernel, and the CPU allocator's block cache.
+	# paged decode attention, the panel linear kernel, the bf16 RMSNorm, and the CPU allocator's block cache.
 	$(VPY) -m splitserve.engine.attention.cpu_paged_decode || true
 	$(VPY) -m splitserve.engine.model.cpu_gemv || true
+	$(VPY) -m splitserve.engine.model.cpu_norm || true
 	$(VPY) -m splitserve.engine.allocator || true
 	touch $(STAMP)
 

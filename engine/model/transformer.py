@@ -23,7 +23,7 @@ from torch import nn
 from splitserve.engine.attention.paged_attention import AttentionMetadata, paged_attention
 from splitserve.engine.hardware import cpu_isa, isa_override, onednn_bf16_isa
 from splitserve.engine.kv_cache.cache import KVCache
-from splitserve.engine.model import cpu_gemv
+from splitserve.engine.model import cpu_gemv, cpu_norm
 from splitserve.engine.model.config import ModelConfig
 from splitserve.engine.model.rope import RotaryEmbedding, apply_rotary
 from splitserve.engine.tp.distributed import TPGroup
@@ -180,14 +180,20 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(size))
         self.eps = eps
+        self.fused: bool | None = None  # bf16 on the CPU: whether cpu_norm runs it (decided at the first call)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # As transformers: normalise in float32, round back, then scale in the model's dtype. ``F.rms_norm``
         # runs the same float32 ops (x * rsqrt(mean(x^2) + eps), then the weight) in one call: bit-equal to
-        # transformers' chain in fp32 and bf16 here, with 1 or 3 dispatched operators instead of 8.
+        # transformers' chain in fp32 and bf16 here, with 1 or 3 dispatched operators instead of 8. A bf16 norm on
+        # the CPU is one call of ``cpu_norm`` where it checked bit-equal to that here.
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        return self.weight * F.rms_norm(x.float(), self.weight.shape, eps=self.eps).to(x.dtype)
+        if self.fused is None:
+            self.fused = x.dtype == torch.bfloat16 and cpu_norm.usable(self.weight, self.eps)
+        if self.fused and x.dim() == 2 and x.stride(1) == 1:
+            return cpu_norm.rms_norm(x, self.weight, self.eps)
+        return cpu_norm.reference(x, self.weight, self.eps)
 
 
 class Attention(nn.Module):
