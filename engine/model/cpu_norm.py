@@ -17,6 +17,7 @@ is logged once and the model keeps torch's operators.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from pathlib import Path
@@ -44,6 +45,7 @@ def reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     return weight * F.rms_norm(x.float(), weight.shape, eps=eps).to(x.dtype)
 
 
+@functools.cache  # torch picks its kernels once, at start-up ($ATEN_CPU_CAPABILITY): read once, not at every norm
 def torch_width() -> int | None:
     """The lanes of torch's float vectors on this CPU (None where this module does not know them)."""
     return TORCH_WIDTHS.get(torch.backends.cpu.get_cpu_capability())
@@ -82,12 +84,13 @@ def _check(n: int, eps: float) -> bool:
         if not torch.equal(got.view(torch.int16), want.view(torch.int16)):
             differ = int((got.view(torch.int16) != want.view(torch.int16)).sum())
             log.warning(
-                "cpu norm: %d of %d elements differ from torch's RMSNorm at width %d (torch's %s kernels): "
-                "RMSNorm keeps torch's operators",
+                "cpu norm: %d of %d elements differ from torch's RMSNorm in rows of %d (torch's %s kernels, "
+                "%d-lane sums): RMSNorm keeps torch's operators",
                 differ,
                 x.numel(),
                 n,
                 torch.backends.cpu.get_cpu_capability(),
+                torch_width(),
             )
             return False
     return True
