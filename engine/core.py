@@ -192,7 +192,7 @@ class EngineCore:
         self.static_decode = self.decode_path == "static"
         # The decode attention: on the static path its paged_decode backend; on the dynamic path the preferred
         # backend that reads the cache in place (the CPU kernel, Triton on CUDA), or the gather where only the
-        # reference is available here (a bf16 CPU cache; the CPU kernel not built).
+        # reference is available here (a float16 CPU cache; the CPU kernel not built).
         in_place = self.dynamic_decode_attention()
         self.dynamic_decode_backend = DYNAMIC_DECODE_BACKEND if in_place is None else f"paged_decode {in_place.name}"
         self.decode_backend = self.dynamic_decode_backend  # the static path's replaces it (_static_decode_inputs)

@@ -9,7 +9,8 @@
 // threads (at::parallel_for), so torch.set_num_threads bounds them.
 //
 // Where the compiler targets AVX-512 (-march=native on such a CPU), blocks whose size and head_dim are multiples of
-// 16 take attend_rows_avx512 (below); every other shape, and every other CPU, the portable loops.
+// 16 take attend_rows_avx512 (below); every other shape, and every other CPU, the portable loops. bfloat16 takes
+// its own path (decode_rows_bf16): the steps of SDPA's CPU kernel, so that its output is transformers'.
 //
 // The same file holds the prefill attention (paged_prefill, at its end; engine/attention/cpu_paged_prefill.py),
 // which shares the decode kernel's exp and its build.
@@ -229,6 +230,17 @@ inline void attend_rows_avx512(const float* qf, const float* keys, const float* 
 }
 #endif
 
+// Work item ``item`` of a decode call: row b and KV head h, the row's length (at least 1: a padding row attends to
+// position 0) and the first position it attends to (its window's).
+struct Item {
+  int64_t b, h, len, start;
+};
+
+inline Item item_of(int64_t item, int64_t kv_heads, const int64_t* lens, int64_t window) {
+  const int64_t b = item / kv_heads, len = std::max<int64_t>(lens[b], 1);
+  return {b, item % kv_heads, len, window > 0 ? std::max<int64_t>(0, len - window) : 0};
+}
+
 template <typename scalar_t>
 void decode_rows(const scalar_t* q, const scalar_t* cache, const int64_t* tables, const int64_t* lens,
                  scalar_t* out, int64_t batch, int64_t heads, int64_t kv_heads, int64_t block_size,
@@ -244,10 +256,8 @@ void decode_rows(const scalar_t* q, const scalar_t* cache, const int64_t* tables
     std::vector<float> qf(group * d), acc(group * d), scores(group * block_size), run_max(group), run_sum(group);
     std::vector<float> kbuf(std::is_same_v<scalar_t, float> ? 0 : block_elems), vbuf(kbuf.size());
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t b = item / kv_heads;
-      const int64_t h = item % kv_heads;
-      const int64_t len = std::max<int64_t>(lens[b], 1);
-      const int64_t start = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+      const Item it = item_of(item, kv_heads, lens, window);
+      const int64_t b = it.b, h = it.h, len = it.len, start = it.start;
       for (int64_t g = 0; g < group; ++g) {
         const scalar_t* qrow = q + (b * heads + h * group + g) * d;
         float* qg = qf.data() + g * d;
@@ -325,8 +335,299 @@ void decode_rows(const scalar_t* q, const scalar_t* cache, const int64_t* tables
   });
 }
 
+// ---- bfloat16: the softmax as SDPA's CPU flash kernel computes it for reduced types ----
+//
+// transformers decodes a bf16 model through SDPA, whose CPU kernel (torch's flash attention) scores q . k in float32
+// from the bf16 values and then scales them, takes each chunk of SDPA_KV_SPLIT keys' maximum (with the running one),
+// sums exp(s - max) in float32, and multiplies the values by those probabilities *rounded to bf16*, rescaling the
+// running sum and output between chunks; the output is the float32 sum of products times 1 / the float32 sum,
+// rounded to bf16. The online softmax above (a running maximum per cache block, float32 probabilities) moved a
+// fifth of the outputs by a bf16 step from SDPA's, and greedy bf16 output drifted from transformers' past the tie
+// rule through it. This path takes SDPA's steps, its exp and its order of the probabilities' sum (``lanes``: the
+// width of torch's float vectors, 16 under its AVX-512 kernels, 8 under AVX2 and its default build; ``poly``:
+// whether its vectorized exp is the polynomial ``fexp_u20``, as under AVX2 and AVX-512, or std::exp), so the two
+// differ only in the order of the dot products' and the values' float32 sums. One work item per (row, KV head), as
+// above: the chunk's scores for the whole query group, then the softmax per query, then the values.
+constexpr int64_t SDPA_KV_SPLIT = 512;  // keys per chunk of torch's flash attention (its kv_split_size)
+
+// x rounded to the nearest bf16 (ties to even), as a float; x finite or inf (the probabilities are in [0, 1]).
+inline float round_bf16(float x) {
+  uint32_t u = std::bit_cast<uint32_t>(x);
+  u = (u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u;
+  return std::bit_cast<float>(u);
+}
+
+// torch's Vectorized<float>::fexp_u20 (its AVX2 and AVX-512 kernels; SDPA's softmax on the CPU), one lane: the same
+// operations in the same order, each fused multiply-add explicit and no other contracted (the product x * log2(e) is
+// an FMA with 0, which rounds as the product does), so the result is the same bits.
+inline float fexp_u20(float x) {
+  const float ln_flt_min = std::bit_cast<float>(0xc2aeac50u), ln_flt_max = std::bit_cast<float>(0x42b17218u);
+  const float log2e = std::bit_cast<float>(0x3fb8aa3bu);
+  float src = __builtin_fmaf(x, log2e, 0.0f);
+  const float frac = src - std::floor(src);
+  float res = __builtin_fmaf(frac, -0.079204240219773236f, -0.22433836478672356f);
+  res = __builtin_fmaf(frac, res, 0.30354260500649682f);
+  res = __builtin_fmaf(frac, res, 0.00010703434948458272f);
+  src = src - res;
+  // 2^23 * src + 127 * 2^23, truncated to an integer: the float's bits. Clamped first only where the masks below
+  // replace the result anyway (the conversion of an out-of-range float is undefined in C++).
+  const float bits = std::min(std::max(__builtin_fmaf(8388608.0f, src, 1065353216.0f), 0.0f), 2147483520.0f);
+  const float out = std::bit_cast<float>(static_cast<int32_t>(bits));
+  return x < ln_flt_min ? 0.0f : (x > ln_flt_max ? std::numeric_limits<float>::infinity() : out);
+}
+
+// The chunk's probabilities, as torch's _exp_reduce_sum_fusion_kernel makes them: p[t] = exp(s[t] - max) over the
+// whole vectors of ``lanes`` (fexp_u20 or std::exp), lane sums reduced by halves (its AVX2 and AVX-512 reduction) or
+// one by one (its default build's), then the tail with std::exp added one by one. Returns the float32 sum; p is
+// stored rounded to bf16, as SDPA's value product reads it.
+inline float exp_sum(float* s, int64_t n, float max, int64_t lanes, bool poly) {
+  float lane[16] = {};
+  const int64_t whole = n / lanes * lanes;
+  for (int64_t t0 = 0; t0 < whole; t0 += lanes) {
+    if (poly) {
+#pragma omp simd
+      for (int64_t l = 0; l < lanes; ++l) {
+        const float e = fexp_u20(s[t0 + l] - max);
+        lane[l] += e;
+        s[t0 + l] = round_bf16(e);
+      }
+    } else {
+      for (int64_t l = 0; l < lanes; ++l) {
+        const float e = std::exp(s[t0 + l] - max);
+        lane[l] += e;
+        s[t0 + l] = round_bf16(e);
+      }
+    }
+  }
+  float sum;
+  if (poly) {
+    for (int64_t half = lanes / 2; half >= 1; half /= 2)
+      for (int64_t l = 0; l < half; ++l) lane[l] += lane[l + half];
+    sum = lane[0];
+  } else {
+    sum = lane[0];
+    for (int64_t l = 1; l < lanes; ++l) sum += lane[l];
+  }
+  for (int64_t t = whole; t < n; ++t) {
+    const float e = std::exp(s[t] - max);
+    sum += e;
+    s[t] = round_bf16(e);
+  }
+  return sum;
+}
+
+// Eight floats in a vector register (GCC's vector extension: AVX2's ymm, or half of an AVX-512 zmm), loaded and
+// stored unaligned. ``x * v`` of a float and a vector broadcasts the float; ``acc += x * v`` is one FMA per lane.
+typedef float v8f __attribute__((vector_size(32)));
+
+inline v8f vload(const float* p) {
+  v8f v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline void vstore(float* p, v8f v) { std::memcpy(p, &v, sizeof(v)); }
+
+// Q queries' scores against 16 keys: s[q * 16 + t] = sum over i, in order, of qf[q * d + i] * kt[i * ldk + t] (kt:
+// the keys transposed, rows of ldk floats), each score one chain of FMAs, the 2 Q accumulators in registers.
+template <int Q>
+inline void score16(const float* qf, int64_t d, const float* kt, int64_t ldk, float* s) {
+  v8f acc[Q][2] = {};
+  for (int64_t i = 0; i < d; ++i) {
+    const v8f k0 = vload(kt + i * ldk), k1 = vload(kt + i * ldk + 8);
+    for (int q = 0; q < Q; ++q) {
+      const float x = qf[q * d + i];
+      acc[q][0] += x * k0;
+      acc[q][1] += x * k1;
+    }
+  }
+  for (int q = 0; q < Q; ++q) {
+    vstore(s + q * 16, acc[q][0]);
+    vstore(s + q * 16 + 8, acc[q][1]);
+  }
+}
+
+// Up to 8 queries (one per lane of qt, the queries transposed: qt[i * 8 + q]) against K keys: s[j * 8 + q] = sum over
+// i, in order, of qt[i * 8 + q] * keys[j * d + i], each score one chain of FMAs (the same sums as score16's), the K
+// accumulators in registers; each key element is broadcast from the keys as float32 rows.
+template <int K>
+inline void score_keys(const float* qt, int64_t d, const float* keys, float* s) {
+  v8f acc[K] = {};
+  for (int64_t i = 0; i < d; ++i) {
+    const v8f qv = vload(qt + i * 8);
+    for (int j = 0; j < K; ++j) acc[j] += keys[j * d + i] * qv;
+  }
+  for (int j = 0; j < K; ++j) vstore(s + j * 8, acc[j]);
+}
+
+// a[0 .. 8 W) += sum over t < n, in order, of p[t] * v[t * d + 0 .. 8 W): the W accumulators in registers.
+template <int W>
+inline void values8(float* a, const float* p, const float* v, int64_t d, int64_t n) {
+  v8f acc[W];
+  for (int w = 0; w < W; ++w) acc[w] = vload(a + 8 * w);
+  for (int64_t t = 0; t < n; ++t) {
+    const float pt = p[t];
+    for (int w = 0; w < W; ++w) acc[w] += pt * vload(v + t * d + 8 * w);
+  }
+  for (int w = 0; w < W; ++w) vstore(a + 8 * w, acc[w]);
+}
+
+void decode_rows_bf16(const c10::BFloat16* q, const c10::BFloat16* cache, const int64_t* tables, const int64_t* lens,
+                      c10::BFloat16* out, int64_t batch, int64_t heads, int64_t kv_heads, int64_t block_size,
+                      int64_t head_dim, int64_t max_blocks, float scale, int64_t window, int64_t lanes, bool poly) {
+  const int64_t group = heads / kv_heads;
+  const int64_t d = head_dim;
+  const int64_t block_elems = block_size * d;
+  const int64_t block_bytes = block_elems * static_cast<int64_t>(sizeof(c10::BFloat16));
+  const bool lanes_q = group >= 4;
+  at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(group * d), acc(group * d), run_max(group), run_sum(group);
+    // kt: a block's keys transposed, rows of ldk floats (block_size rounded up to 16; the columns past the block
+    // are zero, scored and dropped).
+    const int64_t ldk = (block_size + 15) / 16 * 16;
+    std::vector<float> scores(group * SDPA_KV_SPLIT), kt(d * ldk, 0.0f), vbuf(block_elems), part(group * d);
+    float tile[64];  // one call's scores: 4 queries x 16 keys (score16) or 8 keys x 8 queries (score_keys)
+    // With 4 or more queries per KV head, the queries go in the vector lanes instead (score_keys): the keys need no
+    // transposing, only their conversion to float32 rows.
+    std::vector<float> qt(lanes_q ? (group + 7) / 8 * 8 * d : 0), kbuf(lanes_q ? block_elems : 0);
+    for (int64_t item = begin; item < end; ++item) {
+      const Item it = item_of(item, kv_heads, lens, window);
+      const int64_t b = it.b, h = it.h, len = it.len, start = it.start;
+      for (int64_t g = 0; g < group; ++g) {
+        const c10::BFloat16* qrow = q + (b * heads + h * group + g) * d;
+        for (int64_t i = 0; i < d; ++i) qf[g * d + i] = load(qrow[i]);
+      }
+      if (lanes_q) {  // the queries transposed, 8 per pass (lanes past the group zero)
+        std::fill(qt.begin(), qt.end(), 0.0f);
+        for (int64_t g = 0; g < group; ++g)
+          for (int64_t i = 0; i < d; ++i) qt[(g / 8) * d * 8 + i * 8 + g % 8] = qf[g * d + i];
+      }
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      std::fill(run_max.begin(), run_max.end(), -std::numeric_limits<float>::infinity());
+      std::fill(run_sum.begin(), run_sum.end(), 0.0f);
+      const int64_t* table = tables + b * max_blocks;
+      const auto head_run = [&](int64_t id, int64_t kv) { return cache + ((id * 2 + kv) * kv_heads + h) * block_elems; };
+      for (int64_t c0 = start; c0 < len; c0 += SDPA_KV_SPLIT) {
+        const int64_t c1 = std::min(len, c0 + SDPA_KV_SPLIT);
+        // Scores: scores[g * SDPA_KV_SPLIT + (position - c0)] = (q_g . k) * scale, block by block.
+        const int64_t last = (len - 1) / block_size;  // the row's last block
+        if (c0 == start) {
+          for (int64_t ahead = start / block_size; ahead < std::min(last + 1, start / block_size + PREFETCH_BLOCKS); ++ahead)
+            for (int64_t kv = 0; kv < 2; ++kv) prefetch_part(reinterpret_cast<const char*>(head_run(table[ahead], kv)), block_bytes, 0, 1);
+        }
+        for (int64_t blk = c0 / block_size; blk <= (c1 - 1) / block_size; ++blk) {
+          const int64_t base = blk * block_size;  // the block's first position
+          const int64_t t0 = std::max(c0, base) - base, t1 = std::min(c1, base + block_size) - base;
+          // The block PREFETCH_BLOCKS ahead, keys and values, asked for while this one is scored: the values are read
+          // again after the chunk's softmax, from the caches.
+          if (blk + PREFETCH_BLOCKS <= last)
+            for (int64_t kv = 0; kv < 2; ++kv)
+              prefetch_part(reinterpret_cast<const char*>(head_run(table[blk + PREFETCH_BLOCKS], kv)), block_bytes, 0, 1);
+          // The block's scores, each q . k one chain of FMAs over the columns in order (with the values' sum in the
+          // order of the positions below, the gather path's SDPA results bit for bit in the cases
+          // tests/engine/test_cpu_decode_bf16.py measures; the float32 path's 16-lane dot products were not). With 4
+          // or more queries per KV head the queries fill the vector lanes (score_keys, the keys as float32 rows);
+          // with fewer, the block's keys are transposed (kt [d][ldk]) and 16 keys fill them (score16).
+          if (lanes_q) {
+            const float* keys = rows(head_run(table[blk], 0), t0, t1, d, kbuf.data());
+            for (int64_t x0 = t0; x0 < t1; x0 += 8) {  // 8 keys at a time, 8 queries at once
+              const int64_t nk = std::min<int64_t>(8, t1 - x0);
+              for (int64_t g0 = 0; g0 < group; g0 += 8) {
+                const float* qg = qt.data() + (g0 / 8) * d * 8;
+                const float* kx = keys + x0 * d;
+                switch (nk) {
+                  case 8: score_keys<8>(qg, d, kx, tile); break;
+                  case 7: score_keys<7>(qg, d, kx, tile); break;
+                  case 6: score_keys<6>(qg, d, kx, tile); break;
+                  case 5: score_keys<5>(qg, d, kx, tile); break;
+                  case 4: score_keys<4>(qg, d, kx, tile); break;
+                  case 3: score_keys<3>(qg, d, kx, tile); break;
+                  case 2: score_keys<2>(qg, d, kx, tile); break;
+                  default: score_keys<1>(qg, d, kx, tile); break;
+                }
+                for (int64_t r = 0; r < std::min<int64_t>(8, group - g0); ++r) {
+                  float* sg = scores.data() + (g0 + r) * SDPA_KV_SPLIT;
+                  for (int64_t j = 0; j < nk; ++j) sg[base + x0 + j - c0] = tile[j * 8 + r] * scale;
+                }
+              }
+            }
+            continue;
+          }
+          const uint16_t* kbits = reinterpret_cast<const uint16_t*>(head_run(table[blk], 0));
+          for (int64_t t = t0; t < t1; ++t)
+            for (int64_t i = 0; i < d; ++i) kt[i * ldk + t] = std::bit_cast<float>(uint32_t{kbits[t * d + i]} << 16);
+          for (int64_t x0 = t0 / 16 * 16; x0 < t1; x0 += 16) {  // 16 keys at a time, up to 4 queries at once
+            const int64_t lo = std::max(t0, x0), hi = std::min(t1, x0 + 16);
+            for (int64_t g0 = 0; g0 < group; g0 += 4) {
+              const int64_t nq = std::min<int64_t>(4, group - g0);
+              const float* qg = qf.data() + g0 * d;
+              if (nq == 4) score16<4>(qg, d, kt.data() + x0, ldk, tile);
+              else if (nq == 3) score16<3>(qg, d, kt.data() + x0, ldk, tile);
+              else if (nq == 2) score16<2>(qg, d, kt.data() + x0, ldk, tile);
+              else score16<1>(qg, d, kt.data() + x0, ldk, tile);
+              for (int64_t r = 0; r < nq; ++r) {  // key t of the block is position base + t: chunk offset base + t - c0
+                float* sg = scores.data() + (g0 + r) * SDPA_KV_SPLIT;
+                for (int64_t t = lo; t < hi; ++t) sg[base + t - c0] = tile[r * 16 + t - x0] * scale;
+              }
+            }
+          }
+        }
+        // The softmax of the chunk, per query: the float32 sum of exp(s - max), the probabilities rounded to bf16.
+        const int64_t n = c1 - c0;
+        for (int64_t g = 0; g < group; ++g) {
+          float* s = scores.data() + g * SDPA_KV_SPLIT;
+          float chunk_max = -std::numeric_limits<float>::infinity();
+          for (int64_t t = 0; t < n; ++t) chunk_max = std::max(chunk_max, s[t]);
+          const float new_max = std::max(run_max[g], chunk_max);
+          const float sum = exp_sum(s, n, new_max, lanes, poly);
+          if (c0 > start) {  // torch: sum = chunk's + exp(old max - new) * sum; the output rescaled by the same
+            const float correction = std::exp(run_max[g] - new_max);
+            run_sum[g] = sum + correction * run_sum[g];
+            float* a = acc.data() + g * d;
+#pragma omp simd
+            for (int64_t i = 0; i < d; ++i) a[i] *= correction;
+          } else {
+            run_sum[g] = sum;
+          }
+          run_max[g] = new_max;
+        }
+        // The values: the chunk's sum of p_g[t] * v[t] on its own, then added to the (rescaled) output, as SDPA's
+        // value product adds its result to the output it scaled (beta 1), after the first chunk.
+        float* const sums = c0 > start ? part.data() : acc.data();
+        if (c0 > start) std::fill(part.begin(), part.end(), 0.0f);
+        for (int64_t blk = c0 / block_size; blk <= (c1 - 1) / block_size; ++blk) {
+          const int64_t base = blk * block_size;
+          const int64_t t0 = std::max(c0, base) - base, t1 = std::min(c1, base + block_size) - base;
+          const float* values = rows(head_run(table[blk], 1), t0, t1, d, vbuf.data());
+          for (int64_t g = 0; g < group; ++g) {
+            const float* p = scores.data() + g * SDPA_KV_SPLIT + (base + t0 - c0);  // position base + t0 first
+            const float* v0 = values + t0 * d;
+            const int64_t n = t1 - t0;
+            float* a = sums + g * d;
+            int64_t i = 0;
+            for (; i + 32 <= d; i += 32) values8<4>(a + i, p, v0 + i, d, n);
+            for (; i + 8 <= d; i += 8) values8<1>(a + i, p, v0 + i, d, n);
+            for (; i < d; ++i)
+              for (int64_t t = 0; t < n; ++t) a[i] += p[t] * v0[t * d + i];
+          }
+        }
+        if (c0 > start) {
+#pragma omp simd
+          for (int64_t i = 0; i < group * d; ++i) acc[i] += part[i];
+        }
+      }
+      for (int64_t g = 0; g < group; ++g) {
+        const float inv = 1.0f / run_sum[g];
+        const float* a = acc.data() + g * d;
+        c10::BFloat16* o = out + (b * heads + h * group + g) * d;
+        for (int64_t i = 0; i < d; ++i) store(o + i, a[i] * inv);
+      }
+    }
+  });
+}
+
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor cache, torch::Tensor block_tables,
-                           torch::Tensor context_lens, double scale, int64_t window) {
+                           torch::Tensor context_lens, double scale, int64_t window, int64_t lanes, bool poly) {
   TORCH_CHECK(q.device().is_cpu() && cache.device().is_cpu(), "cpu paged decode: tensors must be on the CPU");
   TORCH_CHECK(q.dim() == 3 && cache.dim() == 5, "cpu paged decode: q [B, H, d], cache [N, 2, kv_heads, bs, d]");
   TORCH_CHECK(q.scalar_type() == cache.scalar_type(), "cpu paged decode: q and the cache differ in dtype");
@@ -344,6 +645,7 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor cache, torch::Tensor b
               "cpu paged decode: one block table and one length per row");
   const int64_t max_blocks = block_tables.size(1);
   TORCH_CHECK(max_blocks > 0 || batch == 0, "cpu paged decode: block tables need at least one column");
+  TORCH_CHECK(lanes >= 1 && lanes <= 16 && (lanes & (lanes - 1)) == 0, "cpu paged decode: lanes must be 1, 2, 4, 8 or 16");
   auto out = torch::empty_like(q);
   if (batch == 0) return out;
   const float s = static_cast<float>(scale);
@@ -352,10 +654,9 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor cache, torch::Tensor b
                        context_lens.data_ptr<int64_t>(), out.data_ptr<float>(), batch, heads, kv_heads, block_size,
                        head_dim, max_blocks, s, window);
   } else if (q.scalar_type() == torch::kBFloat16) {
-    decode_rows<c10::BFloat16>(q.data_ptr<c10::BFloat16>(), cache.data_ptr<c10::BFloat16>(),
-                               block_tables.data_ptr<int64_t>(), context_lens.data_ptr<int64_t>(),
-                               out.data_ptr<c10::BFloat16>(), batch, heads, kv_heads, block_size, head_dim,
-                               max_blocks, s, window);
+    decode_rows_bf16(q.data_ptr<c10::BFloat16>(), cache.data_ptr<c10::BFloat16>(), block_tables.data_ptr<int64_t>(),
+                     context_lens.data_ptr<int64_t>(), out.data_ptr<c10::BFloat16>(), batch, heads, kv_heads,
+                     block_size, head_dim, max_blocks, s, window, lanes, poly);
   } else {
     TORCH_CHECK(false, "cpu paged decode: float32 or bfloat16 only, got ", q.scalar_type());
   }
@@ -592,7 +893,9 @@ torch::Tensor paged_prefill(torch::Tensor q, torch::Tensor cache, torch::Tensor 
 // A torch operator (torch.ops.<extension name>.paged_decode), not a bare Python function: the dispatcher sees it,
 // so dispatch modes (tests/engine/fake_graphs.py records a step's operators) and torch.compile see it too.
 TORCH_LIBRARY(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode(Tensor q, Tensor cache, Tensor block_tables, Tensor context_lens, float scale, int window) -> Tensor");
+  m.def(
+      "paged_decode(Tensor q, Tensor cache, Tensor block_tables, Tensor context_lens, float scale, int window, "
+      "int lanes=8, bool poly=True) -> Tensor");
   m.def("paged_prefill(Tensor q, Tensor cache, Tensor table, int context_len, float scale, int window) -> Tensor");
 }
 

@@ -13,6 +13,7 @@ unavailable, so ``select_backend`` falls back to the reference and the dynamic d
 
 from __future__ import annotations
 
+import functools
 import logging
 from pathlib import Path
 from types import ModuleType
@@ -62,7 +63,20 @@ def paged_decode_cpu(
     module = load()
     assert module is not None, "cpu paged decode: the extension is unavailable (check is_available first)"
     op = getattr(torch.ops, module.__name__).paged_decode
-    return op(q, cache_layer, block_tables.long(), context_lens.long(), float(scale), window or 0)
+    lanes, poly = sdpa_form()
+    return op(q, cache_layer, block_tables.long(), context_lens.long(), float(scale), window or 0, lanes, poly)
+
+
+# How torch's flash attention (SDPA on the CPU) sums and exponentiates a bf16 softmax, by the kernels it picked at
+# start-up ($ATEN_CPU_CAPABILITY): the lanes of its float vectors and whether its vectorized exp is the polynomial
+# ``fexp_u20`` (AVX2, AVX-512) or std::exp (its default build, and where this module does not know the kernels).
+SDPA_FORMS = {"AVX512": (16, True), "AVX2": (8, True), "DEFAULT": (8, False)}
+
+
+@functools.cache  # torch picks its kernels once, at start-up: read once, not at every layer
+def sdpa_form() -> tuple[int, bool]:
+    """(lanes, poly) of torch's SDPA softmax here: what the bf16 decode follows (see ``cpu_paged_decode.cpp``)."""
+    return SDPA_FORMS.get(torch.backends.cpu.get_cpu_capability(), (8, False))
 
 
 def tiled() -> bool:
@@ -71,12 +85,11 @@ def tiled() -> bool:
     return module is not None and bool(module.tiled())
 
 
-# Registered by paged_decode.py's registry on first selection (OPTIONAL_BACKEND_MODULES), for float32 only. The
-# kernel runs bfloat16 too (``paged_decode_cpu``): its portable loops measured slower than the reference's SDPA
-# there past short contexts, and its AVX-512 path faster than both the reference and the gather, but greedy bf16
-# output through it drifted from transformers' past the tie rule (tests/engine/test_parity_paths.py), where the
-# gather, cut to the span and summed by SDPA as transformers does, stays within it (docs/performance.md).
-REGISTERED_DTYPES = (torch.float32,)
+# Registered by paged_decode.py's registry on first selection (OPTIONAL_BACKEND_MODULES), for float32 and bfloat16.
+# bfloat16 follows SDPA's softmax step for step (``sdpa_form``; the .cpp's bf16 section), so greedy bf16 output keeps
+# transformers' within the tie rule as the gather and SDPA did (tests/engine/test_parity_paths.py), without the
+# gather (docs/performance.md, "bf16 decode attention in place").
+REGISTERED_DTYPES = (torch.float32, torch.bfloat16)
 BACKENDS = (("cpu", paged_decode_cpu, lambda device: is_available(device, torch.float32), REGISTERED_DTYPES),)
 
 

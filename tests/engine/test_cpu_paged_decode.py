@@ -90,11 +90,11 @@ def test_int32_tables_and_lengths():
 
 
 @needs_kernel
-def test_registry_selects_it_for_float32_on_cpu_only():
+def test_registry_selects_it_for_float32_and_bfloat16_on_cpu_only():
     registry = BackendRegistry()
     registry.register("torch", paged_decode_torch, lambda device, dtype: True, priority=0)
     assert registry.select("cpu", torch.float32).name == "cpu"
-    assert registry.select("cpu", torch.bfloat16).name == "torch"
+    assert registry.select("cpu", torch.bfloat16).name == "cpu"
     assert registry.select("cpu", torch.float16).name == "torch"
 
 

@@ -83,10 +83,35 @@ def test_in_place_equals_the_gather_token_for_token(name, model_dirs):
         assert_no_blocks_in_use(llm)
 
 
+@needs_kernel
+@pytest.mark.parametrize("name", ["tiny", "llama", "qwen2", "mistral"])
+def test_bf16_in_place_equals_the_gather_one_request_at_a_time(name, model_dirs):
+    """In bfloat16 the kernel takes SDPA's steps (tests/engine/test_cpu_decode_bf16.py): a request decoded alone, as
+    transformers decodes it, gets the gather's tokens (SDPA over its own span, windows cut). In a batch of mixed
+    lengths the gather's SDPA runs over the longest row's span with a mask, which groups the shorter rows'
+    probabilities into other vector lanes than their own span does, so near-ties may flip there; the bf16 parity
+    tests hold either to transformers (tests/engine/test_parity_paths.py)."""
+    engine = {**ENGINE, "dtype": "bfloat16", "max_num_seqs": 1}
+    in_place = LLM(model_dirs[name], **engine)
+    gather = LLM(model_dirs[name], dynamic_decode_attention="gather", **engine)
+    assert in_place.core.dynamic_decode_backend == "paged_decode cpu"
+    counter = CallCounter(in_place)
+    prompts = make_prompts(8, [4, 30, 11, 25])
+    max_tokens = [30, 20, 30, 25]
+    got, expected = greedy_runs(in_place, prompts, max_tokens), greedy_runs(gather, prompts, max_tokens)
+    assert got == expected
+    assert len({tuple(t) for t in got}) > 1 and all(len(set(t)) > 1 for t in got)
+    layers = in_place.core.model_config.num_layers
+    assert counter.rows >= layers * (sum(max_tokens) - len(max_tokens))
+    for llm in (in_place, gather):
+        assert_no_blocks_in_use(llm)
+
+
+@needs_kernel
 def test_gather_is_used_where_only_the_reference_is_available(tiny_model_dir, monkeypatch):
-    """bfloat16 on the CPU (the kernel is registered for float32), or the kernel disabled: the gather."""
+    """The kernel runs float32 and bfloat16 decodes; disabled, the gather does."""
     bf16 = LLM(tiny_model_dir, **{**ENGINE, "dtype": "bfloat16"})
-    assert bf16.core.dynamic_decode_backend == DYNAMIC_DECODE_BACKEND and bf16.runner.decode_attention is None
+    assert bf16.core.dynamic_decode_backend == "paged_decode cpu" and bf16.runner.decode_attention is not None
     monkeypatch.setattr(cpu_paged_decode, "is_available", lambda device, dtype: False)
     from splitserve.engine.attention import paged_decode
 

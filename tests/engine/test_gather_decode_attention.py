@@ -1,5 +1,6 @@
-"""The dynamic path's gather decode (``paged_attention``'s decodes without a ``paged_decode`` backend: bf16 on the
-CPU, and any dtype where the kernel is unavailable): each KV head's query group folded into SDPA's query axis.
+"""The dynamic path's gather decode (``paged_attention``'s decodes without a ``paged_decode`` backend:
+``dynamic_decode_attention: gather``, and any dtype where the kernel is unavailable): each KV head's query group
+folded into SDPA's query axis.
 
 Against a naive per-request float64 attention (``test_paged_decode.naive_decode``) in float32, on equal and mixed
 lengths, sliding windows and scattered block tables; in bf16 against SDPA with the KV heads broadcast

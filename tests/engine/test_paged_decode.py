@@ -107,10 +107,11 @@ def test_registry_selects_the_preferred_available_backend(monkeypatch):
 def test_process_registry_always_has_torch():
     assert "torch" in REGISTRY.names()
     assert select_backend("cpu", torch.float32, name="torch").fn is paged_decode_torch
-    # The default on the CPU: the reference for bfloat16; for float32 the in-place kernel where it builds.
-    assert select_backend("cpu", torch.bfloat16).fn is paged_decode_torch
+    # The default on the CPU: the in-place kernel for float32 and bfloat16 where it builds; the reference for float16.
+    assert select_backend("cpu", torch.float16).fn is paged_decode_torch
     expected = "cpu" if cpu_paged_decode.load() is not None else "torch"
     assert select_backend("cpu", torch.float32).name == expected
+    assert select_backend("cpu", torch.bfloat16).name == expected
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -128,13 +129,15 @@ def test_selected_cuda_backend_matches_the_reference(dtype):
 
 def test_the_gpu_kernels_register_behind_the_same_interface():
     """engine/attention/triton_paged_decode.py's BACKENDS join the registry on first selection: on the CPU the
-    reference is chosen (for float32 the CPU kernel, where it builds: no GPU kernel), and the Triton kernel
-    (preferred where it runs) refuses a CPU device by name."""
+    reference is chosen (for float32 and bfloat16 the CPU kernel, where it builds: no GPU kernel), and the Triton
+    kernel (preferred where it runs) refuses a CPU device by name."""
     pytest.importorskip("triton", reason="triton is not installed: the kernels cannot register")
     from splitserve.engine.attention.paged_decode import REGISTRY, select_backend
 
-    assert select_backend("cpu", torch.bfloat16).name == "torch"
-    assert select_backend("cpu", torch.float32).name == ("cpu" if cpu_paged_decode.load() is not None else "torch")
+    assert select_backend("cpu", torch.float16).name == "torch"
+    on_cpu = "cpu" if cpu_paged_decode.load() is not None else "torch"
+    assert select_backend("cpu", torch.float32).name == on_cpu
+    assert select_backend("cpu", torch.bfloat16).name == on_cpu
     assert {"torch", "triton", "flashinfer", "flash_attn"} <= set(REGISTRY.names())
     triton_backend = REGISTRY._backends["triton"]
     assert triton_backend.priority > REGISTRY._backends["torch"].priority > REGISTRY._backends["flashinfer"].priority
