@@ -12,8 +12,9 @@ offline engine on the same checkpoint:
   whole run (prefill included), against transformers' `generate` on a static batch of 16;
 - the serving overhead: the same two workloads on the offline engine in one process.
 
-Measurements alternate between the systems (best of --repeats each) so that this machine's drift
-hits all alike.
+Measurements alternate between the systems round by round (--repeats rounds: the served stream, the offline
+engine, transformers; best of the rounds each, and each round's ratios printed too) so that this machine's drift
+hits all alike: the offline engine is built in this process while the first deployment runs.
 
 Then the peer's workload (issue 14): --peer-requests requests of --prompt-len prompt and --new-tokens
 output tokens at each of --in-flight (8 and 32) requests in flight, greedy, EOS ignored, driven by one
@@ -519,7 +520,7 @@ def main() -> int:
             for n, seconds in replay.items():
                 served[label][n]["offline_replay_s"] = seconds
     if not args.skip_baselines:
-        result |= baselines(args, runs, single, batch)
+        result |= baselines(args, runs)
     result["served"] = served
     if peer_python is not None:
         result["vllm"] = vllm_workload(args, peer_python, cpus, workload)
@@ -546,37 +547,45 @@ def main() -> int:
 
 
 def baseline_rounds(args, address: str, single: list[int], batch: list[list[int]]) -> dict[str, list]:
-    """One stream and --streams concurrent streams on the deployment, transformers beside it, interleaved."""
+    """One stream and --streams concurrent streams on the deployment, the offline engine and transformers beside it,
+    interleaved round by round, so that the machine's drift reaches all three alike (the offline engine is built
+    in this process while the deployment runs, and measured between the served stream and transformers)."""
     from transformers import AutoModelForCausalLM
 
+    from splitserve.engine import LLM
+
     hf = AutoModelForCausalLM.from_pretrained(args.model, dtype=getattr(torch, args.dtype)).eval()
-    runs: dict[str, list] = {"served_single": [], "served_concurrent": [], "hf_1": [], "hf_n": []}
+    log("offline engine ...")
+    llm = LLM(args.model, dtype=args.serve_dtype, num_threads=args.threads, enable_prefix_caching=False)
+    log(f"  offline engine linear kernels: {llm.core.linear_kernels}")
+    runs: dict[str, list] = {k: [] for k in ("served_single", "served_concurrent", "offline_single")}
+    runs |= {k: [] for k in ("offline_concurrent", "hf_1", "hf_n")}
     served_single(address, single, 4)  # warm-up
+    offline_single(llm, single, 4)
     for r in range(args.repeats):
         log(f"round {r + 1}/{args.repeats} ...")
         runs["served_single"].append(served_single(address, single, args.new_tokens))
+        runs["offline_single"].append(offline_single(llm, single, args.new_tokens))
         runs["hf_1"].append(hf_times(hf, 1, args.prompt_len, args.new_tokens))
         runs["served_concurrent"].append(served_concurrent(address, batch, args.new_tokens))
+        runs["offline_concurrent"].append(offline_concurrent(llm, batch, args.new_tokens))
         runs["hf_n"].append(hf_times(hf, args.streams, args.prompt_len, args.new_tokens))
-    del hf
+    del hf, llm
     gc.collect()
     return runs
 
 
-def baselines(args, runs: dict[str, list], single: list[int], batch: list[list[int]]) -> dict:
-    """The offline engine on the same two workloads, and every figure of the first deployment's rounds."""
-    from splitserve.engine import LLM
+def per_round(runs: dict[str, list], a: str, b: str, key: str) -> list[float]:
+    """Round by round, ``a``'s ``key`` over ``b``'s: ratios of figures measured minutes apart at most."""
+    return [x[key] / y[key] for x, y in zip(runs[a], runs[b])]
 
-    log("offline engine ...")
-    llm = LLM(args.model, dtype=args.serve_dtype, num_threads=args.threads, enable_prefix_caching=False)
-    log(f"  offline engine linear kernels: {llm.core.linear_kernels}")
-    offline_single(llm, single, 4)
-    off_single = best([offline_single(llm, single, args.new_tokens) for _ in range(args.repeats)], "decode_tok_s")
-    off_conc = best([offline_concurrent(llm, batch, args.new_tokens) for _ in range(args.repeats)], "output_tok_s")
-    del llm
-    gc.collect()
+
+def baselines(args, runs: dict[str, list]) -> dict:
+    """Every figure of the first deployment's rounds: the best of each, and the ratios round by round."""
     s1 = best(runs["served_single"], "decode_tok_s")
     sn = best(runs["served_concurrent"], "output_tok_s")
+    off_single = best(runs["offline_single"], "decode_tok_s")
+    off_conc = best(runs["offline_concurrent"], "output_tok_s")
     h1, hn = best(runs["hf_1"], "decode_tok_s"), best(runs["hf_n"], "output_tok_s")
     return {
         "served_single": s1,
@@ -591,6 +600,12 @@ def baselines(args, runs: dict[str, list], single: list[int], batch: list[list[i
             "served_vs_offline_single_decode": s1["decode_tok_s"] / off_single["decode_tok_s"],
             "served_vs_offline_ttft": off_single["ttft_ms"] / s1["ttft_ms"],
             "served_vs_offline_concurrent": sn["output_tok_s"] / off_conc["output_tok_s"],
+        },
+        "ratios_per_round": {
+            "single_decode_vs_transformers_batch1": per_round(runs, "served_single", "hf_1", "decode_tok_s"),
+            "offline_single_decode_vs_transformers_batch1": per_round(runs, "offline_single", "hf_1", "decode_tok_s"),
+            "served_vs_offline_single_decode": per_round(runs, "served_single", "offline_single", "decode_tok_s"),
+            "concurrent_output_vs_transformers_batch": per_round(runs, "served_concurrent", "hf_n", "output_tok_s"),
         },
     }
 
@@ -656,8 +671,18 @@ def print_baselines(args, result: dict, label: str) -> None:
     print(
         f"\nserving vs offline engine: decode speed {r['served_vs_offline_single_decode']:.2f}x, TTFT "
         f"{r['served_vs_offline_ttft']:.2f}x, {args.streams}-stream throughput "
-        f"{r['served_vs_offline_concurrent']:.2f}x\n"
+        f"{r['served_vs_offline_concurrent']:.2f}x"
     )
+    names = {
+        "single_decode_vs_transformers_batch1": "one stream served / transformers batch 1",
+        "offline_single_decode_vs_transformers_batch1": "one stream offline / transformers batch 1",
+        "served_vs_offline_single_decode": "one stream served / offline",
+        "concurrent_output_vs_transformers_batch": f"{args.streams} streams served / transformers batch {args.streams}",
+    }
+    print("round by round (the three measured one after another in each round):")
+    for key, label in names.items():
+        print(f"  {label}: " + ", ".join(f"{x:.2f}x" for x in result["ratios_per_round"][key]))
+    print()
 
 
 def print_workload(args, result: dict) -> None:

@@ -229,9 +229,15 @@ def test_the_router_follows_vllms_prefix_cache_and_routes_by_it(deployment):
         wait_for(lambda: sum(w.healthy for w in deployment.router.pool.prefill) == 2, 120, 0.5)
         with Client(deployment.address) as client, ThreadPoolExecutor(3) as pool:
             assert all(r.token_ids for r in pool.map(lambda p: client.generate(token_ids=p, max_tokens=1), prompts[1:]))
-        views = router_view(deployment)
-        holders = [[w for w, hashes in views.items() if set(f) <= hashes] for f in full]
-        assert all(holders) and len({h[0] for h in holders}) == 2, holders  # spread over both workers
+
+        # The workers' cache events reach the router after the replies: wait until each prompt's blocks are held.
+        def holders() -> list[list[str]] | None:
+            views = router_view(deployment)
+            held = [[w for w, hashes in views.items() if set(f) <= hashes] for f in full]
+            return held if all(held) else None
+
+        held = wait_for(holders, 10)
+        assert len({h[0] for h in held}) == 2, held  # spread over both workers
         with Client(deployment.address) as client:
             for prompt in prompts:
                 assert client.generate(token_ids=[*prompt, 5], max_tokens=1).cached_tokens >= 2 * vllm_block
