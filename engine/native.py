@@ -3,10 +3,11 @@
 An ``Extension`` compiles one source file with ``torch.utils.cpp_extension`` into
 ``~/.cache/splitserve/<name>/<key>/`` (``SPLITSERVE_EXTENSION_CACHE`` moves it). The code is built with
 ``-march=native``, so the key holds the CPU's model and flags, torch's version, the flags and the source's
-hash; one build per machine. When ``$SPLITSERVE_CPU_ISA`` caps the ISA (``scripts/as_avx2.sh``) the build
-drops the instructions the cap takes away (``-mno-avx512f``, ...), so an emulated AVX2 run runs no AVX-512
-code of ours either. When the source cannot be built or loaded (no compiler, no ninja, its switch set to
-``0``) the reason is logged once and ``load`` returns None: each caller has a torch path to fall back on.
+hash, and where the source and torch are; one build per machine and checkout. When ``$SPLITSERVE_CPU_ISA``
+caps the ISA (``scripts/as_avx2.sh``) the build drops the instructions the cap takes away (``-mno-avx512f``,
+...), so an emulated AVX2 run runs no AVX-512 code of ours either. When the source cannot be built or loaded
+(no compiler, no ninja, its switch set to ``0``) the reason is logged once and ``load`` returns None: each
+caller has a torch path to fall back on.
 Processes building the same key at once take turns (``file_lock``, at most ``build_wait_s``); a build
 killed midway leaves nothing that blocks the next.
 """
@@ -32,7 +33,9 @@ X86 = platform.machine() in ("x86_64", "AMD64")
 # 512-bit vectors where the CPU has them (gcc's default under -march=native is 256): x86 only, the flag is not
 # known elsewhere.
 BASE_CFLAGS = ["-O3", "-march=native", "-fopenmp"] + (["-mprefer-vector-width=512"] if X86 else [])
-LDFLAGS = ["-fopenmp"]
+# A tuple: torch's builder appends its own libraries to the ``extra_ldflags`` list it is given, in place, which
+# changed every later build key in the process (each build gets a fresh list).
+LDFLAGS = ("-fopenmp",)
 # The ISA flags a cap ($SPLITSERVE_CPU_ISA) can take away from the build, with the compiler flag that does.
 CAPPED_FLAGS = (("avx512f", "-mno-avx512f"), ("avx2", "-mno-avx2"), ("fma", "-mno-fma"))
 # How long a load waits for another process's build of the same key (one takes about a minute on 2 cores);
@@ -90,18 +93,27 @@ class Extension:
         root = Path(os.environ.get("SPLITSERVE_EXTENSION_CACHE", Path.home() / ".cache/splitserve"))
         return root / self.name
 
-    def build_key(self) -> str:
-        """What the build depends on: the source, the flags, torch, Python and the CPU."""
+    def code_key(self) -> str:
+        """What the compiled code depends on: the source's text, the flags, torch's version, Python and the CPU
+        (the linear tuner keys its timings on it)."""
         digest = hashlib.sha256()
         for part in (
             self.source.read_bytes(),
-            " ".join(compile_flags() + LDFLAGS).encode(),
+            " ".join([*compile_flags(), *LDFLAGS]).encode(),
             torch.__version__.encode(),
         ):
             digest.update(part)
             digest.update(b"\0")
         digest.update(f"{sys.version_info[:2]} {cpu_signature()}".encode())
         return digest.hexdigest()[:16]
+
+    def build_key(self) -> str:
+        """The build's folder: ``code_key`` and where the source and torch are. torch's builder writes the
+        source's path and torch's include folders into the build's ninja file and recompiles when they change,
+        so two checkouts or two venvs sharing the cache each keep a build of their own instead of recompiling
+        over each other's."""
+        where = f"{self.code_key()} {self.source.resolve()} {Path(torch.__file__).resolve().parent}"
+        return hashlib.sha256(where.encode()).hexdigest()[:16]
 
     def _build(self) -> ModuleType:
         from torch.utils import cpp_extension
@@ -122,7 +134,7 @@ class Extension:
                 name=f"splitserve_{self.name}_{key}",
                 sources=[str(self.source)],
                 extra_cflags=compile_flags(),
-                extra_ldflags=LDFLAGS,
+                extra_ldflags=list(LDFLAGS),
                 build_directory=str(directory),
                 verbose=False,
             )

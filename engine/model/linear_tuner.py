@@ -166,7 +166,7 @@ def machine_key(threads: int, machine: dict | None = None) -> str:
     m = describe_machine(probe_torch=False) if machine is None else machine
     flags = ",".join(sorted(name for name, on in m["isa"].items() if on))
     digest = hashlib.blake2b(flags.encode(), digest_size=4).hexdigest()
-    gemv = cpu_gemv.EXTENSION.build_key()[:8]
+    gemv = cpu_gemv.EXTENSION.code_key()[:8]
     return f"{m['cpu_model']} [isa {digest}] torch {torch.__version__} threads {threads} gemv {gemv}"
 
 

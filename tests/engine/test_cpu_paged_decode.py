@@ -144,6 +144,49 @@ def test_build_key_follows_the_cpu(monkeypatch):
     assert len({key, other, ext.build_key()}) == 3
 
 
+def test_a_build_leaves_the_keys_of_the_next_builds_as_they_were(monkeypatch, tmp_path):
+    """torch's builder appends its libraries to the ``extra_ldflags`` list it is given: with the module's own
+    list passed in, every later build in the process got another key, and compiled again what ``make setup``
+    had built."""
+    from torch.utils import cpp_extension
+
+    monkeypatch.setenv("SPLITSERVE_EXTENSION_CACHE", str(tmp_path))
+    ext = cpu_paged_decode.EXTENSION
+    before = {name: e.build_key() for name, e in extensions().items()}
+
+    def builder(**kwargs):  # what torch's builder does to the lists it is given
+        kwargs["extra_ldflags"] += ["-L/torch/lib", "-lc10", "-ltorch"]
+        kwargs["extra_cflags"] += ["-I/torch/include"]
+        return "module"
+
+    monkeypatch.setattr(cpp_extension, "load", builder)
+    assert ext._build() == "module" and ext._build() == "module"
+    assert {name: e.build_key() for name, e in extensions().items()} == before
+    assert "-L/torch/lib" not in native.LDFLAGS and "-I/torch/include" not in native.compile_flags()
+
+
+def test_a_second_checkout_of_the_same_source_builds_in_a_folder_of_its_own(monkeypatch, tmp_path):
+    """torch's builder recompiles when the source's path in its ninja file changes, so two checkouts sharing the
+    cache would rebuild over each other: the folder follows the path, the tuner's code key only the text."""
+    ext = cpu_paged_decode.EXTENSION
+    key, code = ext.build_key(), ext.code_key()
+    copy = tmp_path / ext.source.name
+    copy.write_bytes(ext.source.read_bytes())
+    monkeypatch.setattr(ext, "source", copy)
+    assert ext.code_key() == code and ext.build_key() != key
+    copy.write_bytes(copy.read_bytes() + b"\n// another build\n")
+    assert ext.code_key() != code
+
+
+def extensions() -> dict:
+    from splitserve.engine import allocator
+    from splitserve.engine.model import cpu_gemv, cpu_norm
+
+    return {
+        e.name: e for e in (cpu_paged_decode.EXTENSION, cpu_gemv.EXTENSION, cpu_norm.EXTENSION, allocator.EXTENSION)
+    }
+
+
 def test_a_build_killed_midway_leaves_nothing_that_blocks_the_next(monkeypatch, tmp_path):
     """torch's builder waits with no deadline while its "lock" file exists, and a killed build leaves it:
     a build that holds splitserve's flock removes that file before it calls the builder."""
