@@ -54,7 +54,8 @@ demo: setup $(MODELS)/tiny/config.json
 	$(VENV)/bin/splitserve generate --model $(MODELS)/tiny --max-tokens 32
 
 # First a test that cannot fail (no assert) fails the run; then the suite, then the GPU checks
-# rehearsed on the CPU so that scripts/gpu_check.sh cannot rot.
+# rehearsed on the CPU so that scripts/gpu_check.sh cannot rot (its tests section on a few files: the
+# suite has just run them all; `make gpu-check` runs the section whole).
 test: setup setup-vllm lint
 	$(VPY) scripts/check_test_asserts.py
 	SPLITSERVE_REQUIRE_VLLM=1 $(VPY) -m pytest $(PYTEST_ARGS)

@@ -5,9 +5,12 @@
 # transformers, for the qwen2.5-0.5b and llama3.1-8b presets; under 8 minutes).
 #
 #   scripts/gpu_check.sh                 # on a GPU machine: --device cuda
-#   scripts/gpu_check.sh --device cpu    # CI's rehearsal (make test runs it)
+#   scripts/gpu_check.sh --device cpu    # the rehearsal on the CPU, whole (make gpu-check)
 #   scripts/gpu_check.sh --bench-only    # only scripts/gpu_bench.py
 #   scripts/gpu_check.sh --keep-going    # run every section even after one fails (a first run on a new machine)
+#   scripts/gpu_check.sh --device cpu --quick-tests
+#                                        # make test's rehearsal: the tests section runs a few files (the suite
+#                                        # has just run them all), every other section as it is
 #
 # Each section runs under its own deadline (the TIMEOUT_* variables below, overridable from the environment; the
 # defaults sum to under 8 minutes on a GPU) and the script ends with one summary table: section, result, seconds.
@@ -23,13 +26,15 @@ cd "$(dirname "$0")/.."
 DEVICE=cuda
 BENCH_ONLY=0
 KEEP_GOING=0
+QUICK_TESTS=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --device) DEVICE="$2"; shift 2 ;;
     --device=*) DEVICE="${1#*=}"; shift ;;
     --bench-only) BENCH_ONLY=1; shift ;;
     --keep-going) KEEP_GOING=1; shift ;;
-    *) echo "usage: $0 [--device cuda|cpu] [--bench-only] [--keep-going]" >&2; exit 2 ;;
+    --quick-tests) QUICK_TESTS=1; shift ;;
+    *) echo "usage: $0 [--device cuda|cpu] [--bench-only] [--keep-going] [--quick-tests]" >&2; exit 2 ;;
   esac
 done
 
@@ -99,9 +104,16 @@ tests() {
   # tests/engine/test_parity_paths.py is the parity on the linear-layer paths we ship (hidden-512 models):
   # all of it on CUDA (fp32 and bf16 through cuBLAS); the CPU rehearsal keeps only its bf16 tests (about
   # 25 s), since `make test` has just run the fp32 ones on the CPU paths.
-  local select=()
+  # --quick-tests (make test, which has just run the whole suite on the CPU): the transfer tests, the greedy
+  # parity against transformers and the two decode paths' tests, enough to show the section works here.
+  local select=() files=(tests/engine tests/kv_transfer/test_units.py)
   [[ "$DEVICE" == cuda* ]] || select=(-k "not test_fp32_greedy_on_every_linear_path")
-  SPLITSERVE_REPORT_FAILURES_AT_ONCE=1 timeout "$T_TESTS" "$PY" -m pytest tests/engine tests/kv_transfer/test_units.py -q -p no:cacheprovider \
+  if [ "$QUICK_TESTS" = 1 ]; then
+    files=(tests/kv_transfer/test_units.py tests/engine/test_parity.py tests/engine/test_paged_decode.py
+      tests/engine/test_static_decode.py)
+    select=()
+  fi
+  SPLITSERVE_REPORT_FAILURES_AT_ONCE=1 timeout "$T_TESTS" "$PY" -m pytest "${files[@]}" -q -p no:cacheprovider \
     --device "$DEVICE" "${select[@]}" -rfExX --durations=10 2>&1 | tee "$RESULTS/gpu_check_tests.log"
 }
 
