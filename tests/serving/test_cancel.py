@@ -187,9 +187,10 @@ def test_router_view_of_prefix_cache_converges_after_evictions(slow):
     from splitserve.rpc import workers_pb2 as wpb
     from splitserve.rpc import workers_pb2_grpc as wpb_grpc
 
-    # 2 full blocks each, all distinct: 60 full blocks cannot all stay in the 48-block cache.
-    prompts = [[100 + 41 * i + j for j in range(40)] for i in range(30)]
-    with Client(slow.address) as client, ThreadPoolExecutor(30) as pool:
+    # 7 full blocks each, all distinct: 56 full blocks cannot all stay in the 48-block cache. Each prompt is one
+    # prefill step (1 s here, one at a time), so few long prompts rather than many short ones.
+    prompts = [[100 + 131 * i + j for j in range(120)] for i in range(8)]
+    with Client(slow.address) as client, ThreadPoolExecutor(len(prompts)) as pool:
         assert all(r.token_ids for r in pool.map(lambda p: client.generate(token_ids=p, max_tokens=1), prompts))
     prefill = slow.router.pool.prefill[0]
 
@@ -203,7 +204,7 @@ def test_router_view_of_prefix_cache_converges_after_evictions(slow):
         snapshot = next(iter(wpb_grpc.PrefillWorkerStub(channel).CacheEvents(wpb.CacheEventsRequest(), timeout=10)))
     truth = set(snapshot.block_hashes)
     assert snapshot.kind == wpb.CacheEvent.SNAPSHOT
-    assert 0 < len(truth) < 2 * len(prompts)  # 48 blocks cannot hold all 32 full blocks plus the rest: evictions
+    assert 0 < len(truth) < 7 * len(prompts)  # 48 blocks cannot hold all 56 full blocks: evictions
     wait_for(lambda: router_view() == truth, timeout_s=5)
     # A prompt sharing a cached prefix is routed as a hit.
     cached_prompt = next(p for p in reversed(prompts) if _hashes(p)[0] in truth)
