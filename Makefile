@@ -59,7 +59,7 @@ demo: setup $(MODELS)/tiny/config.json
 test: setup setup-vllm lint
 	$(VPY) scripts/check_test_asserts.py
 	SPLITSERVE_REQUIRE_VLLM=1 $(VPY) -m pytest $(PYTEST_ARGS)
-	PYTHON=$(VPY) scripts/gpu_check.sh --device cpu
+	PYTHON=$(VPY) scripts/gpu_check.sh --device cpu --quick-tests
 
 # Formatting and lint (ruff, configured in pyproject.toml); `make format` rewrites in place. Then the
 # import layers (docs/architecture.md): import-linter's contracts in pyproject.toml, and no import cycle.
