@@ -558,8 +558,8 @@ def baseline_rounds(args, address: str, single: list[int], batch: list[list[int]
     log("offline engine ...")
     llm = LLM(args.model, dtype=args.serve_dtype, num_threads=args.threads, enable_prefix_caching=False)
     log(f"  offline engine linear kernels: {llm.core.linear_kernels}")
-    runs: dict[str, list] = {k: [] for k in ("served_single", "served_concurrent", "offline_single")}
-    runs |= {k: [] for k in ("offline_concurrent", "hf_1", "hf_n")}
+    kinds = ("served_single", "served_concurrent", "offline_single", "offline_concurrent", "hf_1", "hf_n")
+    runs: dict[str, list] = {k: [] for k in kinds}
     served_single(address, single, 4)  # warm-up
     offline_single(llm, single, 4)
     for r in range(args.repeats):
