@@ -8,9 +8,10 @@
 #   ATEN_CPU_CAPABILITY=avx2      torch's vectorized kernels (bf16 converted through float32)
 #   MKL_ENABLE_INSTRUCTIONS=AVX2  MKL's
 #   SPLITSERVE_CPU_ISA=avx2,fma   the flags splitserve's own decisions read (engine/hardware.py)
-# What it cannot change: the memory system, clocks and caches are this machine's, and a C++ extension built
-# with -march=native for this CPU keeps its instructions. The benchmark header names the caps
-# ("libraries capped: ..."), so such a figure never passes for one of the CPU itself.
+# splitserve's own kernels are built without what the cap takes away (-mno-avx512f, under a build key of their
+# own: engine/native.py). What it cannot change: the memory system, clocks and caches are this machine's. The
+# benchmark header names the caps ("libraries capped: ..."), so such a figure never passes for one of the CPU
+# itself.
 set -euo pipefail
 if [ "$#" -eq 0 ]; then
     echo "usage: scripts/as_avx2.sh COMMAND [ARGS...]" >&2
