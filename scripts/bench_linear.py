@@ -40,7 +40,7 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from splitserve.engine.hardware import print_header  # noqa: E402
+from splitserve.engine.hardware import cpu_isa, native_bf16, print_header  # noqa: E402
 from splitserve.engine.model import cpu_gemv  # noqa: E402
 from splitserve.engine.model.config import ModelConfig  # noqa: E402
 from splitserve.engine.model.linear_tuner import (  # noqa: E402
@@ -48,7 +48,9 @@ from splitserve.engine.model.linear_tuner import (  # noqa: E402
     SPLITS,
     UNTIMED_BELOW,
     cache_evictor,
+    candidates,
     decide,
+    kernel_fn,
     measure,
 )
 
@@ -104,14 +106,23 @@ def measure_dtype(
         reason = reason or why
     gemv_ok = cpu_gemv.available(next(iter(weights.values())))
     panels = {s: cpu_gemv.pack(w) for s, w in weights.items()} if gemv_ok else {}
+    # As the engine's load tunes a model of these weights (split allowed, float32 copies allowed): a bf16 weight
+    # where this CPU (or $SPLITSERVE_CPU_ISA) has no native bf16 is also timed on its float32-compute paths.
+    fp32_compute = dtype != torch.float32 and not native_bf16(cpu_isa())
     tuned = {}  # shape -> (path, split_rows, times) as the tuner decides it at load
+    engine_fns = {}  # shape -> path -> the engine's call of that kernel
     for s, w in weights.items():
-        if w.numel() < UNTIMED_BELOW or packed[s] is None:
+        paths = candidates(w, fp32_weights=True, fp32_compute=fp32_compute)
+        if w.numel() < UNTIMED_BELOW or len(paths) == 1:
             tuned[s] = ("plain", 0, None)
-            continue
-        times = measure(w, None, tuple(m for m in ROW_GRID if s[0] != lm_head_rows[0] or m <= lm_head_rows[1]))
-        tuned[s] = (*decide(times, allow_split=True), times)
-        log(f"  {dtype} {s[0]}x{s[1]}: tuner picks {tuned[s][0]}" + (f" at {tuned[s][1]} rows" if tuned[s][1] else ""))
+        else:
+            rows = tuple(m for m in ROW_GRID if s[0] != lm_head_rows[0] or m <= lm_head_rows[1])
+            times = measure(w, None, rows, paths=paths)
+            tuned[s] = (*decide(times, allow_split=True), times)
+        path, split_rows, _ = tuned[s]
+        parts = SPLITS.get(path, (path,))
+        engine_fns[s] = {part: kernel_fn(part, w, None) for part in parts}
+        log(f"  {dtype} {s[0]}x{s[1]}: tuner picks {path}" + (f" at {split_rows} rows" if split_rows else ""))
     numel = sum(o * i * n for (o, i), n in shapes.items())
     weight_bytes = numel * weights[next(iter(weights))].element_size()
     rows = []
@@ -142,8 +153,10 @@ def measure_dtype(
             path, split_rows, _ = tuned[s]
             if path in SPLITS:
                 path = SPLITS[path][0] if m <= split_rows else SPLITS[path][1]
-            # The float32-compute paths of a bf16 weight are not timed here: counted as F.linear.
-            per_path["engine"] += ({"packed": t_packed, "gemv": t_gemv}.get(path) or t_plain) * shapes[s]
+            known = {"plain": t_plain, "packed": t_packed, "gemv": t_gemv}.get(path)
+            if known is None:  # a float32-compute path, or gemv past the rows timed above
+                known = best_seconds(lambda x=x, fn=engine_fns[s][path]: fn(x), repeats)
+            per_path["engine"] += known * shapes[s]
         for path, seconds in per_path.items():
             row = {"m": m, "path": path, "ms": None, "weight_gb_s": None, "gflop_s": None}
             if seconds is not None:
@@ -231,15 +244,16 @@ def main() -> int:
         " split allowed):\n"
     )
     grid = ", ".join(map(str, ROW_GRID))
-    print(f"| dtype | shape [out x in] | per step | plain ms (m: {grid}) | packed ms | gemv ms | choice |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    # Every path timed for some shape (the float32-compute ones where bf16 is not native), plain first.
+    timed = list(dict.fromkeys(p for e in result["dtypes"].values() for c in e["tuner"] for p in c["times_ms"] or {}))
+    timed = sorted(timed or ["plain"], key=lambda p: p != "plain")
+    heads = [f"plain ms (m: {grid})"] + [f"{p} ms" for p in timed[1:]]
+    print("| dtype | shape [out x in] | per step | " + " | ".join(heads) + " | choice |")
+    print("| --- | --- | --- | " + "--- | " * len(heads) + "--- |")
     for name, entry in result["dtypes"].items():
         for c in entry["tuner"]:
             times = c["times_ms"] or {}
-            cells = [
-                " / ".join(f"{ms:.3g}" for ms in times[p].values()) if p in times else "-"
-                for p in ("plain", "packed", "gemv")
-            ]
+            cells = [" / ".join(f"{ms:.3g}" for ms in times[p].values()) if p in times else "-" for p in timed]
             choice = f"{c['path']} at {c['split_rows']} rows" if c["path"] in SPLITS else c["path"]
             print(
                 f"| {name} | {c['shape'][0]} x {c['shape'][1]} | {c['count']} | " + " | ".join(cells) + f" | {choice} |"
