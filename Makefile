@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 MODELS := models
 PYTEST_ARGS ?=
 
-.PHONY: setup setup-vllm peer serve demo test lint format bench-engine bench-transfer bench-tp sim-fidelity bench-simulator bench-serve bench-cluster bench-disagg loadtest soak fault-drill bench-frontends proto gpu-check clean
+.PHONY: setup setup-vllm peer serve demo test lint format bench-engine bench-transfer bench-tp sim-fidelity bench-simulator bench-serve bench-cluster bench-disagg loadtest soak fault-drill bench-frontends proto gpu-check test-avx2 clean
 
 setup: $(STAMP)
 
@@ -122,6 +122,12 @@ fault-drill: setup
 # The OpenAI HTTP API against gRPC on one deployment, and what a /metrics scrape costs.
 bench-frontends: setup
 	$(VPY) scripts/bench_frontends.py $(BENCH_ARGS)
+
+# The engine's tests as on an AVX2-only CPU, on a CPU with more (scripts/as_avx2.sh: oneDNN, ATen and MKL capped,
+# splitserve's kernels built without AVX-512 under keys of their own; the first run compiles them, about a
+# minute each). Not in `make test`, which runs them on the machine's own ISA; about 5 minutes here.
+test-avx2: setup
+	scripts/as_avx2.sh $(VPY) -m pytest $(PYTEST_ARGS) tests/engine
 
 # Regenerate the gRPC stubs in splitserve/rpc from proto/ (a test fails when they drift).
 proto: setup

@@ -14,6 +14,14 @@ from splitserve.engine import hardware
 
 ROOT = Path(__file__).resolve().parents[2]
 
+
+@pytest.fixture(autouse=True)
+def no_isa_cap(monkeypatch):
+    """These tests read the flags of the cpuinfo texts they pass; a cap in the environment (``make test-avx2``)
+    would stand in for them. The tests of the cap set it themselves."""
+    monkeypatch.delenv(hardware.ISA_OVERRIDE_ENV, raising=False)
+
+
 # Two processors of an AVX-512 + BF16 machine (flags abridged), as the kernel prints them.
 AVX512_CPUINFO = """\
 processor	: 0
