@@ -110,7 +110,7 @@ def measure_dtype(
     # where this CPU (or $SPLITSERVE_CPU_ISA) has no native bf16 is also timed on its float32-compute paths.
     fp32_compute = dtype != torch.float32 and not native_bf16(cpu_isa())
     tuned = {}  # shape -> (path, split_rows, times) as the tuner decides it at load
-    engine_fns = {}  # shape -> path -> the engine's call of that kernel
+    engine_fns = {}  # shape -> path -> the engine's call of a kernel the grid below does not time itself
     for s, w in weights.items():
         paths = candidates(w, fp32_weights=True, fp32_compute=fp32_compute)
         if w.numel() < UNTIMED_BELOW or len(paths) == 1:
@@ -120,8 +120,8 @@ def measure_dtype(
             times = measure(w, None, rows, paths=paths)
             tuned[s] = (*decide(times, allow_split=True), times)
         path, split_rows, _ = tuned[s]
-        parts = SPLITS.get(path, (path,))
-        engine_fns[s] = {part: kernel_fn(part, w, None) for part in parts}
+        own = ("plain", "packed", "gemv")  # timed by the grid (gemv on its panels above)
+        engine_fns[s] = {part: kernel_fn(part, w, None) for part in SPLITS.get(path, (path,)) if part not in own}
         log(f"  {dtype} {s[0]}x{s[1]}: tuner picks {path}" + (f" at {split_rows} rows" if split_rows else ""))
     numel = sum(o * i * n for (o, i), n in shapes.items())
     weight_bytes = numel * weights[next(iter(weights))].element_size()
@@ -147,15 +147,17 @@ def measure_dtype(
                 if per_path["packed"] is not None:
                     per_path["packed"] += t_packed * shapes[s]
             t_gemv = None
+            gemv_call = (lambda x, p=panels[s], n=s[0]: cpu_gemv.gemv(x, p, None, n)) if gemv_ok else None
             if gemv_here:
-                t_gemv = best_seconds(lambda x=x, p=panels[s], n=s[0]: cpu_gemv.gemv(x, p, None, n), repeats)
+                t_gemv = best_seconds(lambda x=x, fn=gemv_call: fn(x), repeats)
                 per_path["gemv"] += t_gemv * shapes[s]
             path, split_rows, _ = tuned[s]
             if path in SPLITS:
                 path = SPLITS[path][0] if m <= split_rows else SPLITS[path][1]
             known = {"plain": t_plain, "packed": t_packed, "gemv": t_gemv}.get(path)
-            if known is None:  # a float32-compute path, or gemv past the rows timed above
-                known = best_seconds(lambda x=x, fn=engine_fns[s][path]: fn(x), repeats)
+            if known is None:  # a float32-compute path, or gemv past the rows the grid offers it
+                fn = gemv_call if path == "gemv" else engine_fns[s][path]
+                known = best_seconds(lambda x=x, fn=fn: fn(x), repeats)
             per_path["engine"] += known * shapes[s]
         for path, seconds in per_path.items():
             row = {"m": m, "path": path, "ms": None, "weight_gb_s": None, "gflop_s": None}
