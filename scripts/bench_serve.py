@@ -190,6 +190,15 @@ DEPLOYMENTS = {
             },
         },
     ),
+    # 1p1d with every worker's OpenMP threads sleeping at once between regions (PASSIVE), against 1p1d's auto
+    # (the decode worker spins briefly): docs/engine.md, "A worker's threads and OpenMP's wait".
+    "1p1d-passive": (
+        "splitserve 1P+1D, passive wait",
+        lambda a: {
+            role: {"threads": a.threads, "max_inflight": max(a.in_flight), "omp_wait_policy": "passive"}
+            for role in ("prefill", "decode")
+        },
+    ),
     "colocated": ("splitserve colocated", _colocated),
     # The same with torch's own CPU allocator (engine.cpu_allocator: default), against the block cache colocated
     # runs with: docs/engine.md, "torch's CPU allocator and large blocks".
