@@ -190,13 +190,18 @@ DEPLOYMENTS = {
             },
         },
     ),
-    # 1p1d with every worker's OpenMP threads sleeping at once between regions (PASSIVE), against 1p1d's auto
-    # (the decode worker spins briefly): docs/engine.md, "A worker's threads and OpenMP's wait".
-    "1p1d-passive": (
-        "splitserve 1P+1D, passive wait",
+    # 1p1d with the decode worker's OpenMP threads spinning up to 10,000 turns before they sleep, against 1p1d's
+    # PASSIVE (auto: the workers share the cores): docs/engine.md, "A worker's threads and OpenMP's wait".
+    "1p1d-decode-spin": (
+        "splitserve 1P+1D, decode spinning",
         lambda a: {
-            role: {"threads": a.threads, "max_inflight": max(a.in_flight), "omp_wait_policy": "passive"}
-            for role in ("prefill", "decode")
+            "prefill": {"threads": a.threads, "max_inflight": max(a.in_flight)},
+            "decode": {
+                "threads": a.threads,
+                "max_inflight": max(a.in_flight),
+                "omp_wait_policy": "active",
+                "omp_spin_count": 10_000,
+            },
         },
     ),
     "colocated": ("splitserve colocated", _colocated),

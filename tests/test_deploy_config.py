@@ -7,7 +7,7 @@ import pytest
 import yaml
 
 from splitserve.common.faults import NO_FAULTS
-from splitserve.deploy.config import AUTO_DECODE_SPIN, ConfigError, DeploymentConfig
+from splitserve.deploy.config import ConfigError, DeploymentConfig
 from splitserve.engine.core import EngineSettings
 from splitserve.router.config import RouterConfig, RouterSettings
 
@@ -87,26 +87,9 @@ def test_auto_wait_policy_is_libgomps_own_only_for_a_worker_alone_on_its_cores(f
         for slot in range(getattr(config, role).replicas):
             owns = config.owns_cores(role, slot)
             assert owns == ((role, slot) in owners), (role, slot)
-            lone = config.lone_decoder(role)
-            assert lone == (role == "decode" and config.decode.replicas == 1), role
-            env = getattr(config, role).worker_env(slot, owns, lone)
-            if owns:
-                assert "OMP_WAIT_POLICY" not in env and "GOMP_SPINCOUNT" not in env
-            elif lone:  # the only decode worker, sharing its cores: a short bounded spin
-                assert (env["OMP_WAIT_POLICY"], env["GOMP_SPINCOUNT"]) == ("ACTIVE", str(AUTO_DECODE_SPIN))
-            else:
-                assert env["OMP_WAIT_POLICY"] == "PASSIVE" and "GOMP_SPINCOUNT" not in env
-
-
-def test_auto_short_spin_is_for_the_only_decode_worker():
-    assert not DeploymentConfig.from_dict({"decode": {"tensor_parallel_size": 2}}).lone_decoder("decode")
-    assert not DeploymentConfig.from_dict({"decode": {"replicas": 2}}).lone_decoder("decode")
-    assert not DeploymentConfig().lone_decoder("prefill")
-    # omp_spin_count sets the short spin's length; an explicit policy is kept as it is
-    counted = DeploymentConfig.from_dict({"decode": {"omp_spin_count": 500}}).decode
-    assert counted.worker_env(0, False, True) == {"OMP_WAIT_POLICY": "ACTIVE", "GOMP_SPINCOUNT": "500"}
-    passive = DeploymentConfig.from_dict({"decode": {"omp_wait_policy": "passive"}}).decode
-    assert passive.worker_env(0, False, True) == {"OMP_WAIT_POLICY": "PASSIVE"}
+            env = getattr(config, role).worker_env(slot, owns)
+            assert env.get("OMP_WAIT_POLICY") == (None if owns else "PASSIVE")
+            assert "GOMP_SPINCOUNT" not in env  # only a role's omp_spin_count sets it
 
 
 def test_kill_points_go_to_their_worker_only():
@@ -435,12 +418,3 @@ def test_serve_device_cuda_with_a_role_at_zero_gpus_is_refused_by_name(tmp_path,
     config.write_text("decode:\n  num_gpus: 0\n")
     assert main(["serve", "--config", str(config), "--device", "cuda"]) == 2
     assert "decode.num_gpus: 0 with device 'cuda'" in capsys.readouterr().err
-
-
-def test_a_decode_worker_added_by_scaling_does_not_spin():
-    from splitserve.deploy.fleet import WorkerFleet
-
-    fleet = WorkerFleet(DeploymentConfig(), "", placement=None, host=None)
-    assert fleet.lone_decoder("decode") and not fleet.lone_decoder("prefill")
-    fleet.actors["decode-0"] = object()  # the configured one runs: a second one shares the cores with it
-    assert not fleet.lone_decoder("decode")

@@ -39,10 +39,6 @@ __all__ = [
 
 
 OMP_WAIT_POLICIES = ("auto", "default", "passive", "active")
-# The turns (one pause instruction each) `auto` lets the threads of a deployment's only decode worker spin before
-# they sleep where it shares its cores (about 0.3 ms at 31 ns a turn on an AMD EPYC): docs/engine.md, "A worker's
-# threads and OpenMP's wait", where it was measured.
-AUTO_DECODE_SPIN = 10_000
 
 
 class ConfigError(ValueError):
@@ -82,12 +78,10 @@ class RoleConfig:
     # How the worker's OpenMP threads wait between parallel regions (OMP_WAIT_POLICY of its processes):
     # default: libgomp's own (spin a few milliseconds, then sleep; the operator's OMP_WAIT_POLICY if set),
     # passive: sleep at once, active: spin until the next region; auto: default for a worker whose cores
-    # are its own (DeploymentConfig.owns_cores), else active with a short spin (AUTO_DECODE_SPIN turns, or
-    # omp_spin_count) for the deployment's only decode worker (DeploymentConfig.lone_decoder), else passive.
-    # docs/engine.md, "A worker's threads".
+    # are its own (DeploymentConfig.owns_cores), else passive. docs/engine.md, "A worker's threads".
     omp_wait_policy: str = "auto"
     # GOMP_SPINCOUNT of its processes: how many turns (one pause instruction each) a waiting OpenMP thread spins
-    # before it sleeps; with `active`, a bounded spin. None: libgomp's own for the policy.
+    # before it sleeps; with `active`, a bounded spin (e.g. decode: active, 10000). None: libgomp's own.
     omp_spin_count: int | None = None
 
     def __post_init__(self) -> None:
@@ -138,18 +132,15 @@ class RoleConfig:
         share = len(cpus) // self.tensor_parallel_size
         return cpus[rank * share : (rank + 1) * share]
 
-    def worker_env(self, slot: int, owns_cores: bool = False, lone_decoder: bool = False) -> dict[str, str]:
+    def worker_env(self, slot: int, owns_cores: bool = False) -> dict[str, str]:
         """The OpenMP environment of each rank of the worker in this slot; ``owns_cores``: no other worker
-        runs on its cores (``DeploymentConfig.owns_cores``), ``lone_decoder``: it is the deployment's only decode
-        worker process (``DeploymentConfig.lone_decoder``); ``auto`` reads both."""
-        policy, spin = self.omp_wait_policy, self.omp_spin_count
+        runs on its cores (``DeploymentConfig.owns_cores``), which ``auto`` reads."""
+        policy = self.omp_wait_policy
         if policy == "auto":
-            policy = "default" if owns_cores else "active" if lone_decoder else "passive"
-            if policy == "active" and spin is None:
-                spin = AUTO_DECODE_SPIN
+            policy = "default" if owns_cores else "passive"
         env = {} if policy == "default" else {"OMP_WAIT_POLICY": policy.upper()}
-        if spin is not None:
-            env["GOMP_SPINCOUNT"] = str(spin)
+        if self.omp_spin_count is not None:
+            env["GOMP_SPINCOUNT"] = str(self.omp_spin_count)
         threads = self.worker_threads(slot)
         if threads:
             env["OMP_NUM_THREADS"] = str(threads)  # Ray's default for actors is 1
@@ -292,11 +283,6 @@ class DeploymentConfig:
     def roles(self) -> tuple[str, ...]:
         """The worker roles this deployment runs."""
         return MODES[self.mode]
-
-    def lone_decoder(self, role: str) -> bool:
-        """Whether a worker of this role is the deployment's only decode worker process, as configured (one
-        replica, one rank): the one ``auto`` lets spin briefly where it shares its cores with prefill workers."""
-        return role == "decode" and self.decode.replicas * self.decode.tensor_parallel_size == 1
 
     def owns_cores(self, role: str, slot: int) -> bool:
         """Whether the worker in this slot of this role has its cores to itself, as configured: it is the

@@ -38,11 +38,6 @@ class WorkerFleet:
     def counts(self) -> dict[str, int]:
         return {role: sum(w.startswith(role) for w in self.actors) for role in self.config.roles}
 
-    def lone_decoder(self, role: str) -> bool:
-        """Whether a worker of this role started now is the only decode worker: as configured, and no decode
-        worker runs yet (one added by scaling is not)."""
-        return self.config.lone_decoder(role) and not self.of_role(role)
-
     def spawn(self, role: str) -> str:
         """Start one worker actor; it registers with the router by itself. Returns its id."""
         import ray
@@ -55,7 +50,7 @@ class WorkerFleet:
         env = {
             "TOKENIZERS_PARALLELISM": "false",
             "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": os.environ.get("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "1"),
-            **role_config.worker_env(slot, self.config.owns_cores(role, slot), self.lone_decoder(role)),
+            **role_config.worker_env(slot, self.config.owns_cores(role, slot)),
         }
         options, rank_options = self.placement.actor_options(role, slot), ()
         if role_config.tensor_parallel_size > 1:
