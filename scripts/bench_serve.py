@@ -165,16 +165,16 @@ def _colocated(a: argparse.Namespace) -> dict:
     return {"mode": "colocated", "colocated": {"threads": a.threads, "max_inflight": max(a.in_flight)}}
 
 
+def _1p1d(a: argparse.Namespace, **decode) -> dict:
+    """One prefill and one decode worker, each with every core's worth of threads; ``decode``: more of its fields."""
+    role = {"threads": a.threads, "max_inflight": max(a.in_flight)}
+    return {"prefill": role, "decode": role | decode}
+
+
 # The splitserve deployments the peer's workload measures, by name: a variant (colocated, cores pinned
 # per role, ...) is one more entry. Each is a function of the script's args -> deployment config fields.
 DEPLOYMENTS = {
-    "1p1d": (
-        "splitserve 1P+1D",
-        lambda a: {
-            "prefill": {"threads": a.threads, "max_inflight": max(a.in_flight)},
-            "decode": {"threads": a.threads, "max_inflight": max(a.in_flight)},
-        },
-    ),
+    "1p1d": ("splitserve 1P+1D", _1p1d),
     # Prefill on the first half of the benchmark's cores and decode on the rest, one thread per core,
     # against 1p1d's two workers each with every core's worth of threads (oversubscribing them).
     "1p1d-pinned": (
@@ -194,15 +194,7 @@ DEPLOYMENTS = {
     # PASSIVE (auto: the workers share the cores): docs/engine.md, "A worker's threads and OpenMP's wait".
     "1p1d-decode-spin": (
         "splitserve 1P+1D, decode spinning",
-        lambda a: {
-            "prefill": {"threads": a.threads, "max_inflight": max(a.in_flight)},
-            "decode": {
-                "threads": a.threads,
-                "max_inflight": max(a.in_flight),
-                "omp_wait_policy": "active",
-                "omp_spin_count": 10_000,
-            },
-        },
+        lambda a: _1p1d(a, omp_wait_policy="active", omp_spin_count=10_000),
     ),
     "colocated": ("splitserve colocated", _colocated),
     # The same with torch's own CPU allocator (engine.cpu_allocator: default), against the block cache colocated
